@@ -1,0 +1,20 @@
+"""Checkpoint readers: DCP, safetensors (single file and HF shard sets), torch.save.
+
+Each reader reduces a checkpoint to ``fqn -> TensorEntry`` (boxes of the global tensor and the
+file byte ranges holding them) without reading tensor data; ``metamat.fill_load`` plans and
+executes the reads.
+"""
+from .base import Checkpoint, Chunk, TensorEntry
+from .errors import (CheckpointError, CoverageError, DestinationError, DtypeMismatchError,
+                     HeaderTooLargeError, InvalidHeaderError, InvalidOffsetError,
+                     MissingFileError, MissingTensorError, OverlappingChunksError, ReadError,
+                     ShapeMismatchError, TruncatedFileError, UnsupportedFormatError)
+from .open import open_checkpoint
+
+__all__ = [
+    "Checkpoint", "Chunk", "TensorEntry", "open_checkpoint",
+    "CheckpointError", "CoverageError", "DestinationError", "DtypeMismatchError",
+    "HeaderTooLargeError", "InvalidHeaderError", "InvalidOffsetError", "MissingFileError",
+    "MissingTensorError", "OverlappingChunksError", "ReadError", "ShapeMismatchError",
+    "TruncatedFileError", "UnsupportedFormatError",
+]

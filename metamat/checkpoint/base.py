@@ -1,0 +1,163 @@
+"""Plain data describing what a checkpoint holds and where its bytes are.
+
+A checkpoint, whatever its format, is reduced to a dict ``fqn -> TensorEntry``; each entry is
+a list of ``Chunk`` boxes (offsets, sizes inside the global tensor) with the absolute byte
+range in one file holding that box in row-major order. Readers of each format build these;
+the load planner (``metamat.fill_load``) only ever sees this representation.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from .errors import (InvalidOffsetError, MissingFileError, ShapeMismatchError,
+                     TruncatedFileError)
+
+__all__ = ["Chunk", "TensorEntry", "Checkpoint", "itemsize", "numel"]
+
+
+def itemsize(dtype: torch.dtype) -> int:
+    """Bytes per element of ``dtype``."""
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def numel(shape) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One saved box of a global tensor.
+
+    Attributes:
+        file: absolute path of the file holding the bytes.
+        byte_offset: absolute offset of element (0, ..., 0) of the box in ``file``.
+        nbytes: bytes the box's data occupies in the file (from element 0 to the last).
+        offsets: position of the box in the global tensor, one per dim.
+        sizes: shape of the box.
+        strides: element strides of the saved data; ``None`` means row-major contiguous.
+            Only torch.save'd views can be non-contiguous.
+    """
+
+    file: str
+    byte_offset: int
+    nbytes: int
+    offsets: Tuple[int, ...]
+    sizes: Tuple[int, ...]
+    strides: Optional[Tuple[int, ...]] = None
+
+    @property
+    def numel(self) -> int:
+        return numel(self.sizes)
+
+
+@dataclass
+class TensorEntry:
+    """One global tensor of a checkpoint.
+
+    Attributes:
+        name: the fqn (state_dict key).
+        global_shape: shape of the whole tensor.
+        dtype: saved dtype (a torch dtype).
+        chunks: the saved boxes; disjoint, together normally covering the tensor.
+    """
+
+    name: str
+    global_shape: Tuple[int, ...]
+    dtype: torch.dtype
+    chunks: List[Chunk] = field(default_factory=list)
+
+    def validate(self) -> None:
+        """Check every chunk lies inside the global shape and has a consistent byte size.
+
+        Raises:
+            ShapeMismatchError: a chunk box has the wrong rank or lies outside the tensor.
+            InvalidOffsetError: a chunk's byte length disagrees with its shape.
+        """
+        isz = itemsize(self.dtype)
+        nd = len(self.global_shape)
+        for ch in self.chunks:
+            if len(ch.offsets) != nd or len(ch.sizes) != nd:
+                raise ShapeMismatchError(
+                    f"chunk at {tuple(ch.offsets)} has rank {len(ch.sizes)}, tensor has rank {nd}",
+                    file=ch.file, tensor=self.name)
+            for o, s, g in zip(ch.offsets, ch.sizes, self.global_shape):
+                if o < 0 or s < 0 or o + s > g:
+                    raise ShapeMismatchError(
+                        f"chunk offsets {tuple(ch.offsets)} sizes {tuple(ch.sizes)} lie outside "
+                        f"global shape {tuple(self.global_shape)}", file=ch.file, tensor=self.name)
+            if ch.byte_offset < 0:
+                raise InvalidOffsetError(f"negative byte offset {ch.byte_offset}",
+                                         file=ch.file, tensor=self.name)
+            if ch.strides is None:
+                want = ch.numel * isz
+            else:
+                if len(ch.strides) != nd or any(st < 0 for st in ch.strides):
+                    raise InvalidOffsetError(f"bad strides {ch.strides}", file=ch.file,
+                                             tensor=self.name)
+                want = 0 if ch.numel == 0 else (
+                    1 + sum((s - 1) * st for s, st in zip(ch.sizes, ch.strides))) * isz
+            if ch.nbytes != want:
+                raise InvalidOffsetError(
+                    f"chunk at {tuple(ch.offsets)} holds {ch.nbytes} bytes, shape "
+                    f"{tuple(ch.sizes)} x {isz} B needs {want}", file=ch.file, tensor=self.name)
+
+
+class Checkpoint:
+    """A parsed checkpoint: metadata only, no tensor data is read.
+
+    Attributes:
+        format: ``"dcp"``, ``"dcp-safetensors"``, ``"safetensors"`` or ``"torch_save"``.
+        path: what was opened.
+        files: every data file the entries point into.
+    """
+
+    def __init__(self, fmt: str, path: str, entries: Dict[str, TensorEntry]) -> None:
+        self.format = fmt
+        self.path = str(path)
+        self._entries = entries
+        self.files = sorted({c.file for e in entries.values() for c in e.chunks})
+        for e in entries.values():
+            e.validate()
+        self._check_file_sizes()
+
+    def _check_file_sizes(self) -> None:
+        sizes = {}
+        for f in self.files:
+            try:
+                sizes[f] = os.stat(f).st_size
+            except FileNotFoundError:
+                raise MissingFileError("data file does not exist", file=f) from None
+        for e in self._entries.values():
+            for ch in e.chunks:
+                end = ch.byte_offset + ch.nbytes
+                if end > sizes[ch.file]:
+                    raise TruncatedFileError(
+                        f"chunk at {tuple(ch.offsets)} needs bytes [{ch.byte_offset}, {end}) but "
+                        f"the file has {sizes[ch.file]}", file=ch.file, tensor=e.name)
+        self.file_sizes = sizes
+
+    def tensors(self) -> Dict[str, TensorEntry]:
+        """Return ``fqn -> TensorEntry`` (the checkpoint's own dict; do not mutate)."""
+        return self._entries
+
+    def close(self) -> None:
+        """Release resources. Parsing keeps no file open, so this only drops the index."""
+        self._entries = {}
+
+    def __enter__(self) -> "Checkpoint":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"Checkpoint(format={self.format!r}, path={self.path!r}, "
+                f"tensors={len(self._entries)}, files={len(self.files)})")
+

@@ -1,0 +1,143 @@
+"""torch.distributed.checkpoint (DCP) directories written by ``FileSystemWriter``.
+
+``.metadata`` (read with torch's ``FileSystemReader.read_metadata()``, a pickle: trust it as
+you would for ``dcp.load``) maps each (fqn, chunk offsets) to (relative file, offset, length).
+Two serialization formats exist:
+
+* TORCH_SAVE (default): each chunk is a whole torch.save zip blob at that range; the raw
+  row-major data sits inside it at an unaligned offset found from the zip headers
+  (:mod:`.torch_save`).
+* SAFETENSORS: each ``.distcp`` file ends with one safetensors blob holding every chunk the
+  rank wrote, keyed by fqn, with the chunk offsets in ``__metadata__["DCP_SHARDING_INFO"]``;
+  the metadata's per-chunk offsets/lengths do not locate the bytes, the blob's header does.
+  (torch 2.13's own ``FileSystemReader`` cannot load these; metamat can.)
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Dict, List, Tuple
+
+from .base import Checkpoint, Chunk, TensorEntry
+from .errors import (DtypeMismatchError, InvalidHeaderError, MissingFileError,
+                     ShapeMismatchError, UnsupportedFormatError)
+from .safetensors import read_header
+from .torch_save import TensorRef, parse_torch_save, tensor_chunk
+
+__all__ = ["open_dcp", "is_dcp_dir"]
+
+
+def is_dcp_dir(path: str) -> bool:
+    """True if ``path`` is a directory holding a DCP ``.metadata`` file."""
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, ".metadata"))
+
+
+def _read_metadata(path: str):
+    from torch.distributed.checkpoint import FileSystemReader
+    try:
+        return FileSystemReader(path).read_metadata()
+    except FileNotFoundError:
+        raise UnsupportedFormatError("no DCP .metadata file", file=path) from None
+    except Exception as e:  # a damaged pickle raises anything
+        raise InvalidHeaderError(f"cannot read .metadata ({type(e).__name__}: {e})",
+                                 file=os.path.join(path, ".metadata")) from None
+
+
+def open_dcp(path: str) -> Checkpoint:
+    """Open a DCP checkpoint directory (metadata and chunk headers only).
+
+    Raises:
+        UnsupportedFormatError: not DCP, or chunks use storage transforms (compression...).
+        InvalidHeaderError, MissingFileError, TruncatedFileError, ShapeMismatchError,
+        DtypeMismatchError: the metadata and the files disagree.
+    """
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata, MetadataIndex
+
+    path = os.path.abspath(path)
+    md = _read_metadata(path)
+    storage = md.storage_data or {}
+    # file -> [(fqn, chunk offsets, chunk sizes, storage info)]
+    per_file: Dict[str, List[Tuple[str, tuple, tuple, object]]] = {}
+    entries: Dict[str, TensorEntry] = {}
+    for fqn, tmd in md.state_dict_metadata.items():
+        if not isinstance(tmd, TensorStorageMetadata):
+            continue  # bytes / non-tensor objects
+        entries[fqn] = TensorEntry(fqn, tuple(int(s) for s in tmd.size), tmd.properties.dtype)
+        for ch in tmd.chunks:
+            offs = tuple(int(o) for o in ch.offsets)
+            info = storage.get(MetadataIndex(fqn, ch.offsets))
+            if info is None:
+                raise InvalidHeaderError(f"no storage entry for chunk at {offs}",
+                                         file=os.path.join(path, ".metadata"), tensor=fqn)
+            if getattr(info, "transform_descriptors", None):
+                raise UnsupportedFormatError(
+                    f"chunk uses storage transforms {list(info.transform_descriptors)}",
+                    file=os.path.join(path, info.relative_path), tensor=fqn)
+            f = os.path.join(path, info.relative_path)
+            per_file.setdefault(f, []).append(
+                (fqn, offs, tuple(int(s) for s in ch.sizes), info))
+
+    fmt = None
+    for f, items in sorted(per_file.items()):
+        try:
+            fh = open(f, "rb")
+        except FileNotFoundError:
+            raise MissingFileError("DCP data file does not exist", file=f,
+                                   tensor=items[0][0]) from None
+        with fh:
+            first = os.pread(fh.fileno(), 4, items[0][3].offset)
+            file_fmt = "dcp" if first == b"PK\x03\x04" else "dcp-safetensors"
+            if fmt is not None and fmt != file_fmt:
+                raise UnsupportedFormatError("mixed TORCH_SAVE and SAFETENSORS files", file=f)
+            fmt = file_fmt
+            if file_fmt == "dcp":
+                for fqn, offs, sizes, info in items:
+                    _add_torch_save_chunk(entries[fqn], f, fh, offs, sizes, info)
+            else:
+                _add_safetensors_chunks(entries, f, items)
+    return Checkpoint(fmt or "dcp", path, entries)
+
+
+def _add_torch_save_chunk(entry: TensorEntry, f: str, fh, offs, sizes, info) -> None:
+    arch = parse_torch_save(f, base=info.offset, length=info.length, f=fh)
+    if not isinstance(arch.obj, TensorRef):
+        raise InvalidHeaderError(f"blob at {info.offset} holds {type(arch.obj).__name__}, "
+                                 "not a tensor", file=f, tensor=entry.name)
+    ref = arch.obj
+    if ref.storage.dtype != entry.dtype:
+        raise DtypeMismatchError(f"chunk at {offs} is {ref.storage.dtype}, metadata says "
+                                 f"{entry.dtype}", file=f, tensor=entry.name)
+    if ref.size != sizes:
+        raise ShapeMismatchError(f"chunk at {offs} has shape {ref.size}, metadata says {sizes}",
+                                 file=f, tensor=entry.name)
+    entry.chunks.append(tensor_chunk(arch, ref, offs, entry.name))
+
+
+def _add_safetensors_chunks(entries: Dict[str, TensorEntry], f: str, items) -> None:
+    bases = {info.offset for _, _, _, info in items}
+    if len(bases) != 1:
+        raise InvalidHeaderError(f"tensor items of one SAFETENSORS file start at {sorted(bases)}",
+                                 file=f)
+    h = read_header(f, base=bases.pop())
+    try:
+        sharding = json.loads(h.metadata.get("DCP_SHARDING_INFO", "{}"))
+    except json.JSONDecodeError:
+        raise InvalidHeaderError("DCP_SHARDING_INFO is not JSON", file=f) from None
+    for fqn, offs, sizes, _ in items:
+        e = entries[fqn]
+        t = h.tensors.get(fqn)
+        if t is None:
+            raise InvalidHeaderError("chunk listed in .metadata is absent from the file",
+                                     file=f, tensor=fqn)
+        dtype, shape, b, end = t
+        saved = tuple((sharding.get(fqn) or {}).get("saved_offsets", offs))
+        if saved != offs:
+            raise InvalidHeaderError(f"file holds the chunk at {saved}, metadata expects {offs}",
+                                     file=f, tensor=fqn)
+        if dtype != e.dtype:
+            raise DtypeMismatchError(f"chunk is {dtype}, metadata says {e.dtype}",
+                                     file=f, tensor=fqn)
+        if shape != sizes:
+            raise ShapeMismatchError(f"chunk has shape {shape}, metadata says {sizes}",
+                                     file=f, tensor=fqn)
+        e.chunks.append(Chunk(f, h.data_start + b, end - b, offs, sizes))

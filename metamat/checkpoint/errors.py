@@ -1,0 +1,107 @@
+"""Named errors for checkpoint reading and loading.
+
+Every way a checkpoint can be malformed or not match the model has its own class, all
+deriving from :class:`CheckpointError` (an ``Exception``, unlike torch DCP's
+``CheckpointException``). Messages name the file and the tensor when they are known.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+__all__ = [
+    "CheckpointError",
+    "UnsupportedFormatError",
+    "InvalidHeaderError",
+    "HeaderTooLargeError",
+    "InvalidOffsetError",
+    "TruncatedFileError",
+    "MissingFileError",
+    "MissingTensorError",
+    "ShapeMismatchError",
+    "DtypeMismatchError",
+    "CoverageError",
+    "OverlappingChunksError",
+    "DestinationError",
+    "ReadError",
+]
+
+
+class CheckpointError(Exception):
+    """Base class of every checkpoint problem metamat reports.
+
+    Attributes:
+        file: path of the offending file, when known.
+        tensor: name (fqn) of the offending tensor, when known.
+    """
+
+    def __init__(self, message: str, *, file: Optional[str] = None,
+                 tensor: Optional[str] = None) -> None:
+        parts = []
+        if file is not None:
+            parts.append(f"file {file!s}")
+        if tensor is not None:
+            parts.append(f"tensor {tensor!r}")
+        prefix = (", ".join(parts) + ": ") if parts else ""
+        super().__init__(prefix + message)
+        self.file = None if file is None else str(file)
+        self.tensor = tensor
+
+
+class UnsupportedFormatError(CheckpointError):
+    """The path is not a checkpoint format metamat reads (or uses an unsupported feature)."""
+
+
+class InvalidHeaderError(CheckpointError):
+    """A header/metadata block does not parse or violates the format's rules."""
+
+
+class HeaderTooLargeError(InvalidHeaderError):
+    """A declared header length is above the format's limit or past the end of the file."""
+
+
+class InvalidOffsetError(InvalidHeaderError):
+    """Declared byte offsets are inconsistent (overlap, holes, or disagree with shape×itemsize)."""
+
+
+class TruncatedFileError(CheckpointError):
+    """A byte range the checkpoint declares lies (partly) past the end of its file."""
+
+
+class MissingFileError(CheckpointError):
+    """A file referenced by the checkpoint's metadata does not exist."""
+
+
+class MissingTensorError(CheckpointError):
+    """Tensors requested by the model are absent from the checkpoint (strict mode).
+
+    Attributes:
+        names: the missing fqns.
+    """
+
+    def __init__(self, message: str, *, names=(), file=None) -> None:
+        super().__init__(message, file=file)
+        self.names = list(names)
+
+
+class ShapeMismatchError(CheckpointError):
+    """The checkpoint's global shape (or a chunk's shape) differs from the model's."""
+
+
+class DtypeMismatchError(CheckpointError):
+    """The saved dtype cannot be loaded into the destination dtype (or is unknown)."""
+
+
+class CoverageError(CheckpointError):
+    """The saved chunks do not cover the block a target needs."""
+
+
+class OverlappingChunksError(CheckpointError):
+    """Two saved chunks of one tensor overlap, so the data to read is ambiguous."""
+
+
+class DestinationError(CheckpointError):
+    """A destination tensor is not what the plan says (shape, dtype, device, strides)."""
+
+
+class ReadError(CheckpointError):
+    """The C++ reader failed while reading (I/O error, short read)."""

@@ -1,0 +1,56 @@
+"""Open any supported checkpoint, detecting the format from the files' contents."""
+from __future__ import annotations
+
+import os
+
+from .base import Checkpoint
+from .dcp import is_dcp_dir, open_dcp
+from .errors import MissingFileError, UnsupportedFormatError
+from .safetensors import (looks_like_safetensors, open_safetensors_dir, open_safetensors_file,
+                          open_safetensors_index)
+from .torch_save import open_torch_save
+
+__all__ = ["open_checkpoint"]
+
+
+def open_checkpoint(path) -> Checkpoint:
+    """Parse the checkpoint at ``path`` (metadata only; no tensor data is read).
+
+    Recognised, by content:
+      * a directory with a DCP ``.metadata`` (TORCH_SAVE or SAFETENSORS serialization);
+      * a directory with ``*.safetensors.index.json`` or ``*.safetensors`` shards;
+      * a file starting with a zip local header: a torch.save archive;
+      * a file starting with a safetensors header (8-byte length, then ``{``);
+      * a JSON file with a ``weight_map``: an HF shard index.
+
+    Returns:
+        A :class:`Checkpoint`.
+
+    Raises:
+        MissingFileError: ``path`` does not exist.
+        UnsupportedFormatError: none of the above (e.g. legacy non-zip torch.save).
+        Any other :class:`CheckpointError` the format's parser raises for a damaged file.
+    """
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise MissingFileError("checkpoint path does not exist", file=path)
+    if os.path.isdir(path):
+        if is_dcp_dir(path):
+            return open_dcp(path)
+        return open_safetensors_dir(path)
+    with open(path, "rb") as f:
+        head = f.read(9)
+    if head[:4] == b"PK\x03\x04":
+        return open_torch_save(path)
+    if looks_like_safetensors(path):
+        return open_safetensors_file(path)
+    if head.lstrip()[:1] == b"{":
+        return open_safetensors_index(path)
+    if head[:2] == b"\x80\x02" or head[:1] == b"\x80":
+        raise UnsupportedFormatError(
+            "legacy (non-zip) torch.save file; re-save with torch>=1.6 defaults", file=path)
+    if len(head) >= 8 and not looks_like_safetensors(path):
+        # Might be a damaged safetensors file: let its parser name the problem.
+        if path.endswith(".safetensors"):
+            return open_safetensors_file(path)
+    raise UnsupportedFormatError("unrecognised checkpoint file", file=path)

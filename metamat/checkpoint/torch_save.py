@@ -1,0 +1,293 @@
+"""torch.save zip archives, read without loading tensor data.
+
+``data.pkl`` is unpickled by a restricted Unpickler: only a whitelist of globals is resolved
+(tensor rebuild functions, storage classes, OrderedDict, dtypes) and every storage becomes a
+``StorageRef`` (key, dtype, numel) instead of bytes; ``_rebuild_tensor_v2`` becomes a
+``TensorRef`` (storage, storage_offset, size, stride). The byte offset of each storage record
+``<prefix>/data/<key>`` comes from the zip's central directory plus the record's local header
+(records must be stored, not compressed). The same parser reads the torch.save blobs DCP writes
+inside ``.distcp`` files (``base``/``length`` select the blob).
+"""
+from __future__ import annotations
+
+import collections
+import io
+import os
+import pickle
+import struct
+import zipfile
+from dataclasses import dataclass
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+
+from .base import Checkpoint, Chunk, TensorEntry, itemsize, numel
+from .errors import (InvalidHeaderError, InvalidOffsetError, MissingFileError,
+                     TruncatedFileError, UnsupportedFormatError)
+
+__all__ = ["StorageRef", "TensorRef", "TorchSaveArchive", "parse_torch_save",
+           "open_torch_save", "tensor_chunk"]
+
+_STORAGE_DTYPES = {
+    "DoubleStorage": torch.float64, "FloatStorage": torch.float32,
+    "HalfStorage": torch.float16, "BFloat16Storage": torch.bfloat16,
+    "LongStorage": torch.int64, "IntStorage": torch.int32, "ShortStorage": torch.int16,
+    "CharStorage": torch.int8, "ByteStorage": torch.uint8, "BoolStorage": torch.bool,
+    "ComplexFloatStorage": torch.complex64, "ComplexDoubleStorage": torch.complex128,
+}
+
+
+@dataclass(frozen=True)
+class StorageRef:
+    key: str
+    dtype: torch.dtype
+    numel: int
+
+
+@dataclass(frozen=True)
+class TensorRef:
+    storage: StorageRef
+    storage_offset: int
+    size: Tuple[int, ...]
+    stride: Tuple[int, ...]
+
+
+def _rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad=False,
+                       backward_hooks=None, metadata=None):
+    if not isinstance(storage, StorageRef):
+        raise InvalidHeaderError(f"tensor rebuilt from {type(storage).__name__}, not a storage")
+    return TensorRef(storage, int(storage_offset), tuple(int(s) for s in size),
+                     tuple(int(s) for s in stride))
+
+
+def _rebuild_parameter(data, requires_grad=False, backward_hooks=None, state=None):
+    return data
+
+
+def _rebuild_from_type_v2(func, new_type, args, state):
+    return func(*args)
+
+
+class _Marker:
+    """Stands for a whitelisted class that only appears as an argument (e.g. Parameter)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __call__(self, *a, **k):  # e.g. torch.device('cpu'): keep as a string
+        return f"{self.name}{a}"
+
+
+_GLOBALS = {
+    ("collections", "OrderedDict"): collections.OrderedDict,
+    ("builtins", "dict"): dict,
+    ("builtins", "list"): list,
+    ("builtins", "tuple"): tuple,
+    ("builtins", "set"): set,
+    ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor_v2,
+    ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
+    ("torch._utils", "_rebuild_parameter_with_state"): _rebuild_parameter,
+    ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type_v2,
+    ("torch.nn.parameter", "Parameter"): _Marker("Parameter"),
+    ("torch", "Tensor"): _Marker("Tensor"),
+    ("torch", "device"): _Marker("device"),
+    ("torch", "Size"): tuple,
+}
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    def __init__(self, f, where: str) -> None:
+        super().__init__(f)
+        self._where = where
+
+    def find_class(self, module: str, name: str) -> Any:
+        fn = _GLOBALS.get((module, name))
+        if fn is not None:
+            return fn
+        if module == "torch" and name in _STORAGE_DTYPES:
+            return _Marker(name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise UnsupportedFormatError(f"data.pkl uses unsupported global {module}.{name}",
+                                     file=self._where)
+
+    def persistent_load(self, pid: Any) -> Any:
+        if (not isinstance(pid, tuple) or len(pid) != 5 or pid[0] != "storage"
+                or not isinstance(pid[1], _Marker) or pid[1].name not in _STORAGE_DTYPES):
+            raise UnsupportedFormatError(f"unsupported persistent id {pid!r}", file=self._where)
+        return StorageRef(str(pid[2]), _STORAGE_DTYPES[pid[1].name], int(pid[4]))
+
+
+class _Window(io.RawIOBase):
+    """A read-only, seekable view of bytes [base, base+length) of an open file."""
+
+    def __init__(self, f, base: int, length: int) -> None:
+        self._f, self._base, self._len, self._pos = f, base, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        self._pos = {0: pos, 1: self._pos + pos, 2: self._len + pos}[whence]
+        if self._pos < 0:
+            raise OSError("negative seek")
+        return self._pos
+
+    def readinto(self, b) -> int:
+        n = max(0, min(len(b), self._len - self._pos))
+        if n == 0:
+            return 0
+        data = os.pread(self._f.fileno(), n, self._base + self._pos)
+        b[:len(data)] = data
+        self._pos += len(data)
+        return len(data)
+
+
+@dataclass
+class TorchSaveArchive:
+    """A parsed torch.save blob.
+
+    Attributes:
+        path: the file.
+        obj: the unpickled object, with ``TensorRef`` leaves.
+        records: storage key -> (absolute data offset in ``path``, record size in bytes).
+    """
+
+    path: str
+    obj: Any
+    records: Dict[str, Tuple[int, int]]
+
+
+def parse_torch_save(path: str, base: int = 0, length: Optional[int] = None,
+                     f=None) -> TorchSaveArchive:
+    """Parse the torch.save zip at ``[base, base+length)`` of ``path`` (metadata only).
+
+    Raises:
+        MissingFileError, TruncatedFileError, InvalidHeaderError, UnsupportedFormatError.
+    """
+    path = str(path)
+    own = f is None
+    if own:
+        try:
+            f = open(path, "rb")
+        except FileNotFoundError:
+            raise MissingFileError("file does not exist", file=path) from None
+    try:
+        fsize = os.fstat(f.fileno()).st_size
+        if length is None:
+            length = fsize - base
+        if base + length > fsize:
+            raise TruncatedFileError(
+                f"torch.save blob [{base}, {base + length}) past end of file ({fsize} B)",
+                file=path)
+        win = _Window(f, base, length)
+        try:
+            zf = zipfile.ZipFile(io.BufferedReader(win, 1 << 16))
+        except zipfile.BadZipFile as e:
+            raise InvalidHeaderError(f"not a torch.save zip archive at {base} ({e})",
+                                     file=path) from None
+        infos = zf.infolist()
+        pkl = [i for i in infos if i.filename.endswith("/data.pkl") and i.filename.count("/") == 1]
+        if len(pkl) != 1:
+            raise InvalidHeaderError("zip archive has no single <prefix>/data.pkl", file=path)
+        prefix = pkl[0].filename[: -len("data.pkl")]
+        names = {i.filename: i for i in infos}
+        bo = names.get(prefix + "byteorder")
+        if bo is not None and zf.read(bo).strip() not in (b"little",):
+            raise UnsupportedFormatError("big-endian torch.save archive", file=path)
+        try:
+            obj = _RestrictedUnpickler(io.BytesIO(zf.read(pkl[0])), path).load()
+        except (UnsupportedFormatError, InvalidHeaderError):
+            raise
+        except Exception as e:  # malformed pickle stream: any of a dozen exception types
+            raise InvalidHeaderError(f"data.pkl does not unpickle ({type(e).__name__}: {e})",
+                                     file=path) from None
+        records: Dict[str, Tuple[int, int]] = {}
+        dprefix = prefix + "data/"
+        for name, info in names.items():
+            if not name.startswith(dprefix) or "/" in name[len(dprefix):]:
+                continue
+            key = name[len(dprefix):]
+            if info.compress_type != zipfile.ZIP_STORED:
+                raise UnsupportedFormatError(f"record {name} is compressed", file=path)
+            hdr = os.pread(f.fileno(), 30, base + info.header_offset)
+            if len(hdr) != 30 or hdr[:4] != b"PK\x03\x04":
+                raise InvalidHeaderError(f"bad local header for record {name}", file=path)
+            method, = struct.unpack("<H", hdr[8:10])
+            nlen, elen = struct.unpack("<HH", hdr[26:30])
+            if method != 0:
+                raise UnsupportedFormatError(f"record {name} is compressed", file=path)
+            start = info.header_offset + 30 + nlen + elen
+            if start + info.file_size > length:
+                raise TruncatedFileError(f"record {name} runs past the end of the blob",
+                                         file=path)
+            records[key] = (base + start, info.file_size)
+        return TorchSaveArchive(path, obj, records)
+    finally:
+        if own:
+            f.close()
+
+
+def tensor_chunk(arch: TorchSaveArchive, ref: TensorRef, offsets: Tuple[int, ...],
+                 name: str) -> Chunk:
+    """The ``Chunk`` locating tensor ``ref`` of ``arch`` (placed at ``offsets``).
+
+    Raises:
+        InvalidOffsetError: the storage record is missing or too small for the view.
+    """
+    rec = arch.records.get(ref.storage.key)
+    if rec is None:
+        raise InvalidHeaderError(f"storage record data/{ref.storage.key} missing",
+                                 file=arch.path, tensor=name)
+    isz = itemsize(ref.storage.dtype)
+    if rec[1] != ref.storage.numel * isz:
+        raise InvalidOffsetError(
+            f"storage {ref.storage.key} record holds {rec[1]} B, expected "
+            f"{ref.storage.numel} x {isz}", file=arch.path, tensor=name)
+    size, stride = ref.size, ref.stride
+    if len(size) != len(stride):
+        raise InvalidHeaderError(f"size {size} and stride {stride} differ in rank",
+                                 file=arch.path, tensor=name)
+    n = numel(size)
+    span = 0 if n == 0 else 1 + sum((s - 1) * st for s, st in zip(size, stride))
+    if ref.storage_offset < 0 or any(st < 0 for st in stride) or (
+            n and ref.storage_offset + span > ref.storage.numel):
+        raise InvalidOffsetError(
+            f"view (offset {ref.storage_offset}, size {size}, stride {stride}) lies outside "
+            f"its storage of {ref.storage.numel} elements", file=arch.path, tensor=name)
+    contiguous = all(
+        sz <= 1 or st == numel(size[i + 1:]) for i, (sz, st) in enumerate(zip(size, stride)))
+    return Chunk(arch.path, rec[0] + ref.storage_offset * isz, span * isz, tuple(offsets),
+                 tuple(size), None if contiguous else tuple(stride))
+
+
+def _flatten(obj: Any, prefix: str, out: Dict[str, TensorRef]) -> None:
+    if isinstance(obj, TensorRef):
+        out[prefix] = obj
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            _flatten(v, f"{prefix}.{k}" if prefix else str(k), out)
+
+
+def open_torch_save(path: str) -> Checkpoint:
+    """Open a torch.save'd state dict (nested dicts are flattened with ``.``).
+
+    Non-tensor values are ignored. Raises the errors of :func:`parse_torch_save`.
+    """
+    path = os.path.abspath(path)
+    arch = parse_torch_save(path)
+    refs: Dict[str, TensorRef] = {}
+    _flatten(arch.obj, "", refs)
+    if isinstance(arch.obj, TensorRef):
+        refs = {"": arch.obj}
+    entries = {}
+    for name, ref in refs.items():
+        ch = tensor_chunk(arch, ref, (0,) * len(ref.size), name)
+        entries[name] = TensorEntry(name, ref.size, ref.storage.dtype, [ch])
+    return Checkpoint("torch_save", path, entries)

@@ -1,0 +1,35 @@
+"""Version and kernel checks: fail before anything is allocated."""
+from __future__ import annotations
+
+__all__ = ["UnsupportedError", "check_versions", "SUPPORTED_TORCHREC", "SUPPORTED_FBGEMM"]
+
+# Versions whose internals (TBE attribute names, lookup layout) walk.py was checked against.
+SUPPORTED_TORCHREC = ("1.6", "1.7", "1.8", "1.9")
+SUPPORTED_FBGEMM = ("1.6", "1.7", "1.8", "1.9")
+
+
+class UnsupportedError(RuntimeError):
+    """The model, kernel or library version is outside what metamat handles."""
+
+
+def _minor(version: str) -> str:
+    return ".".join(version.split("+")[0].split(".")[:2])
+
+
+def check_versions() -> None:
+    """Raise ``UnsupportedError`` if torchrec or fbgemm_gpu is missing or unsupported."""
+    try:
+        import torchrec
+        import fbgemm_gpu
+    except ImportError as e:  # pragma: no cover - environment dependent
+        raise UnsupportedError(f"metamat.torchrec needs torchrec and fbgemm_gpu: {e}") from e
+    tv = getattr(torchrec, "__version__", "unknown")
+    fv = getattr(fbgemm_gpu, "__version__", "unknown")
+    if _minor(tv) not in SUPPORTED_TORCHREC:
+        raise UnsupportedError(
+            f"torchrec {tv} is not supported (supported minors: {', '.join(SUPPORTED_TORCHREC)})"
+        )
+    if _minor(fv) not in SUPPORTED_FBGEMM:
+        raise UnsupportedError(
+            f"fbgemm_gpu {fv} is not supported (supported minors: {', '.join(SUPPORTED_FBGEMM)})"
+        )

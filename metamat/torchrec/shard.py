@@ -1,0 +1,214 @@
+"""``shard_on_meta``: build a TorchRec ``DistributedModelParallel`` whose tables stay on meta.
+
+TorchRec's DMP, given ``device=meta``, still allocates real memory in three places and
+breaks in two more (measured on torchrec 1.8.0):
+
+* the DENSE kernel and DATA_PARALLEL tables build fbgemm's ``DenseTableBatchedEmbeddingBags
+  Codegen`` on CPU (``torch.randn`` of the whole table);
+* EmbeddingCollection keeps the plan's ``cpu``/``cuda`` placements while its tensors are on
+  meta ("Local shard tensor device does not match with local Shard's placement");
+* ``EmbeddingCollection(device="meta")`` (a string) makes the sharder call
+  ``load_state_dict(module.state_dict())`` on meta tensors ("Cannot copy out of meta tensor").
+
+``shard_on_meta`` constructs the DMP inside a TorchFunctionMode that sends every floating
+point factory call aimed at the CPU to meta (integer metadata such as offsets stays real, the
+constructors read it), rewrites the plan's placements to meta (a copy), normalises the
+modules' ``device`` attributes, and defers DMP's own DDP wrap to ``materialize``.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.overrides import TorchFunctionMode
+
+from .compat import check_versions
+
+__all__ = ["shard_on_meta", "MetaFactoryMode", "MetaDDP"]
+
+_META = torch.device("meta")
+
+# Factory functions whose floating-point results we send to meta. ``*_like`` and ``new_*``
+# follow their input's device and need no redirect.
+_FACTORIES = {
+    torch.empty, torch.zeros, torch.ones, torch.full, torch.rand, torch.randn,
+    torch.empty_strided,
+}
+
+
+def _is_cpu(device: Any) -> bool:
+    if device is None:
+        return True
+    if isinstance(device, str):
+        return device == "cpu" or device.startswith("cpu:")
+    if isinstance(device, torch.device):
+        return device.type == "cpu"
+    return False
+
+
+class MetaFactoryMode(TorchFunctionMode):
+    """Send floating-point CPU factory calls (``torch.randn(n)``, ``torch.zeros(n)``) to meta.
+
+    Integer and bool factories keep their device: TBE constructors read offsets back.
+    Tensors built from data (``torch.tensor``) are left alone.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func in _FACTORIES and _is_cpu(kwargs.get("device")):
+            dtype = kwargs.get("dtype")
+            if dtype is None and func is torch.full:
+                fill = args[1] if len(args) > 1 else kwargs.get("fill_value")
+                floating = isinstance(fill, float)
+            else:
+                floating = dtype.is_floating_point if dtype is not None else True
+            if floating and kwargs.get("out") is None:
+                kwargs["device"] = _META
+        return func(*args, **kwargs)
+
+
+class MetaDDP(DistributedDataParallel):
+    """DDP built around meta parameters: no init collectives; remembers its arguments.
+
+    ``materialize`` replaces it with a real ``DistributedDataParallel`` built from
+    ``metamat_kwargs`` once the parameters are real (a DDP reducer built on meta buckets
+    cannot be reused).
+    """
+
+    def __init__(self, module: nn.Module, *args: Any, **kwargs: Any) -> None:
+        if args:
+            raise TypeError("MetaDDP takes keyword arguments only after module")
+        self.metamat_kwargs = dict(kwargs)
+        kwargs["init_sync"] = False
+        super().__init__(module, **kwargs)
+
+
+# TorchRec modules that wrap DATA_PARALLEL lookups in DDP at construction.
+_DDP_USERS = ("torchrec.distributed.embeddingbag", "torchrec.distributed.embedding")
+
+
+def _plan_to_meta(plan: Any) -> Any:
+    """Return a deep copy of a ShardingPlan whose shard placements name the meta device."""
+    from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
+
+    plan = copy.deepcopy(plan)
+    for module_plan in plan.plan.values():
+        items = module_plan.items() if hasattr(module_plan, "items") else []
+        for _, ps in items:
+            spec = getattr(ps, "sharding_spec", None)
+            if spec is None:
+                continue
+            if not isinstance(spec, EnumerableShardingSpec):
+                continue
+            for sm in spec.shards:
+                placement = sm.placement
+                if isinstance(placement, str):
+                    placement = torch.distributed._remote_device(placement)
+                if placement is not None:
+                    placement._device = _META
+                    sm.placement = placement
+    return plan
+
+
+def _normalise_devices(module: nn.Module) -> Dict[nn.Module, Any]:
+    """Turn string ``device`` attributes equal to "meta" into ``torch.device("meta")``.
+
+    Returns the old values so a failed call can put them back.
+    """
+    old: Dict[nn.Module, Any] = {}
+    for m in module.modules():
+        for attr in ("_device", "device"):
+            val = m.__dict__.get(attr)
+            if isinstance(val, str) and torch.device(val).type == "meta":
+                old[(m, attr)] = val
+                m.__dict__[attr] = _META
+    return old
+
+
+def _to_meta_inplace(module: nn.Module) -> None:
+    """Move every parameter/buffer still on a real device to meta (keeps no memory)."""
+    for m in module.modules():
+        for name, p in list(m._parameters.items()):
+            if p is not None and p.device.type != "meta":
+                m._parameters[name] = nn.Parameter(
+                    torch.empty_like(p, device=_META), requires_grad=p.requires_grad
+                )
+        for name, b in list(m._buffers.items()):
+            if b is not None and b.device.type != "meta":
+                m._buffers[name] = torch.empty_like(b, device=_META)
+
+
+def shard_on_meta(
+    module: nn.Module,
+    env: Any = None,
+    plan: Any = None,
+    sharders: Optional[List[Any]] = None,
+    **dmp_kwargs: Any,
+):
+    """Shard ``module`` with TorchRec, keeping every table, optimizer state and dense
+    parameter on the meta device (no table memory is allocated).
+
+    Args:
+        module: an ``nn.Module`` holding EmbeddingBagCollection / EmbeddingCollection
+            (typically built with ``device="meta"``; real tensors are moved to meta, which
+            drops their values).
+        env: a TorchRec ``ShardingEnv``; defaults to the default process group.
+        plan: a TorchRec ``ShardingPlan``; default: TorchRec's planner (as DMP does).
+        sharders: TorchRec sharders; default: DMP's defaults.
+        **dmp_kwargs: forwarded to ``DistributedModelParallel`` (``device``,
+            ``init_parameters`` and ``init_data_parallel`` are fixed by this function).
+
+    Returns:
+        A ``DistributedModelParallel`` on meta, ready for ``metamat.materialize``. Its
+        dense DDP wrap happens in ``materialize``.
+
+    Raises:
+        metamat.torchrec.compat.UnsupportedError: unsupported torchrec/fbgemm version.
+        ValueError: ``dmp_kwargs`` names an argument fixed here.
+    """
+    check_versions()
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.types import ShardingEnv
+
+    for fixed in ("device", "init_parameters", "init_data_parallel"):
+        if fixed in dmp_kwargs:
+            raise ValueError(f"shard_on_meta: {fixed!r} is fixed by shard_on_meta")
+    if env is None:
+        if not dist.is_initialized():
+            raise RuntimeError("shard_on_meta: no env given and no default process group")
+        env = ShardingEnv.from_process_group(dist.group.WORLD)
+    if plan is not None:
+        plan = _plan_to_meta(plan)
+    import importlib
+
+    ddp_users = [importlib.import_module(name) for name in _DDP_USERS]
+    saved_ddp = [getattr(mod, "DistributedDataParallel") for mod in ddp_users]
+    old_devices = _normalise_devices(module)
+    try:
+        _to_meta_inplace(module)
+        for mod in ddp_users:
+            mod.DistributedDataParallel = MetaDDP
+        with MetaFactoryMode():
+            dmp = DistributedModelParallel(
+                module,
+                env=env,
+                device=_META,
+                plan=plan,
+                sharders=sharders,
+                init_parameters=False,
+                init_data_parallel=False,
+                **dmp_kwargs,
+            )
+    except BaseException:
+        for (m, attr), val in old_devices.items():
+            m.__dict__[attr] = val
+        raise
+    finally:
+        for mod, val in zip(ddp_users, saved_ddp):
+            mod.DistributedDataParallel = val
+    dmp._metamat_defer_ddp = True
+    return dmp

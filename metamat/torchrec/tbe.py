@@ -1,0 +1,140 @@
+"""Correct values for fbgemm TBE metadata buffers (offsets, placements, hash sizes, ...).
+
+A TBE built on meta has meta metadata buffers: shapes but no values. Rather than re-derive
+fbgemm's layout rules (which change between releases), we ask fbgemm: run the TorchRec
+kernel wrapper's constructor far enough to capture the exact arguments it passes to the
+fbgemm TBE class, then build that TBE on the target device inside ``NoFloatAllocMode`` (every
+floating-point factory lands on meta, so no table or optimizer memory is touched), and read
+the integer metadata it produced.
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any, Dict, Tuple
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from .compat import UnsupportedError
+
+__all__ = ["NoFloatAllocMode", "capture_tbe_args", "rebuild_tbe_metadata"]
+
+_META = torch.device("meta")
+_FACTORIES = {torch.empty, torch.zeros, torch.ones, torch.full, torch.rand, torch.randn,
+              torch.empty_strided}
+
+
+class NoFloatAllocMode(TorchFunctionMode):
+    """Send floating-point factory calls (any device) to meta; leave integer ones alone."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func in _FACTORIES and kwargs.get("out") is None:
+            dtype = kwargs.get("dtype")
+            if dtype is None and func is torch.full:
+                fill = args[1] if len(args) > 1 else kwargs.get("fill_value")
+                floating = isinstance(fill, float)
+            else:
+                floating = dtype.is_floating_point if dtype is not None else True
+            if floating:
+                kwargs["device"] = _META
+        return func(*args, **kwargs)
+
+
+class _Captured(Exception):
+    def __init__(self, cls: type, args: tuple, kwargs: dict) -> None:
+        super().__init__("captured")
+        self.cls, self.args, self.kwargs = cls, args, kwargs
+
+
+def _tbe_classes() -> Dict[str, type]:
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+        DenseTableBatchedEmbeddingBagsCodegen,
+        SplitTableBatchedEmbeddingBagsCodegen,
+    )
+
+    return {
+        "SplitTableBatchedEmbeddingBagsCodegen": SplitTableBatchedEmbeddingBagsCodegen,
+        "DenseTableBatchedEmbeddingBagsCodegen": DenseTableBatchedEmbeddingBagsCodegen,
+    }
+
+
+def capture_tbe_args(wrapper: nn.Module, device: torch.device) -> Tuple[type, tuple, dict]:
+    """Return (fbgemm class, args, kwargs) the TorchRec ``wrapper`` would build its TBE with
+    on ``device``. Nothing is allocated: the constructor is stopped at the TBE call.
+    """
+    import torchrec.distributed.batched_embedding_kernel as bek
+
+    classes = _tbe_classes()
+    saved = {name: getattr(bek, name) for name in classes if hasattr(bek, name)}
+
+    def make_stub(real: type):
+        def stub(*args, **kwargs):
+            raise _Captured(real, args, kwargs)
+
+        return stub
+
+    fresh = type(wrapper).__new__(type(wrapper))
+    try:
+        for name in saved:
+            setattr(bek, name, make_stub(classes[name]))
+        try:
+            with NoFloatAllocMode():
+                type(wrapper).__init__(fresh, copy.deepcopy(wrapper._config), wrapper._pg, device)
+        except _Captured as cap:
+            return cap.cls, cap.args, cap.kwargs
+    finally:
+        for name, val in saved.items():
+            setattr(bek, name, val)
+    raise UnsupportedError(
+        f"{type(wrapper).__name__}: constructor did not build a known fbgemm TBE class"
+    )
+
+
+def _named_tensors(module: nn.Module) -> Dict[str, torch.Tensor]:
+    out: Dict[str, torch.Tensor] = {}
+    for k, v in module.__dict__.items():
+        if isinstance(v, torch.Tensor):
+            out[k] = v
+    for k, v in module._parameters.items():
+        if v is not None:
+            out[k] = v
+    for k, v in module._buffers.items():
+        if v is not None:
+            out[k] = v
+    return out
+
+
+def rebuild_tbe_metadata(wrapper: nn.Module, device: torch.device) -> Dict[str, torch.Tensor]:
+    """Values of the wrapper's TBE tensors that fbgemm sets at construction, on ``device``.
+
+    Returns:
+        name -> real tensor for every TBE attribute that is meta in ``wrapper._emb_module``
+        and that a fresh fbgemm TBE built on ``device`` holds as a real tensor of the same
+        shape and dtype (offsets, placements, counters, learning-rate tensor, ...).
+        Floating-point storages (weights, optimizer state, caches) are absent: fresh
+        construction put them on meta.
+    """
+    cls, args, kwargs = capture_tbe_args(wrapper, device)
+    kwargs = dict(kwargs)
+    if "device" in kwargs:
+        kwargs["device"] = device
+    with NoFloatAllocMode():
+        fresh = cls(*args, **kwargs)
+    old = _named_tensors(wrapper._emb_module)
+    new = _named_tensors(fresh)
+    out: Dict[str, torch.Tensor] = {}
+    for name, t in old.items():
+        if t.device.type != "meta":
+            continue
+        n = new.get(name)
+        if n is None or n.device.type == "meta":
+            continue
+        if n.shape != t.shape or n.dtype != t.dtype:
+            raise UnsupportedError(
+                f"fbgemm TBE attribute {name!r}: rebuilt {tuple(n.shape)}/{n.dtype} differs "
+                f"from the sharded model's {tuple(t.shape)}/{t.dtype}"
+            )
+        out[name] = n
+    return out

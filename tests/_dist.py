@@ -1,0 +1,84 @@
+"""Run a function in N gloo processes (torch.multiprocessing spawn) on a free local port.
+
+``run_dist(fn, world_size, *args)`` calls ``fn(rank, world_size, *args)`` in each process
+after ``dist.init_process_group("gloo")`` and returns the list of per-rank results (each
+must be picklable). An exception in any rank is re-raised in the caller with its traceback.
+``world_size == 1`` still runs in a child process so no process group leaks into pytest.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import tempfile
+import traceback
+from typing import Any, Callable, List
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["run_dist", "free_port"]
+
+
+def free_port() -> int:
+    """Return a TCP port that was free a moment ago on localhost."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, outdir: str, fn: Callable, args: tuple) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    os.environ["RANK"] = str(rank)
+    os.environ["WORLD_SIZE"] = str(world_size)
+    os.environ["LOCAL_RANK"] = str(rank)
+    torch.set_num_threads(1)
+    result: Any
+    ok = True
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        result = fn(rank, world_size, *args)
+    except BaseException:  # noqa: BLE001 - shipped back to the parent, re-raised there
+        ok, result = False, traceback.format_exc()
+    finally:
+        try:
+            pickle.dumps(result)
+        except Exception:  # noqa: BLE001 - unpicklable result: ship its repr instead
+            result = repr(result)
+        try:
+            torch.save((ok, result), os.path.join(outdir, f"rank{rank}.pt"))
+        finally:
+            dist.destroy_process_group()
+
+
+def run_dist(fn: Callable, world_size: int, *args: Any) -> List[Any]:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` gloo processes.
+
+    Args:
+        fn: a module-level (picklable) function.
+        world_size: number of processes (>= 1).
+        *args: picklable extra arguments.
+
+    Returns:
+        Per-rank return values, in rank order.
+
+    Raises:
+        RuntimeError: a rank raised; the message holds its traceback.
+    """
+    with tempfile.TemporaryDirectory() as outdir:
+        mp.start_processes(
+            _worker,
+            args=(world_size, free_port(), outdir, fn, args),
+            nprocs=world_size,
+            join=True,
+            start_method="spawn",
+        )
+        results = []
+        for rank in range(world_size):
+            ok, res = torch.load(os.path.join(outdir, f"rank{rank}.pt"), weights_only=False)
+            if not ok:
+                raise RuntimeError(f"rank {rank} failed:\n{res}")
+            results.append(res)
+        return results
