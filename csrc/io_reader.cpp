@@ -52,12 +52,12 @@ inline float f16_to_f32(uint16_t h) {
 inline uint16_t f32_to_f16(float f) {
   const float scale_to_inf = 0x1.0p+112f;
   const float scale_to_zero = 0x1.0p-110f;
-  float base = (std::fabs(f) * scale_to_inf) * scale_to_zero;
   const uint32_t w = f32_bits(f);
+  float base = (bits_f32(w & 0x7FFFFFFFu) * scale_to_inf) * scale_to_zero;
   const uint32_t shl1_w = w + w;
   const uint32_t sign = w & 0x80000000u;
   uint32_t bias = shl1_w & 0xFF000000u;
-  if (bias < 0x71000000u) bias = 0x71000000u;
+  bias = bias < 0x71000000u ? 0x71000000u : bias;
   base = bits_f32((bias >> 1) + 0x07800000u) + base;
   const uint32_t bits = f32_bits(base);
   const uint32_t exp_bits = (bits >> 13) & 0x00007C00u;
@@ -68,11 +68,12 @@ inline uint16_t f32_to_f16(float f) {
 
 inline float bf16_to_f32(uint16_t b) { return bits_f32(uint32_t(b) << 16); }
 
+// c10::detail::round_to_nearest_even, written branch-free so the loop vectorises.
 inline uint16_t f32_to_bf16(float f) {
-  if (std::isnan(f)) return 0x7FC0;  // c10::detail::round_to_nearest_even
   const uint32_t u = f32_bits(f);
-  const uint32_t rounding_bias = ((u >> 16) & 1u) + 0x7FFFu;
-  return uint16_t((u + rounding_bias) >> 16);
+  const uint32_t rounded = (u + ((u >> 16) & 1u) + 0x7FFFu) >> 16;
+  const bool nan = (u & 0x7FFFFFFFu) > 0x7F800000u;
+  return uint16_t(nan ? 0x7FC0u : rounded);
 }
 
 inline float load_as_f32(const unsigned char* p, DType t) {
@@ -124,6 +125,10 @@ std::string pread_full(int fd, void* buf, int64_t len, int64_t off) {
   return {};
 }
 
+// Bounce-buffer work is done in pieces that stay in L2, so the scatter/convert pass reads
+// from cache rather than memory.
+constexpr int64_t kCacheBytes = int64_t(256) << 10;
+
 struct Task {
   int64_t op;
   int64_t row0, rows;        // row range (strided ops)
@@ -163,11 +168,11 @@ struct Runner {
   // scattering into the destination.
   std::string bounce_rows(const ReadOp& o, int64_t row0, int64_t rows, unsigned char* bounce,
                           int64_t cap) {
+    cap = std::min(cap, kCacheBytes);
     const DType s = DType(o.src_dtype), d = DType(o.dst_dtype);
     const bool conv = s != d;
     const int64_t ssz = conv ? dtype_size(s) : 1;
     const int64_t dsz = conv ? dtype_size(d) : 1;
-    const int64_t dst_row_bytes = o.row_bytes / ssz * dsz;
     const int fd = fds[size_t(o.file_index)];
     const bool coalesce = rows > 1 && opt.coalesce_gap >= 0 &&
                           o.src_stride - o.row_bytes <= opt.coalesce_gap && o.src_stride <= cap;
@@ -198,7 +203,7 @@ struct Runner {
           if (!e.empty()) return e;
           bytes_read += o.row_bytes;
         } else {
-          const int64_t piece = std::max<int64_t>(ssz, cap / (ssz * dsz) * ssz);
+          const int64_t piece = std::max<int64_t>(ssz, cap / ssz * ssz);
           for (int64_t b = 0; b < o.row_bytes; b += piece) {
             const int64_t len = std::min(piece, o.row_bytes - b);
             std::string e = pread_full(fd, bounce, len, src_row + b);
@@ -207,7 +212,6 @@ struct Runner {
             convert(bounce, s, dst_row + b / ssz * dsz, d, len / ssz);
           }
         }
-        (void)dst_row_bytes;
         ++r;
       }
     }
@@ -226,7 +230,7 @@ struct Runner {
         return e;
       }
       const int64_t ssz = dtype_size(s), dsz = dtype_size(d);
-      const int64_t piece = std::max<int64_t>(ssz, cap / (ssz * dsz) * ssz);
+      const int64_t piece = std::max<int64_t>(ssz, std::min(cap, kCacheBytes) / ssz * ssz);
       for (int64_t b = t.byte0; b < t.byte0 + t.bytes; b += piece) {
         if (failed.load(std::memory_order_relaxed)) return {};
         const int64_t len = std::min(piece, t.byte0 + t.bytes - b);

@@ -129,7 +129,8 @@ def fill_many_(items: Iterable[Item], *, seed: int = 0) -> None:
     segs = _pack(items, seed)  # validates every item before the first write
     by_device: dict = {}
     for i, (t, *_rest) in enumerate(items):
-        by_device.setdefault(t.device, []).append(i)
+        if t.numel():
+            by_device.setdefault(t.device, []).append(i)
     C = core()
     for device, idx in by_device.items():
         part = np.ascontiguousarray(segs[idx])

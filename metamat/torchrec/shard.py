@@ -51,14 +51,22 @@ def _is_cpu(device: Any) -> bool:
 
 
 class MetaFactoryMode(TorchFunctionMode):
-    """Send floating-point CPU factory calls (``torch.randn(n)``, ``torch.zeros(n)``) to meta.
+    """Keep a model under construction on meta without losing its small metadata.
 
-    Integer and bool factories keep their device: TBE constructors read offsets back.
-    Tensors built from data (``torch.tensor``) are left alone.
+    * Floating-point CPU factory calls (``torch.randn(n)``, ``torch.zeros(n)``) go to meta:
+      they are tables and optimizer state.
+    * Integer CPU factories keep their device: TBE constructors read offsets back.
+    * Small tensors the caller explicitly puts on meta from data or integer factories
+      (``torch.tensor(dims, device="meta")``) stay meta but remember their value in
+      ``_metamat_value`` (a CPU tensor), which ``materialize`` copies in.
     """
+
+    _RECORD = {torch.tensor, torch.as_tensor, torch.arange}
+    _RECORD_MAX_NUMEL = 1 << 20
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
+        redirected = False
         if func in _FACTORIES and _is_cpu(kwargs.get("device")):
             dtype = kwargs.get("dtype")
             if dtype is None and func is torch.full:
@@ -68,7 +76,24 @@ class MetaFactoryMode(TorchFunctionMode):
                 floating = dtype.is_floating_point if dtype is not None else True
             if floating and kwargs.get("out") is None:
                 kwargs["device"] = _META
-        return func(*args, **kwargs)
+                redirected = True
+        out = func(*args, **kwargs)
+        if (
+            not redirected
+            and (func in self._RECORD or func in _FACTORIES)
+            and isinstance(out, torch.Tensor)
+            and type(out) is torch.Tensor
+            and out.device.type == "meta"
+            and 0 < out.numel() <= self._RECORD_MAX_NUMEL
+            and (func in self._RECORD or not out.is_floating_point())
+        ):
+            cpu_kwargs = dict(kwargs, device="cpu")
+            # Inside a mode's handler the mode is popped: this call is not intercepted.
+            try:
+                out._metamat_value = func(*args, **cpu_kwargs)
+            except Exception:  # noqa: BLE001 - value unknown; materialize reports it
+                pass
+        return out
 
 
 class MetaDDP(DistributedDataParallel):

@@ -1,0 +1,105 @@
+"""Benchmark plumbing: environment header, timing (median of reps), result rows, CSV."""
+from __future__ import annotations
+
+import csv
+import os
+import platform
+import resource
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, List, Optional
+
+import torch
+
+
+def env_header(device: torch.device) -> str:
+    import metamat
+    from metamat._ext import core
+
+    lines = [f"metamat {metamat.__version__} (cpu kernel: {core().cpu_kernel()}, "
+             f"cuda backend built: {core().cuda_compiled()})",
+             f"torch {torch.__version__}, threads {torch.get_num_threads()}"]
+    for mod in ("torchrec", "fbgemm_gpu"):
+        try:
+            lines[-1] += f", {mod} {__import__(mod).__version__}"
+        except Exception:  # version string is informational only
+            lines[-1] += f", {mod} not installed"
+    cpu = platform.processor() or "cpu"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    lines.append(f"CPU {cpu}, {os.cpu_count()} logical cores, Python {platform.python_version()}")
+    if device.type == "cuda":
+        p = torch.cuda.get_device_properties(device)
+        lines.append(f"GPU {p.name}, {p.total_memory / 1e9:.0f} GB, CUDA {torch.version.cuda}")
+    return "\n".join(lines)
+
+
+def peak_rss_gib() -> float:
+    """Peak resident set size of this process so far (GiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+@dataclass
+class Row:
+    mode: str
+    method: str
+    nbytes: int
+    seconds: float  # median
+    reps: int
+    gbps: float = 0.0
+    ratio_to_baseline: float = float("nan")
+    pct_of_ceiling: float = float("nan")
+    peak_rss_gib: float = float("nan")
+    extra: str = ""
+
+
+def timeit(fn: Callable[[], None], reps: int, device: torch.device,
+           setup: Optional[Callable[[], None]] = None) -> float:
+    """Median seconds of ``reps`` calls (after one warm-up), synchronising CUDA around each."""
+    times = []
+    for i in range(reps + 1):
+        if setup:
+            setup()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i:  # the first call warms up
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def finish(rows: List[Row], baseline: str, ceiling: str) -> None:
+    """Fill GB/s, ratio to ``baseline`` and % of ``ceiling`` (method names) in place."""
+    for r in rows:
+        r.gbps = r.nbytes / r.seconds / 1e9
+    base = next((r for r in rows if r.method == baseline), None)
+    ceil = next((r for r in rows if r.method == ceiling), None)
+    for r in rows:
+        if base:
+            r.ratio_to_baseline = r.gbps / base.gbps
+        if ceil:
+            r.pct_of_ceiling = 100 * r.gbps / ceil.gbps
+
+
+def print_table(title: str, rows: List[Row], baseline: str, ceiling: str) -> None:
+    print(f"\n== {title}  (ratio vs {baseline}; % of {ceiling})")
+    print(f"{'method':<34}{'GiB':>7}{'s (med)':>10}{'GB/s':>9}{'ratio':>8}{'%ceil':>8}{'RSS GiB':>9}  extra")
+    for r in rows:
+        print(f"{r.method:<34}{r.nbytes / 2**30:>7.2f}{r.seconds:>10.4f}{r.gbps:>9.2f}"
+              f"{r.ratio_to_baseline:>8.2f}{r.pct_of_ceiling:>8.1f}{r.peak_rss_gib:>9.2f}  {r.extra}")
+
+
+def write_csv(path: str, rows: List[Row]) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(asdict(rows[0]).keys()))
+        w.writeheader()
+        for r in rows:
+            w.writerow(asdict(r))

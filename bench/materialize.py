@@ -1,0 +1,65 @@
+"""metamat's benchmark: every baseline and metamat in the same run, GB/s (1e9), medians.
+
+    python bench/materialize.py                 # all modes on the built-in default model
+    python bench/materialize.py --mode init --size-gib 2 --reps 5 --out bench_out
+    python bench/materialize.py --quick         # small sizes (the test suite runs this)
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _common import env_header, write_csv  # noqa: E402
+
+MODES = ("init", "dmp", "load")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mode", choices=MODES + ("all",), default="all")
+    p.add_argument("--quick", action="store_true", help="small sizes, 3 reps (for CI)")
+    p.add_argument("--size-gib", type=float, default=2.0, help="bytes per rank to fill or load")
+    p.add_argument("--tables", type=int, default=5, help="embedding tables (dmp, load)")
+    p.add_argument("--dim", type=int, default=128, help="embedding dim (dmp, load)")
+    p.add_argument("--ranks", type=int, default=2, help="gloo ranks (dmp, load)")
+    p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--reps", type=int, default=3, help="repetitions (median reported)")
+    p.add_argument("--cold", action="store_true", help="drop the page cache before loads (root)")
+    p.add_argument("--out", default=None, help="directory for results.csv")
+    a = p.parse_args(argv)
+    if a.quick:
+        a.size_gib, a.reps = min(a.size_gib, 1 / 16), 3
+    return a
+
+
+def main(argv=None) -> int:
+    a = parse_args(argv)
+    device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = getattr(torch, a.dtype)
+    print(env_header(device))
+    rows = []
+    modes = MODES if a.mode == "all" else (a.mode,)
+    for mode in modes:
+        if mode == "init":
+            from bench_init import run_init
+            rows += run_init(int(a.size_gib * 2**30), a.reps, device, dtype)
+        elif mode == "dmp":
+            from bench_dmp import run_dmp
+            rows += run_dmp(a, device)
+        elif mode == "load":
+            from bench_load import run_load
+            rows += run_load(a, device)
+    if a.out and rows:
+        write_csv(os.path.join(a.out, "results.csv"), rows)
+        print(f"\nwrote {os.path.join(a.out, 'results.csv')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

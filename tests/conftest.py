@@ -1,0 +1,29 @@
+"""Shared fixtures and markers: CUDA tests skip for the real reason (no GPU or no backend)."""
+import pytest
+import torch
+
+
+def _cuda_usable() -> str | None:
+    """None when CUDA tests can run, else why not."""
+    if not torch.cuda.is_available():
+        return "no CUDA device visible to torch"
+    from metamat._ext import core
+
+    if not core().cuda_compiled():
+        return "metamat was built without its CUDA backend"
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    reason = None
+    for item in items:
+        if "cuda" in item.keywords:
+            if reason is None:
+                reason = _cuda_usable() or ""
+            if reason:
+                item.add_marker(pytest.mark.skip(reason=reason))
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """Integer view of a float tensor, for bit-exact comparison."""
+    return t.contiguous().view({8: torch.int64, 4: torch.int32, 2: torch.int16}[t.element_size()])
