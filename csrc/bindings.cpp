@@ -6,6 +6,8 @@
 
 namespace py = pybind11;
 
+void metamat_bind_io(py::module_& m);  // bindings_io.cpp: the checkpoint reader
+
 namespace {
 
 const metamat::Segment* as_segments(uintptr_t addr) {
@@ -42,4 +44,6 @@ PYBIND11_MODULE(_C, m) {
       },
       py::arg("segments_addr"), py::arg("count"), py::arg("dev_scratch"), py::arg("stream"),
       "Fill CUDA memory in one launch on `stream`; dev_scratch holds count*SEGMENT_BYTES.");
+
+  metamat_bind_io(m);
 }

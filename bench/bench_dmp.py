@@ -1,0 +1,111 @@
+"""--mode dmp: TorchRec's eager DistributedModelParallel materialization against
+shard_on_meta + metamat.materialize, same tables and plan, 2 gloo ranks, with peak RSS.
+
+Each method runs in its own set of rank processes, so peak RSS (growth over the process's RSS
+before the model is built) belongs to that method alone.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+import time
+from typing import List
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+
+from _common import Row, finish, print_table  # noqa: E402
+
+# The plan of the measured baseline in the notes: RW x2, CW, TW x2.
+SHARDING = ["row_wise", "row_wise", "column_wise", "table_wise", "table_wise"]
+
+
+def table_configs(total_bytes_per_rank: int, n_tables: int, dim: int, world: int, dtype):
+    from torchrec.modules.embedding_configs import DataType, EmbeddingBagConfig
+
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    rows = max(world * 8, int(total_bytes_per_rank * world / (n_tables * dim * itemsize)))
+    dt = {torch.float32: DataType.FP32, torch.float16: DataType.FP16}[dtype]
+    return [EmbeddingBagConfig(name=f"t{i}", embedding_dim=dim, num_embeddings=rows,
+                               feature_names=[f"f{i}"], data_type=dt) for i in range(n_tables)]
+
+
+def build_plan(ebc, world: int):
+    from torchrec.distributed.sharding_plan import (column_wise, construct_module_sharding_plan,
+                                                    row_wise, table_wise)
+    from torchrec.distributed.types import ShardingPlan
+
+    per = {}
+    for i, cfg in enumerate(ebc.embedding_bag_configs()):
+        kind = SHARDING[i % len(SHARDING)]
+        per[cfg.name] = (row_wise() if kind == "row_wise" else
+                         column_wise(ranks=list(range(world))) if kind == "column_wise" else
+                         table_wise(rank=i % world))
+    return ShardingPlan({"": construct_module_sharding_plan(
+        ebc, per_param_sharding=per, local_size=world, world_size=world, device_type="cpu")})
+
+
+def _rss_gib() -> float:
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) for l in f if l.startswith("VmRSS")) / 2**20
+
+
+def _rank(rank: int, world: int, method: str, per_rank: int, n_tables: int, dim: int,
+          reps: int, dtype_name: str, threads: int):
+    import resource
+
+    import torch.distributed as dist
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.types import ShardingEnv
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    import metamat
+
+    torch.set_num_threads(threads)
+    dtype = getattr(torch, dtype_name)
+    cfgs = table_configs(per_rank, n_tables, dim, world, dtype)
+    env = ShardingEnv.from_process_group(dist.group.WORLD)
+    start_rss = _rss_gib()
+    times, local_bytes = [], 0
+    for _ in range(reps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        ebc = EmbeddingBagCollection(tables=cfgs, device=torch.device("meta"))
+        plan = build_plan(ebc, world)
+        if method == "torchrec":
+            model = DistributedModelParallel(ebc, env=env, device=torch.device("cpu"), plan=plan)
+        else:
+            model = metamat.shard_on_meta(ebc, env=env, plan=plan)
+            report = metamat.materialize(model, device=torch.device("cpu"), seed=0)
+            local_bytes = report.bytes_written
+        times.append(time.perf_counter() - t0)
+        del model, ebc
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    return {"median_s": statistics.median(times), "peak_rss_growth": peak - start_rss,
+            "bytes": local_bytes}
+
+
+def run_dmp(a, device: torch.device) -> List[Row]:
+    from _dist import run_dist
+
+    if device.type != "cpu":
+        print("dmp mode: the TorchRec baseline runs on CPU here (fbgemm-gpu-cpu); measuring CPU")
+    per_rank = int(a.size_gib * 2**30)
+    threads = max(1, (os.cpu_count() or 2) // a.ranks)
+    rows = []
+    for method, label in (("torchrec", "TorchRec DMP(device=cpu)"),
+                          ("metamat", "metamat shard_on_meta+materialize")):
+        res = run_dist(_rank, a.ranks, method, per_rank, a.tables, a.dim, a.reps, a.dtype, threads)
+        sec = max(r["median_s"] for r in res)  # the slowest rank sets the wall time
+        rows.append(Row("dmp", label, res[0]["bytes"], sec, a.reps,
+                        peak_rss_gib=max(r["peak_rss_growth"] for r in res),
+                        extra=f"{a.ranks} ranks, per-rank bytes, {threads} thread(s)/rank"))
+    rows[0].nbytes = rows[1].nbytes  # same tables and plan: metamat's count of local bytes
+    finish(rows, "TorchRec DMP(device=cpu)", "TorchRec DMP(device=cpu)")
+    for r in rows:
+        r.pct_of_ceiling = float("nan")
+    print_table(f"dmp: {a.tables} tables, dim {a.dim}, ~{a.size_gib:g} GiB/rank, {a.ranks} ranks",
+                rows, "TorchRec DMP(device=cpu)", "-")
+    return rows
