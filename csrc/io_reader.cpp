@@ -98,7 +98,7 @@ inline void store_f32(unsigned char* p, DType t, float f) {
 
 // Specialised loops so the common cases vectorise (the switch is hoisted out of the loop).
 template <DType S, DType D>
-void convert_loop(const unsigned char* src, unsigned char* dst, int64_t n) {
+inline __attribute__((always_inline)) void convert_loop(const unsigned char* src, unsigned char* dst, int64_t n) {
   constexpr int64_t ss = S == DType::kF32 ? 4 : 2;
   constexpr int64_t ds = D == DType::kF32 ? 4 : 2;
   for (int64_t i = 0; i < n; ++i) store_f32(dst + i * ds, D, load_as_f32(src + i * ss, S));
@@ -302,15 +302,22 @@ int64_t dtype_size(DType t) {
   }
 }
 
-void convert(const void* src, DType s, void* dst, DType d, int64_t n) {
-  auto* in = static_cast<const unsigned char*>(src);
-  auto* out = static_cast<unsigned char*>(dst);
+// Built twice (AVX2 and baseline) and picked at load time: conversion is the only compute.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+__attribute__((target_clones("avx2", "default")))
+#endif
+static void convert_impl(const unsigned char* in, DType s, unsigned char* out, DType d,
+                         int64_t n) {
 #define MM_CONV(S, D) \
   if (s == DType::S && d == DType::D) return convert_loop<DType::S, DType::D>(in, out, n);
   MM_CONV(kF32, kF16) MM_CONV(kF32, kBF16) MM_CONV(kF16, kF32) MM_CONV(kBF16, kF32)
   MM_CONV(kF16, kBF16) MM_CONV(kBF16, kF16) MM_CONV(kF32, kF32) MM_CONV(kF16, kF16)
   MM_CONV(kBF16, kBF16)
 #undef MM_CONV
+}
+
+void convert(const void* src, DType s, void* dst, DType d, int64_t n) {
+  convert_impl(static_cast<const unsigned char*>(src), s, static_cast<unsigned char*>(dst), d, n);
 }
 
 ReadResult execute_reads(const std::vector<std::string>& files, const ReadOp* ops, int64_t n,

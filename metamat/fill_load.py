@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from .checkpoint.base import Checkpoint, Chunk, TensorEntry, itemsize
-from .checkpoint.errors import (CheckpointError, CoverageError, DestinationError,
+from .checkpoint.errors import (CoverageError, DestinationError,
                                 DtypeMismatchError, MissingFileError, MissingTensorError,
                                 OverlappingChunksError, ReadError, ShapeMismatchError,
                                 TruncatedFileError, UnsupportedFormatError)

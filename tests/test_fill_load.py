@@ -99,9 +99,11 @@ def test_dcp_single_process(tmp_path, reader, fmt):
     from torch.distributed.checkpoint.filesystem import SerializationFormat
     sd = state()
     w = FileSystemWriter(str(tmp_path), serialization_format=SerializationFormat(fmt))
-    dcp.save(sd, storage_writer=w)
+    # non-tensor entries are written as byte items ahead of the tensors in the same file
+    dcp.save({**sd, "step": 7, "meta": {"lr": [0.1]}}, storage_writer=w)
     ck = open_checkpoint(tmp_path)
     assert ck.format == ("dcp" if fmt == "torch_save" else "dcp-safetensors")
+    assert set(ck.tensors()) == set(sd)
     check_all(ck, sd)
     check_all(ck, sd, row_pad=3)
 

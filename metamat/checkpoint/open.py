@@ -46,11 +46,9 @@ def open_checkpoint(path) -> Checkpoint:
         return open_safetensors_file(path)
     if head.lstrip()[:1] == b"{":
         return open_safetensors_index(path)
-    if head[:2] == b"\x80\x02" or head[:1] == b"\x80":
+    if head[:1] == b"\x80":
         raise UnsupportedFormatError(
             "legacy (non-zip) torch.save file; re-save with torch>=1.6 defaults", file=path)
-    if len(head) >= 8 and not looks_like_safetensors(path):
-        # Might be a damaged safetensors file: let its parser name the problem.
-        if path.endswith(".safetensors"):
-            return open_safetensors_file(path)
+    if path.endswith(".safetensors"):
+        return open_safetensors_file(path)  # damaged: its parser names the problem
     raise UnsupportedFormatError("unrecognised checkpoint file", file=path)
