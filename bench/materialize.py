@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _common import env_header, write_csv  # noqa: E402
 
-MODES = ("init", "dmp", "load")
+MODES = ("init", "dmp")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -30,7 +30,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--reps", type=int, default=3, help="repetitions (median reported)")
-    p.add_argument("--cold", action="store_true", help="drop the page cache before loads (root)")
     p.add_argument("--out", default=None, help="directory for results.csv")
     a = p.parse_args(argv)
     if a.quick:
@@ -52,9 +51,6 @@ def main(argv=None) -> int:
         elif mode == "dmp":
             from bench_dmp import run_dmp
             rows += run_dmp(a, device)
-        elif mode == "load":
-            from bench_load import run_load
-            rows += run_load(a, device)
     if a.out and rows:
         write_csv(os.path.join(a.out, "results.csv"), rows)
         print(f"\nwrote {os.path.join(a.out, 'results.csv')}")
