@@ -8,12 +8,11 @@ here: the twins are swapped in by the register stage. Memory is allocated, not t
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict
+from typing import Dict
 
 import torch
 from torch import nn
 
-from .graph import is_wrapper_tensor
 from .walk import Plan, storage_key
 
 __all__ = ["Allocation", "allocate"]
@@ -24,6 +23,7 @@ class Allocation:
     device: torch.device
     storages: Dict[int, torch.UntypedStorage]
     twins: Dict[int, torch.Tensor]  # id(old meta tensor) -> new tensor object
+    target_storage: Dict[int, int] = dataclasses.field(default_factory=dict)  # id(Target) -> meta storage key
 
     def view(self, old: torch.Tensor) -> torch.Tensor:
         """A real tensor viewing the new storage exactly as ``old`` views its meta one."""
@@ -78,5 +78,8 @@ def allocate(plan: Plan) -> Allocation:
                     continue
                 object.__setattr__(new, name, alloc.twins.get(id(v), v))
     for tg in plan.targets:
+        alloc.target_storage[id(tg)] = storage_key(tg.tensor)
+        if tg.tensor.device.type != "meta":
+            continue  # already real (a DATA_PARALLEL table DMP built on CPU): filled in place
         tg.tensor = alloc.twins.get(id(tg.tensor)) if id(tg.tensor) in alloc.twins else alloc.view(tg.tensor)
     return alloc

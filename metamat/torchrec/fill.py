@@ -16,9 +16,9 @@ import torch
 
 from ..plan import Target
 from .allocate import Allocation
-from .walk import Plan, storage_key
+from .walk import Plan
 
-__all__ = ["fill_init"]
+__all__ = ["fill_init", "fill_support", "fill_targets"]
 
 
 def _module_seed(seed: int, fqn: str) -> int:
@@ -43,27 +43,22 @@ def _as_2d(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(1) if t.dim() == 0 else t
 
 
-def fill_init(plan: Plan, alloc: Allocation, seed: int) -> int:
-    """Initialise every allocated storage of ``plan``. Returns bytes written."""
-    from .. import fill_many_
-
-    written = 0
+def _table_targets(plan: Plan, alloc: Allocation) -> List[Target]:
     dense_keys = {k for k, g in plan.storages.items() if g.kind == "dense"}
+    return [tg for tg in plan.targets if alloc.target_storage[id(tg)] not in dense_keys]
+
+
+def fill_support(plan: Plan, alloc: Allocation) -> int:
+    """Write every byte no target owns: metadata values, zero storages, and the gaps
+    between targets in table storages. Returns bytes written."""
+    written = 0
     covered: Dict[int, List[Tuple[int, int]]] = {}
-    items, custom = [], []
+    for tg in _table_targets(plan, alloc):
+        k = alloc.target_storage[id(tg)]
+        isz = tg.tensor.element_size()
+        lo = tg.tensor.storage_offset() * isz
+        covered.setdefault(k, []).append((lo, lo + tg.tensor.numel() * isz))
     with torch.no_grad():
-        for tg in plan.targets:
-            k = storage_key(tg.tensor)
-            if k in dense_keys:
-                continue
-            isz = tg.tensor.element_size()
-            lo = tg.tensor.storage_offset() * isz
-            covered.setdefault(k, []).append((lo, lo + tg.tensor.numel() * isz))
-            if tg.init_fn is not None:
-                custom.append(tg)
-            else:
-                off = tuple(tg.offsets) + (0, 0)
-                items.append((_as_2d(tg.tensor), tg.dist, tg.key, int(off[0]), int(off[1])))
         for k, g in plan.storages.items():
             if g.kind == "targets":
                 written += _zero_gaps(alloc, k, covered.get(k, []))
@@ -77,14 +72,38 @@ def fill_init(plan: Plan, alloc: Allocation, seed: int) -> int:
                 if src.numel() < dst.numel():
                     dst[src.numel():].zero_()
                 written += g.nbytes
+    return written
+
+
+def fill_targets(targets: List[Target], seed: int) -> int:
+    """Initialise table/optimizer-state targets: the fused engine for distributions, the
+    callable (seeded per block) for custom ``init_fn``. Returns bytes written."""
+    from .. import fill_many_
+
+    items, written = [], 0
+    with torch.no_grad():
+        for tg in targets:
+            if tg.init_fn is not None:
+                with torch.random.fork_rng(devices=[]):
+                    torch.manual_seed(_module_seed(seed, f"{tg.fqn}@{tg.offsets}"))
+                    tg.init_fn(tg.tensor)
+                written += tg.nbytes
+            else:
+                off = tuple(tg.offsets) + (0, 0)
+                items.append((_as_2d(tg.tensor), tg.dist, tg.key, int(off[0]), int(off[1])))
         if items:
             fill_many_(items, seed=seed)
             written += sum(t.numel() * t.element_size() for t, *_ in items)
-        for tg in custom:
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(_module_seed(seed, f"{tg.fqn}@{tg.offsets}"))
-                tg.init_fn(tg.tensor)
-            written += tg.nbytes
+    return written
+
+
+def fill_init(plan: Plan, alloc: Allocation, seed: int) -> int:
+    """Initialise every allocated storage of ``plan`` (the init path). Returns bytes
+    written. The load path replaces ``fill_targets`` by the checkpoint loader and keeps
+    ``fill_support`` (metadata, gaps) and ``fill_dense`` for anything not loaded."""
+    written = fill_support(plan, alloc)
+    written += fill_targets(_table_targets(plan, alloc), seed)
+    with torch.no_grad():
         written += _fill_dense(plan, alloc, seed)
     return written
 

@@ -155,16 +155,15 @@ def _normalise_devices(module: nn.Module) -> Dict[nn.Module, Any]:
 
 
 def _to_meta_inplace(module: nn.Module) -> None:
-    """Move every parameter/buffer still on a real device to meta (keeps no memory)."""
+    """Move floating-point parameters still on a real device to meta (their values are
+    dropped: ``materialize`` initialises them). Buffers keep their device and values
+    (e.g. DLRM's ``triu_indices``)."""
     for m in module.modules():
         for name, p in list(m._parameters.items()):
-            if p is not None and p.device.type != "meta":
+            if p is not None and p.device.type != "meta" and p.is_floating_point():
                 m._parameters[name] = nn.Parameter(
                     torch.empty_like(p, device=_META), requires_grad=p.requires_grad
                 )
-        for name, b in list(m._buffers.items()):
-            if b is not None and b.device.type != "meta":
-                m._buffers[name] = torch.empty_like(b, device=_META)
 
 
 def shard_on_meta(

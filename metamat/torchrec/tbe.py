@@ -10,7 +10,7 @@ the integer metadata it produced.
 from __future__ import annotations
 
 import copy
-from typing import Any, Dict, Tuple
+from typing import Dict, Tuple
 
 import torch
 from torch import nn

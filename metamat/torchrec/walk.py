@@ -22,7 +22,7 @@ from torch import nn
 from ..plan import Target
 from ..spec import Dist, Zeros
 from .compat import UnsupportedError, check_versions
-from .graph import Graph, is_wrapper_tensor, scan
+from .graph import Graph, scan
 from .initspec import default_table_dist, dist_from_init_fn, match_init
 
 __all__ = ["Plan", "StorageGroup", "DenseModule", "build_plan", "storage_key", "plan_targets"]
@@ -65,6 +65,7 @@ class Plan:
     storages: Dict[int, StorageGroup]
     dense: List[DenseModule]
     warnings: List[str] = dataclasses.field(default_factory=list)
+    sharded: List[Tuple[str, nn.Module]] = dataclasses.field(default_factory=list)
 
     @property
     def nbytes(self) -> int:
@@ -77,7 +78,16 @@ def _unwrap(m: Any) -> Any:
     return m
 
 
+def _uses_torchrec() -> bool:
+    # A model can only hold TorchRec modules if torchrec was imported.
+    import sys
+
+    return "torchrec" in sys.modules
+
+
 def _sharded_modules(root: nn.Module) -> List[Tuple[str, nn.Module]]:
+    if not _uses_torchrec():
+        return []
     from torchrec.distributed.embedding import ShardedEmbeddingCollection
     from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
     from torchrec.distributed.types import ShardedModule
@@ -104,8 +114,6 @@ def _tensors_of(m: nn.Module) -> List[torch.Tensor]:
 
 def _wrappers(sm: nn.Module) -> List[nn.Module]:
     from torchrec.distributed.batched_embedding_kernel import (
-        BaseBatchedEmbedding,
-        BaseBatchedEmbeddingBag,
         BatchedDenseEmbedding,
         BatchedDenseEmbeddingBag,
         BatchedFusedEmbedding,
@@ -128,7 +136,14 @@ def _wrappers(sm: nn.Module) -> List[nn.Module]:
 
 
 def _table_configs(sm: nn.Module) -> Dict[str, Any]:
+    """Table name -> the user's config (with its ``init_fn``). TorchRec keeps the module's
+    configs on the sharded module; the kernels' ShardedEmbeddingTable copies lose init_fn."""
     out = {}
+    for attr in ("_embedding_bag_configs", "_embedding_configs"):
+        for cfg in getattr(sm, attr, None) or []:
+            out.setdefault(cfg.name, cfg)
+    if out:
+        return out
     for w in _wrappers(sm):
         for t in w._config.embedding_tables:
             out.setdefault(t.name, t)
@@ -162,7 +177,13 @@ def _table_targets(model: nn.Module, sharded: List[Tuple[str, nn.Module]],
     for name, sm in sharded:
         prefix = f"{name}." if name else ""
         warned = set()
-        for key, value in sm.state_dict(prefix=prefix).items():
+        sd = sm.state_dict(prefix=prefix)
+        # DMP(device=meta) still builds DATA_PARALLEL tables on CPU with torch's RNG; refill
+        # them (in place) when the module's other tables are on meta, so every table gets
+        # plan-invariant values.
+        any_meta = any(b[0].device.type == "meta" for v in sd.values() if isinstance(v, torch.Tensor)
+                       for b in _local_blocks(v))
+        for key, value in sd.items():
             tn = _table_name_from_key(key)
             if tn is None:
                 continue
@@ -187,7 +208,7 @@ def _table_targets(model: nn.Module, sharded: List[Tuple[str, nn.Module]],
                                 "values depend on the sharding plan)"
                             )
             for local, offsets, gshape in _local_blocks(value):
-                if local.numel() == 0:
+                if local.numel() == 0 or (local.device.type != "meta" and not any_meta):
                     continue
                 targets.append(Target(
                     fqn=key, key=table, global_shape=gshape, offsets=offsets,
@@ -221,20 +242,30 @@ def _optimizer_targets(model: nn.Module) -> List[Target]:
     return targets
 
 
-def _dense_modules(root: nn.Module, init: Optional[Mapping[str, Dist]]
-                   ) -> Tuple[List[DenseModule], List[Target]]:
-    from torchrec.distributed.types import ShardedModule
+def _dense_modules(root: nn.Module, init: Optional[Mapping[str, Dist]],
+                   known: Optional[set] = None) -> Tuple[List[DenseModule], List[Target]]:
+    """Plain modules with meta params/buffers. Buffers whose storage is in ``known`` (values
+    recorded at construction) are left to the values path; an integer buffer with no known
+    value in a module without ``reset_parameters`` is an error (zeros would be wrong)."""
+    check_values = known is not None
+    known = known or set()
+    if _uses_torchrec():
+        from torchrec.distributed.types import ShardedModule
+    else:
+        class ShardedModule:  # noqa: N801 - nothing is an instance
+            pass
 
     dense, targets = [], []
     skip: List[str] = []
     for name, m in root.named_modules():
-        if any(name == s or name.startswith(s + ".") for s in skip):
+        if any(s == "" or name == s or name.startswith(s + ".") for s in skip):
             continue
         if isinstance(m, ShardedModule):
             skip.append(name)
             continue
-        names = [k for k, v in list(m._parameters.items()) + list(m._buffers.items())
-                 if v is not None and v.device.type == "meta"]
+        names = [k for k, v in m._parameters.items() if v is not None and v.device.type == "meta"]
+        names += [k for k, v in m._buffers.items() if v is not None and v.device.type == "meta"
+                  and storage_key(v) not in known]
         if not names:
             continue
         prefix = f"{name}." if name else ""
@@ -246,7 +277,14 @@ def _dense_modules(root: nn.Module, init: Optional[Mapping[str, Dist]]
             if t is None:
                 t = m._buffers[k]
             dist = match_init(init, prefix + k)
-            if dist is None and is_param:
+            if dist is None and not is_param and not has_reset and not t.is_floating_point() \
+                    and t.numel() > 0 and check_values:
+                raise UnsupportedError(
+                    f"buffer {prefix + k!r} ({t.dtype}) is on meta with no known value and "
+                    f"{type(m).__name__} has no reset_parameters(); create it on a real device "
+                    "or build the model inside metamat.shard_on_meta"
+                )
+            if dist is None and (is_param or has_reset):
                 needs_reset = True
                 if not has_reset:
                     raise UnsupportedError(
@@ -259,6 +297,8 @@ def _dense_modules(root: nn.Module, init: Optional[Mapping[str, Dist]]
                         f"{prefix + k!r}: init= distributions need a 1-D or 2-D tensor, "
                         f"got shape {tuple(t.shape)}"
                     )
+            if not is_param and k in m._non_persistent_buffers_set and dist is None:
+                continue  # never in a checkpoint; reset_parameters or zeros give its value
             targets.append(Target(
                 fqn=prefix + k, key=prefix + k, global_shape=tuple(t.shape),
                 offsets=tuple(0 for _ in t.shape), local_shape=tuple(t.shape), dtype=t.dtype,
@@ -339,14 +379,23 @@ def build_plan(model: nn.Module, device: torch.device, init: Optional[Mapping[st
         UnsupportedError: unsupported versions, kernels, module types, or a meta tensor
             whose value cannot be determined.
     """
-    check_versions()
+    if _uses_torchrec():
+        check_versions()
     root = model.module if hasattr(model, "_dmp_wrapped_module") else model
     graph = scan(model)
     sharded = _sharded_modules(root)
+    if sharded and device.type != "cpu" and with_values:
+        # A TBE sharded on meta was laid out for fbgemm's CPU kernels (HOST placement);
+        # moving that layout to another device would give wrong lookups.
+        raise UnsupportedError(
+            f"materializing TorchRec embedding kernels on {device} is not supported yet "
+            "(tables sharded on meta use fbgemm's CPU layout); pass device='cpu'"
+        )
     warnings: List[str] = []
     targets = _table_targets(root, sharded, init, warnings)
     targets += _optimizer_targets(model)
-    dense, dense_targets = _dense_modules(root, init)
+    values = _known_values(graph, sharded, device) if with_values else {}
+    dense, dense_targets = _dense_modules(root, init, set(values) if with_values else None)
     targets += dense_targets
 
     for p in graph.meta_tensors():
@@ -366,6 +415,8 @@ def build_plan(model: nn.Module, device: torch.device, init: Optional[Mapping[st
         g.tensors.append(t)
         g.nbytes = max(g.nbytes, _extent(t))
     for tg in targets:
+        if tg.tensor.device.type != "meta":
+            continue  # a real table refilled in place
         k = storage_key(tg.tensor)
         if k not in storages:  # reachable only through a state_dict view: still needs memory
             storages[k] = StorageGroup(k, tg.tensor.untyped_storage().nbytes(), [], where=tg.fqn)
@@ -373,7 +424,7 @@ def build_plan(model: nn.Module, device: torch.device, init: Optional[Mapping[st
                   for d in dense for m in [d.module] for n in d.names}
     for tg in targets:
         k = storage_key(tg.tensor)
-        if k in dense_keys:
+        if k in dense_keys or tg.tensor.device.type != "meta":
             continue
         if _contiguous_range(tg.tensor) is None:
             raise UnsupportedError(f"{tg.fqn}: local block is not contiguous in its storage")
@@ -382,7 +433,6 @@ def build_plan(model: nn.Module, device: torch.device, init: Optional[Mapping[st
         storages[k].kind = "dense"
 
     if with_values:
-        values = _known_values(graph, sharded, device)
         for k, v in values.items():
             g = storages.get(k)
             if g is not None and g.kind == "zeros":
@@ -396,4 +446,4 @@ def build_plan(model: nn.Module, device: torch.device, init: Optional[Mapping[st
                     f"{tuple(g.tensors[0].shape)}) holds metadata metamat cannot compute; "
                     "build the model with metamat.shard_on_meta"
                 )
-    return Plan(device, graph, targets, storages, dense, warnings)
+    return Plan(device, graph, targets, storages, dense, warnings, sharded)

@@ -1,0 +1,96 @@
+"""Register stage: swap the real tensors in, everywhere the meta ones were referenced.
+
+Every slot the plan's object-graph scan found (module parameter dicts, plain attributes,
+lists, optimizer state keys and values, Shard slots, TableBatchedEmbeddingSlice's
+``_original_tensor``) now refers to the twin, so TorchRec's aliases (views, local shards,
+ShardedTensors, fused optimizer state) all point into the live TBE storage. Then:
+meta placements and ``device`` attributes name the real device, DDP wrappers built on meta
+are rebuilt, and DMP's deferred dense DDP wrap runs.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from .allocate import Allocation
+from .walk import Plan
+
+__all__ = ["register"]
+
+_META = torch.device("meta")
+
+
+def _fix_devices(plan: Plan, device: torch.device) -> None:
+    rd_type = getattr(torch.distributed, "_remote_device", None)
+    for obj in list(plan.graph.objects.values()):
+        if rd_type is not None and isinstance(obj, rd_type):
+            dev = getattr(obj, "_device", None)
+            if isinstance(dev, torch.device) and dev.type == "meta":
+                obj._device = device
+            continue
+        if isinstance(obj, torch.Tensor):
+            continue
+        d = getattr(obj, "__dict__", None)
+        if not isinstance(d, dict):
+            continue
+        for k, v in list(d.items()):
+            if isinstance(v, torch.device) and v.type == "meta":
+                d[k] = device
+            elif isinstance(v, str) and v == "meta" and k in ("device", "_device"):
+                d[k] = device
+
+
+def _rebuild_ddps(plan: Plan) -> None:
+    from .shard import MetaDDP
+
+    for obj in list(plan.graph.objects.values()):
+        if not isinstance(obj, MetaDDP):
+            continue
+        kwargs = dict(obj.metamat_kwargs)
+        kwargs["init_sync"] = False  # values are identical on all ranks by construction
+        if kwargs.get("device_ids") and plan.device.type != "cuda":
+            kwargs["device_ids"] = None
+        new = DistributedDataParallel(obj.module, **kwargs)
+        for slot in plan.graph.slots.get(id(obj), []):
+            slot.set(new)
+
+
+def _fix_process_groups(plan: Plan) -> None:
+    """Create the intra/cross-node groups TWRW sharding skips on meta, and rebuild the
+    output dists TorchRec built with the missing groups (collective: same order on all
+    ranks, since every rank walks the same module structure)."""
+    import torch.distributed as dist
+    from torchrec.distributed.comm import intra_and_cross_node_pg
+
+    for _, sm in plan.sharded:
+        shardings = getattr(sm, "_embedding_shardings", None)
+        if shardings is None:
+            shardings = list(getattr(sm, "_sharding_type_to_sharding", {}).values())
+        for i, sh in enumerate(shardings):
+            if not hasattr(sh, "_intra_pg") or sh._intra_pg is not None:
+                continue
+            if getattr(sh, "_is_2D_parallel", False):
+                raise RuntimeError("metamat: 2D-parallel TWRW sharding on meta is not supported")
+            intra, cross = intra_and_cross_node_pg(plan.device, backend=dist.get_backend(sh._pg))
+            sh._intra_pg, sh._cross_pg = intra, cross
+            dists = getattr(sm, "_output_dists", None)
+            if dists is not None and i < len(dists):
+                dists[i] = sh.create_output_dist(device=plan.device)
+
+
+def register(model: Any, plan: Plan, alloc: Allocation) -> None:
+    """Swap every meta tensor of ``plan`` for its twin, fix devices, rebuild DDPs."""
+    for old_id, new in alloc.twins.items():
+        for slot in plan.graph.slots.get(old_id, []):
+            holder = slot.holder
+            if isinstance(holder, torch.Tensor) and id(holder) in alloc.twins:
+                continue  # the twin already carries a mapped copy of this attribute
+            slot.set(new)
+    _fix_devices(plan, plan.device)
+    _fix_process_groups(plan)
+    _rebuild_ddps(plan)
+    if getattr(model, "_metamat_defer_ddp", False) and hasattr(model, "init_data_parallel"):
+        model._metamat_defer_ddp = False
+        model.init_data_parallel()
