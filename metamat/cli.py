@@ -1,0 +1,164 @@
+"""``python -m metamat``: look into checkpoints and plans without loading anything.
+
+    python -m metamat inspect CKPT [--json]
+    python -m metamat plan CKPT --world-size N --sharding row_wise [--rank R] [--json]
+
+Exit codes: 0 ok, 2 bad usage, 1 bad checkpoint (the CheckpointError message is printed).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from typing import Dict, List
+
+import torch
+
+from .checkpoint import CheckpointError, open_checkpoint
+from .checkpoint.base import Checkpoint, TensorEntry, itemsize, numel
+from .fill_load import plan_load
+from .plan import Target
+
+SHARDINGS = ("table_wise", "row_wise", "column_wise", "data_parallel")
+
+
+def chunk_layout(e: TensorEntry) -> str:
+    """How the saved chunks split the tensor: whole, row-wise, column-wise or grid."""
+    n = len(e.chunks)
+    if n == 1 and tuple(e.chunks[0].sizes) == tuple(e.global_shape):
+        return "whole"
+    if len(e.global_shape) >= 2:
+        full_cols = all(c.sizes[1] == e.global_shape[1] for c in e.chunks)
+        full_rows = all(c.sizes[0] == e.global_shape[0] for c in e.chunks)
+        if full_cols:
+            return f"row-wise x{n}"
+        if full_rows:
+            return f"column-wise x{n}"
+        return f"grid x{n}"
+    return f"split x{n}"
+
+
+def writer_ranks(ckpt: Checkpoint) -> int | None:
+    """Ranks that wrote a DCP checkpoint (from its ``__<rank>_<n>.distcp`` file names)."""
+    ranks = {m.group(1) for f in ckpt.files
+             if (m := re.match(r"__(\d+)_\d+\.distcp$", os.path.basename(f)))}
+    return len(ranks) or None
+
+
+def inspect_info(ckpt: Checkpoint) -> Dict:
+    tensors = {}
+    total = 0
+    for name, e in sorted(ckpt.tensors().items()):
+        nbytes = numel(e.global_shape) * itemsize(e.dtype)
+        total += nbytes
+        tensors[name] = {
+            "shape": list(e.global_shape), "dtype": str(e.dtype).replace("torch.", ""),
+            "bytes": nbytes, "layout": chunk_layout(e),
+            "chunks": [{"file": os.path.relpath(c.file, ckpt_dir(ckpt)), "byte_offset": c.byte_offset,
+                        "nbytes": c.nbytes, "offsets": list(c.offsets), "sizes": list(c.sizes)}
+                       for c in e.chunks],
+        }
+    return {"format": ckpt.format, "files": len(ckpt.files), "writer_ranks": writer_ranks(ckpt),
+            "total_bytes": total, "tensors": tensors}
+
+
+def ckpt_dir(ckpt: Checkpoint) -> str:
+    return os.path.commonpath([os.path.dirname(f) for f in ckpt.files]) if ckpt.files else "."
+
+
+def rank_targets(ckpt: Checkpoint, world: int, rank: int, sharding: str) -> List[Target]:
+    """The blocks ``rank`` would hold if every tensor were sharded ``sharding`` over ``world``."""
+    out = []
+    for i, (name, e) in enumerate(sorted(ckpt.tensors().items())):
+        shape = tuple(e.global_shape)
+        if len(shape) == 0:
+            continue
+        rows = shape[0]
+        cols = shape[1] if len(shape) > 1 else None
+        off, local = [0] * len(shape), list(shape)
+        if sharding == "table_wise" and i % world != rank:
+            continue
+        if sharding == "row_wise" or (sharding == "column_wise" and cols is None):
+            step = -(-rows // world)
+            off[0], local[0] = min(rows, rank * step), max(0, min(rows, (rank + 1) * step) - rank * step)
+        elif sharding == "column_wise":
+            step = -(-cols // world)
+            off[1], local[1] = min(cols, rank * step), max(0, min(cols, (rank + 1) * step) - rank * step)
+        if 0 in local:
+            continue
+        out.append(Target(fqn=name, key=name, global_shape=shape, offsets=tuple(off),
+                          local_shape=tuple(local), dtype=e.dtype))
+    return out
+
+
+def plan_info(ckpt: Checkpoint, world: int, sharding: str, ranks: List[int]) -> Dict:
+    per_rank = {}
+    for r in ranks:
+        p = plan_load(rank_targets(ckpt, world, r, sharding), ckpt, check_destinations=False)
+        planned = sum(op.src_bytes for op in p.ops)
+        files = sorted({os.path.basename(p.files[op.file_index]) for op in p.ops})
+        per_rank[r] = {"tensors": len(p.targets), "bytes_needed": p.bytes_needed,
+                       "bytes_planned": planned, "ops": len(p.ops), "files": files,
+                       "read_amplification": planned / p.bytes_needed if p.bytes_needed else 1.0}
+    return {"format": ckpt.format, "world_size": world, "sharding": sharding, "ranks": per_rank}
+
+
+def _print_inspect(info: Dict) -> None:
+    wr = f", written by {info['writer_ranks']} rank(s)" if info["writer_ranks"] else ""
+    print(f"format {info['format']}, {info['files']} file(s){wr}, "
+          f"{info['total_bytes'] / 1e9:.3f} GB in {len(info['tensors'])} tensors")
+    print(f"{'tensor':<48}{'shape':>20}{'dtype':>10}{'MB':>10}  layout")
+    for name, t in info["tensors"].items():
+        print(f"{name:<48}{str(tuple(t['shape'])):>20}{t['dtype']:>10}{t['bytes'] / 1e6:>10.2f}  {t['layout']}")
+
+
+def _print_plan(info: Dict) -> None:
+    print(f"{info['format']} -> {info['sharding']} over {info['world_size']} rank(s)")
+    print(f"{'rank':>5}{'tensors':>9}{'MB needed':>12}{'MB read':>10}{'ampl.':>7}{'ops':>7}  files")
+    for r, x in info["ranks"].items():
+        print(f"{r:>5}{x['tensors']:>9}{x['bytes_needed'] / 1e6:>12.2f}{x['bytes_planned'] / 1e6:>10.2f}"
+              f"{x['read_amplification']:>7.3f}{x['ops']:>7}  {', '.join(x['files'])}")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m metamat", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    pi = sub.add_parser("inspect", help="format, tensors, chunk layout, total size")
+    pi.add_argument("ckpt")
+    pi.add_argument("--json", action="store_true")
+    pp = sub.add_parser("plan", help="what each rank would read for a target plan")
+    pp.add_argument("ckpt")
+    pp.add_argument("--world-size", type=int, required=True)
+    pp.add_argument("--sharding", choices=SHARDINGS, default="row_wise")
+    pp.add_argument("--rank", type=int, default=None, help="one rank (default: all)")
+    pp.add_argument("--json", action="store_true")
+    a = p.parse_args(argv)
+    if a.cmd == "plan":
+        if a.world_size < 1:
+            p.error("--world-size must be >= 1")
+        if a.rank is not None and not 0 <= a.rank < a.world_size:
+            p.error("--rank must be in [0, world-size)")
+    try:
+        with open_checkpoint(a.ckpt) as ckpt:
+            if a.cmd == "inspect":
+                info = inspect_info(ckpt)
+                show = _print_inspect
+            else:
+                ranks = [a.rank] if a.rank is not None else list(range(a.world_size))
+                info = plan_info(ckpt, a.world_size, a.sharding, ranks)
+                show = _print_plan
+    except CheckpointError as e:
+        print(f"metamat: bad checkpoint: {e}", file=sys.stderr)
+        return 1
+    if a.json:
+        print(json.dumps(info, indent=1, default=str))
+    else:
+        show(info)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,64 @@
+"""``python -m metamat``: inspect and plan on checkpoints written by torch and safetensors."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import save_file
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    d = tmp_path_factory.mktemp("cli")
+    sd = {"ebc.t0.weight": torch.randn(100, 16), "ebc.t1.weight": torch.randn(30, 8),
+          "mlp.bias": torch.randn(7)}
+    dcp.save(sd, checkpoint_id=str(d / "dcp"))
+    save_file(sd, str(d / "m.safetensors"))
+    torch.save(sd, d / "m.pt")
+    bad = d / "bad.safetensors"
+    raw = (d / "m.safetensors").read_bytes()
+    bad.write_bytes(raw[: len(raw) // 2])  # truncated: offsets point past the end
+    return d
+
+
+def run(*args):
+    return subprocess.run([sys.executable, "-m", "metamat", *map(str, args)],
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("name,fmt", [("dcp", "dcp"), ("m.safetensors", "safetensors"),
+                                      ("m.pt", "torch_save")])
+def test_inspect(ckpts, name, fmt):
+    r = run("inspect", ckpts / name, "--json")
+    assert r.returncode == 0, r.stderr
+    info = json.loads(r.stdout)
+    assert info["format"] == fmt
+    assert info["tensors"]["ebc.t0.weight"]["shape"] == [100, 16]
+    assert info["total_bytes"] == (1600 + 240 + 7) * 4
+    text = run("inspect", ckpts / name)
+    assert text.returncode == 0 and "ebc.t1.weight" in text.stdout
+
+
+def test_plan_row_wise_reads_exactly_the_shard(ckpts):
+    r = run("plan", ckpts / "dcp", "--world-size", 4, "--sharding", "row_wise", "--json")
+    assert r.returncode == 0, r.stderr
+    ranks = json.loads(r.stdout)["ranks"]
+    assert sum(x["bytes_needed"] for x in ranks.values()) == (1600 + 240 + 7) * 4
+    assert all(x["read_amplification"] == 1.0 for x in ranks.values())
+    tw = json.loads(run("plan", ckpts / "m.pt", "--world-size", 2, "--sharding", "table_wise",
+                        "--rank", 1, "--json").stdout)["ranks"]
+    assert list(tw) == ["1"] and tw["1"]["tensors"] == 1
+
+
+def test_bad_checkpoint_exit_1_names_the_file(ckpts):
+    r = run("inspect", ckpts / "bad.safetensors")
+    assert r.returncode == 1
+    assert "bad.safetensors" in r.stderr
+
+
+def test_bad_usage_exit_2(ckpts):
+    assert run("plan", ckpts / "dcp").returncode == 2
+    assert run("plan", ckpts / "dcp", "--world-size", 2, "--rank", 5).returncode == 2
+    assert run("frobnicate").returncode == 2
