@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
-from _common import Row, finish, print_table  # noqa: E402
+from _common import Row, finish, print_table, timeit  # noqa: E402
 
 # The plan of the measured baseline in the notes: RW x2, CW, TW x2.
 SHARDING = ["row_wise", "row_wise", "column_wise", "table_wise", "table_wise"]
@@ -87,6 +87,21 @@ def _rank(rank: int, world: int, method: str, per_rank: int, n_tables: int, dim:
             "bytes": local_bytes}
 
 
+def _fill_ceiling(nbytes: int, reps: int, threads: int) -> Row:
+    """fill_ of one rank's bytes with one rank's threads, into fresh pages: what writing
+    a rank's shards costs at best (materialize, too, writes freshly allocated memory)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        n = max(1, nbytes // 4)
+        sec = timeit(lambda: torch.empty(n).fill_(0.5), reps, torch.device("cpu"))
+    finally:
+        torch.set_num_threads(old)
+    from _common import peak_rss_gib
+    return Row("dmp", "torch fill_ (per-rank ceiling)", n * 4, sec, reps,
+               peak_rss_gib=peak_rss_gib(), extra=f"fresh pages, {threads} thread(s)")
+
+
 def run_dmp(a, device: torch.device) -> List[Row]:
     from _dist import run_dist
 
@@ -103,9 +118,8 @@ def run_dmp(a, device: torch.device) -> List[Row]:
                         peak_rss_gib=max(r["peak_rss_growth"] for r in res),
                         extra=f"{a.ranks} ranks, per-rank bytes, {threads} thread(s)/rank"))
     rows[0].nbytes = rows[1].nbytes  # same tables and plan: metamat's count of local bytes
-    finish(rows, "TorchRec DMP(device=cpu)", "TorchRec DMP(device=cpu)")
-    for r in rows:
-        r.pct_of_ceiling = float("nan")
+    rows.append(_fill_ceiling(rows[1].nbytes, a.reps, threads))
+    finish(rows, "TorchRec DMP(device=cpu)", "torch fill_ (per-rank ceiling)")
     print_table(f"dmp: {a.tables} tables, dim {a.dim}, ~{a.size_gib:g} GiB/rank, {a.ranks} ranks",
-                rows, "TorchRec DMP(device=cpu)", "-")
+                rows, "TorchRec DMP(device=cpu)", "torch fill_ (per-rank ceiling)")
     return rows

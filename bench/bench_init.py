@@ -6,7 +6,7 @@ from typing import List
 import torch
 
 import metamat
-from _common import Row, finish, print_table, timeit
+from _common import Row, finish, peak_rss_gib, print_table, timeit
 
 
 def run_init(total_bytes: int, reps: int, device: torch.device, dtype: torch.dtype) -> List[Row]:
@@ -28,6 +28,8 @@ def run_init(total_bytes: int, reps: int, device: torch.device, dtype: torch.dty
             for name, fn in cases]
     if device.type == "cuda":
         rows += _many_small_vs_one_big(total_bytes, reps, device)
+    for r in rows:
+        r.peak_rss_gib = peak_rss_gib()  # the buffer is shared: process peak
     finish(rows, "torch uniform_", "torch fill_ (write ceiling)")
     print_table(f"init: {n / 2**30:.2f} GiB {dtype} on {device}", rows,
                 "torch uniform_", "torch fill_ (write ceiling)")

@@ -30,7 +30,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--reps", type=int, default=3, help="repetitions (median reported)")
-    p.add_argument("--out", default=None, help="directory for results.csv")
+    p.add_argument("--out", default=None, help="directory for results.csv and throughput.png")
+    p.add_argument("--sweep", type=int, default=16,
+                   help="with --out: also run init at size/sweep .. size (x4 steps) for the plot")
     a = p.parse_args(argv)
     if a.quick:
         a.size_gib, a.reps = min(a.size_gib, 1 / 16), 3
@@ -47,13 +49,19 @@ def main(argv=None) -> int:
     for mode in modes:
         if mode == "init":
             from bench_init import run_init
-            rows += run_init(int(a.size_gib * 2**30), a.reps, device, dtype)
+            sizes = [a.size_gib]
+            while a.out and sizes[0] > a.size_gib / a.sweep:  # smaller sizes for the plot
+                sizes.insert(0, sizes[0] / 4)
+            for gib in sizes:
+                rows += run_init(int(gib * 2**30), a.reps, device, dtype)
         elif mode == "dmp":
             from bench_dmp import run_dmp
             rows += run_dmp(a, device)
     if a.out and rows:
+        from _plot import plot
         write_csv(os.path.join(a.out, "results.csv"), rows)
-        print(f"\nwrote {os.path.join(a.out, 'results.csv')}")
+        plot(rows, os.path.join(a.out, "throughput.png"))
+        print(f"\nwrote {os.path.join(a.out, 'results.csv')} and throughput.png")
     return 0
 
 
