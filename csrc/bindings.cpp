@@ -45,5 +45,14 @@ PYBIND11_MODULE(_C, m) {
       py::arg("segments_addr"), py::arg("count"), py::arg("dev_scratch"), py::arg("stream"),
       "Fill CUDA memory in one launch on `stream`; dev_scratch holds count*SEGMENT_BYTES.");
 
+  m.def(
+      "fill_cuda_emulated",
+      [](uintptr_t segs, int64_t n) {
+        py::gil_scoped_release nogil;
+        metamat::fill_cuda_emulated(as_segments(segs), n);
+      },
+      py::arg("segments_addr"), py::arg("count"),
+      "Run the CUDA launch's tiles and per-unit work on the host, writing CPU memory.");
+
   metamat_bind_io(m);
 }

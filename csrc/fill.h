@@ -38,5 +38,7 @@ int cuda_device_count();
 // work exceeds the grid limits). `dev_scratch` is caller-owned device memory of
 // n * sizeof(Segment) bytes that must stay alive until the stream passes this launch.
 void fill_cuda(const Segment* segs, int64_t n, void* dev_scratch, void* stream);
+// The CUDA launch's decomposition run on the host (tests the kernel's indexing without a GPU).
+void fill_cuda_emulated(const Segment* segs, int64_t n);
 
 }  // namespace metamat

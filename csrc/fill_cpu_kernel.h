@@ -10,6 +10,7 @@
 #endif
 
 #include "fill.h"
+#include "float_convert.h"
 
 #ifndef MM_ISA
 #error "define MM_ISA before including fill_cpu_kernel.h"
@@ -136,29 +137,6 @@ inline void generate_pass(const DistParams& d, uint64_t key, uint64_t r, uint64_
   // Lane l of word i is column 32*(l/8) + 8*i + l%8: copy 8-float runs into column order.
   for (int h = 0; h < 2; ++h)
     for (int i = 0; i < 4; ++i) std::memcpy(out + 32 * h + 8 * i, &f[i][8 * h], 8 * sizeof(float));
-}
-
-inline uint16_t to_half_bits(float v) {  // round to nearest even (F. Giesen)
-  uint32_t f = float_to_bits(v);
-  const uint32_t sign = f & 0x80000000u;
-  f ^= sign;
-  uint32_t o;
-  if (f >= (143u << 23)) {
-    o = f > (255u << 23) ? 0x7e00u : 0x7c00u;
-  } else if (f < (113u << 23)) {
-    o = float_to_bits(bits_to_float(f) + bits_to_float(126u << 23)) - (126u << 23);
-  } else {
-    const uint32_t mant_odd = (f >> 13) & 1u;
-    f += (static_cast<uint32_t>(15 - 127) << 23) + 0xfffu;
-    f += mant_odd;
-    o = f >> 13;
-  }
-  return static_cast<uint16_t>(o | (sign >> 16));
-}
-
-inline uint16_t to_bf16_bits(float v) {  // round to nearest even; values are never NaN
-  uint32_t u = float_to_bits(v);
-  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
 inline void store(DType t, char* row, int64_t i, const float* src, int64_t n) {

@@ -44,7 +44,9 @@ MM_HD Philox4 philox4x32_10(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3, 
                             uint32_t k1) {
   constexpr uint32_t M0 = 0xD2511F53u, M1 = 0xCD9E8D57u;
   constexpr uint32_t W0 = 0x9E3779B9u, W1 = 0xBB67AE85u;
+#if defined(__CUDACC__)
 #pragma unroll
+#endif
   for (int i = 0; i < 10; ++i) {
     uint32_t hi0, hi1;
     uint32_t lo0 = mulhilo(M0, c0, &hi0);
