@@ -24,11 +24,11 @@ PYBIND11_MODULE(_C, m) {
 
   m.def(
       "fill_cpu",
-      [](uintptr_t segs, int64_t n, int num_threads) {
+      [](uintptr_t segs, int64_t n, int num_threads, const std::string& isa) {
         py::gil_scoped_release nogil;
-        metamat::fill_cpu(as_segments(segs), n, num_threads);
+        metamat::fill_cpu(as_segments(segs), n, num_threads, isa);
       },
-      py::arg("segments_addr"), py::arg("count"), py::arg("num_threads"),
+      py::arg("segments_addr"), py::arg("count"), py::arg("num_threads"), py::arg("isa") = "",
       "Fill CPU memory described by `count` packed Segments at `segments_addr`.");
 
   m.def("cpu_kernel", &metamat::cpu_kernel_name, "The CPU fill kernel in use (ISA).");

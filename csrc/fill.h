@@ -2,6 +2,7 @@
 // Torch-free: the caller owns every byte; the core only writes through the pointers given.
 #pragma once
 #include <cstdint>
+#include <string>
 
 #include "philox.h"
 
@@ -25,8 +26,9 @@ struct Segment {
 static_assert(sizeof(DistParams) == 28, "DistParams layout");
 static_assert(sizeof(Segment) == 128, "Segment layout is shared with Python");
 
-// Fill on the CPU with `num_threads` threads (the caller's thread is one of them).
-void fill_cpu(const Segment* segs, int64_t n, int num_threads);
+// Fill on the CPU with `num_threads` threads (the caller's thread is one of them), with the
+// widest kernel this CPU runs, or the one named by `isa` ("avx512", "avx2", "x86-64"; tests).
+void fill_cpu(const Segment* segs, int64_t n, int num_threads, const std::string& isa = "");
 // Which CPU kernel fill_cpu runs on this machine: "avx512", "avx2" or "x86-64".
 const char* cpu_kernel_name();
 

@@ -68,8 +68,29 @@ const char* cpu_kernel_name() {
   return fn == isa_avx512::fill_range ? "avx512" : fn == isa_avx2::fill_range ? "avx2" : "x86-64";
 }
 
-void fill_cpu(const Segment* segs, int64_t n, int num_threads) {
-  static const RangeFn fn = pick_kernel();
+namespace {
+
+RangeFn kernel_by_name(const std::string& isa) {
+  if (isa.empty()) {
+    static const RangeFn best = pick_kernel();
+    return best;
+  }
+  RangeFn best = pick_kernel();
+  RangeFn want = isa == "avx512" ? isa_avx512::fill_range
+                 : isa == "avx2" ? isa_avx2::fill_range
+                 : isa == "x86-64" ? isa_base::fill_range : nullptr;
+  MM_CHECK(want != nullptr, "unknown CPU kernel '" + isa + "' (avx512, avx2, x86-64)");
+  // Never run an instruction set this CPU lacks.
+  const int rank_best = best == isa_avx512::fill_range ? 2 : best == isa_avx2::fill_range ? 1 : 0;
+  const int rank_want = isa == "avx512" ? 2 : isa == "avx2" ? 1 : 0;
+  MM_CHECK(rank_want <= rank_best, "this CPU cannot run the '" + isa + "' kernel");
+  return want;
+}
+
+}  // namespace
+
+void fill_cpu(const Segment* segs, int64_t n, int num_threads, const std::string& isa) {
+  const RangeFn fn = kernel_by_name(isa);
   std::vector<int64_t> seg_begin(n + 1, 0);
   for (int64_t i = 0; i < n; ++i) {
     validate(segs[i], i);

@@ -97,3 +97,38 @@ def test_seed_and_key_change_values_deterministically():
 def test_empty_tensors_are_fine():
     metamat.fill_many_([(torch.empty(0, 5), metamat.Normal(), "e", 0, 0),
                         (torch.empty(3, 0), metamat.Normal(), "e", 0, 0)])
+
+
+def _runnable_isas():
+    from metamat._ext import core
+
+    best = core().cpu_kernel()
+    return {"avx512": ["avx512", "avx2", "x86-64"], "avx2": ["avx2", "x86-64"]}.get(best, ["x86-64"])
+
+
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "x86-64"])
+@pytest.mark.parametrize("dist", DISTS[:4], ids=lambda d: type(d).__name__)
+def test_every_cpu_kernel_matches_reference(isa, dist):
+    """Each instruction-set build of the CPU kernel (forced) equals the reference."""
+    from metamat._ext import core
+    from metamat.fill_init import _pack
+
+    if isa not in _runnable_isas():
+        pytest.skip(f"this CPU cannot run the {isa} kernel")
+    for dtype in DTYPES:
+        t = poisoned((5, 203), dtype)
+        segs = _pack([(t[:, 3:200], dist, "isa", 77, 45)], 2)
+        core().fill_cpu(segs.ctypes.data, len(segs), 2, isa)
+        ref = reference_block((5, 197), dist, seed=2, key="isa", row_offset=77, col_offset=45,
+                              dtype=dtype)
+        assert torch.equal(bits(t[:, 3:200]), bits(ref)), dtype
+        assert torch.isnan(t[:, :3].float()).all() and torch.isnan(t[:, 200:].float()).all()
+
+
+def test_unknown_kernel_name_is_an_error():
+    from metamat._ext import core
+    from metamat.fill_init import _pack
+
+    segs = _pack([(torch.zeros(2, 2), metamat.Uniform(), "k", 0, 0)], 0)
+    with pytest.raises(RuntimeError, match="unknown CPU kernel"):
+        core().fill_cpu(segs.ctypes.data, 1, 1, "sse9")
