@@ -38,3 +38,59 @@ bench: build
 
 clean:
 	rm -rf build metamat/_C*.so *.egg-info
+
+# ---- reliability: sanitizers and fuzzing ------------------------------------------------------
+.PHONY: fuzz
+# `make sanitize`: builds the C++ core with ASan + UBSan into build/sanitize (CUDA off) and runs
+# the tests that execute it against a copy of the package in build/sanitize/tree, so the
+# normal metamat/_C*.so is never touched. libasan must come first in the process: LD_PRELOAD.
+SAN_DIR   := build/sanitize
+SAN_TREE  := $(SAN_DIR)/tree
+SAN_TESTS ?= tests/test_fill_reference.py tests/test_fill_invariance.py tests/test_fill_errors.py \
+             tests/test_checkpoint_reader.py tests/test_fill_load.py tests/test_reader_faults.py \
+             tests/test_checkpoint_dcp.py tests/test_hostile.py
+SAN_ENV   := LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
+             ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:halt_on_error=1:detect_odr_violation=0 \
+             UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
+
+sanitize: setup
+	cmake -S . -B $(SAN_DIR) -G Ninja -DPython_EXECUTABLE=$(abspath $(VPY)) \
+	  -Dpybind11_DIR="$$($(VPY) -c 'import pybind11; print(pybind11.get_cmake_dir())')" \
+	  -DMETAMAT_CUDA=OFF -DMETAMAT_SANITIZE=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+	  -DCMAKE_CXX_FLAGS="-fno-sanitize-recover=undefined"
+	cmake --build $(SAN_DIR)
+	rm -rf $(SAN_TREE) && mkdir -p $(SAN_TREE)
+	cp -r metamat tests fuzz pyproject.toml $(SAN_TREE)/
+	rm -f $(SAN_TREE)/metamat/_C*.so && cp $(SAN_DIR)/_C*.so $(SAN_TREE)/metamat/
+	cd $(SAN_TREE) && $(SAN_ENV) $(abspath $(VPY)) -c \
+	  "import metamat, metamat._C as C, os; assert os.path.realpath(C.__file__).startswith(os.getcwd()), C.__file__"
+	cd $(SAN_TREE) && $(SAN_ENV) $(abspath $(VPY)) -m pytest -q -p no:cacheprovider \
+	  -k "not fuzz" $(SAN_TESTS)
+
+# `make fuzz`: FUZZ_TIME seconds per harness (atheris: safetensors header, torch.save zip/pickle,
+# DCP chunk locator; libFuzzer: the C++ reader's op validation). Corpus and crash artifacts
+# stay in build/fuzz; a crash stops the target with the reproducer's path printed.
+FUZZ_TIME ?= 300
+FUZZ_DIR  := build/fuzz
+CLANGXX   ?= $(shell command -v clang++ 2>/dev/null)
+
+fuzz: build
+	mkdir -p $(FUZZ_DIR)/corpus/read_ops
+	$(VPY) fuzz/seeds.py $(FUZZ_DIR)/corpus
+	rm -rf $(FUZZ_DIR)/tmp
+	for h in safetensors torch_save dcp; do \
+	  METAMAT_FUZZ_TMP=$(FUZZ_DIR)/tmp $(VPY) fuzz/fuzz_$$h.py -max_total_time=$(FUZZ_TIME) -timeout=20 -print_final_stats=1 \
+	    -artifact_prefix=$(FUZZ_DIR)/$$h- $(FUZZ_DIR)/corpus/$$h || exit 1; done
+ifneq ($(CLANGXX),)
+	$(CLANGXX) -std=c++17 -g -O1 -fsanitize=fuzzer,address,undefined \
+	  -fno-sanitize-recover=undefined -Icsrc fuzz/fuzz_read_ops.cpp csrc/io_reader.cpp \
+	  -o $(FUZZ_DIR)/fuzz_read_ops -lpthread
+	$(FUZZ_DIR)/fuzz_read_ops -max_total_time=$(FUZZ_TIME) -print_final_stats=1 \
+	  -artifact_prefix=$(FUZZ_DIR)/read_ops- $(FUZZ_DIR)/corpus/read_ops
+else
+	@echo "clang++ not found: running the C++ reader harness unguided (g++, ASan+UBSan)"
+	g++ -std=c++17 -g -O1 -DMETAMAT_FUZZ_STANDALONE -fsanitize=address,undefined \
+	  -fno-sanitize-recover=undefined -Icsrc fuzz/fuzz_read_ops.cpp csrc/io_reader.cpp \
+	  -o $(FUZZ_DIR)/fuzz_read_ops -lpthread
+	$(FUZZ_DIR)/fuzz_read_ops $$(( $(FUZZ_TIME) * 2000 ))
+endif

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -106,12 +107,50 @@ inline __attribute__((always_inline)) void convert_loop(const unsigned char* src
 
 // ---- I/O helpers ----
 
+// ---- fault injection (tests only; see io_reader.h) ----
+
+enum class FaultMode { kNone, kEio, kShort, kEof, kEintr };
+
+struct Fault {
+  FaultMode mode = FaultMode::kNone;
+  int64_t nth = 0;                 // 1-based index of the pread call that misbehaves
+  std::atomic<int64_t> calls{0};   // pread calls made so far in this execute_reads
+};
+
+// METAMAT_IO_FAULT="<k>:<eio|short|eof|eintr>"; anything else (or unset) disables it.
+void parse_fault(Fault& f) {
+  const char* v = std::getenv("METAMAT_IO_FAULT");
+  if (v == nullptr || *v == 0) return;
+  char* end = nullptr;
+  const long long k = std::strtoll(v, &end, 10);
+  if (end == v || *end != ':' || k < 1) return;
+  const std::string m(end + 1);
+  f.nth = k;
+  f.mode = m == "eio" ? FaultMode::kEio : m == "short" ? FaultMode::kShort
+         : m == "eof" ? FaultMode::kEof : m == "eintr" ? FaultMode::kEintr : FaultMode::kNone;
+}
+
+// ::pread, unless this is the call the fault plan picks.
+ssize_t pread_hook(Fault* fault, int fd, void* buf, size_t want, off_t off) {
+  if (fault != nullptr && fault->mode != FaultMode::kNone &&
+      fault->calls.fetch_add(1) + 1 == fault->nth) {
+    switch (fault->mode) {
+      case FaultMode::kEio: errno = EIO; return -1;
+      case FaultMode::kEintr: errno = EINTR; return -1;
+      case FaultMode::kEof: return 0;
+      case FaultMode::kShort: return ::pread(fd, buf, want > 1 ? want / 2 : want, off);
+      case FaultMode::kNone: break;
+    }
+  }
+  return ::pread(fd, buf, want, off);
+}
+
 // pread exactly `len` bytes; returns "" or an error message. Loops on short reads and EINTR.
-std::string pread_full(int fd, void* buf, int64_t len, int64_t off) {
+std::string pread_full(int fd, void* buf, int64_t len, int64_t off, Fault* fault) {
   auto* p = static_cast<unsigned char*>(buf);
   while (len > 0) {
     const size_t want = size_t(std::min<int64_t>(len, int64_t(1) << 30));
-    const ssize_t got = ::pread(fd, p, want, off_t(off));
+    const ssize_t got = pread_hook(fault, fd, p, want, off_t(off));
     if (got < 0) {
       if (errno == EINTR) continue;
       return std::string("pread failed at offset ") + std::to_string(off) + ": " +
@@ -149,6 +188,7 @@ struct Runner {
   std::mutex mu;
   std::string error;
   int64_t failed_op = -1;
+  Fault* fault = nullptr;
 
   Runner(const std::vector<std::string>& f, const std::vector<int>& d, const ReadOp* o,
          const ReadOptions& p)
@@ -184,7 +224,7 @@ struct Runner {
         // k rows in one span: (k-1)*stride + row_bytes bytes.
         int64_t k = std::min<int64_t>(end - r, (cap - o.row_bytes) / o.src_stride + 1);
         const int64_t span = (k - 1) * o.src_stride + o.row_bytes;
-        std::string e = pread_full(fd, bounce, span, o.file_offset + r * o.src_stride);
+        std::string e = pread_full(fd, bounce, span, o.file_offset + r * o.src_stride, fault);
         if (!e.empty()) return e;
         bytes_read += span;
         for (int64_t i = 0; i < k; ++i) {
@@ -199,14 +239,14 @@ struct Runner {
         unsigned char* dst_row = reinterpret_cast<unsigned char*>(o.dst) + r * o.dst_stride;
         const int64_t src_row = o.file_offset + r * o.src_stride;
         if (!conv) {
-          std::string e = pread_full(fd, dst_row, o.row_bytes, src_row);
+          std::string e = pread_full(fd, dst_row, o.row_bytes, src_row, fault);
           if (!e.empty()) return e;
           bytes_read += o.row_bytes;
         } else {
           const int64_t piece = std::max<int64_t>(ssz, cap / ssz * ssz);
           for (int64_t b = 0; b < o.row_bytes; b += piece) {
             const int64_t len = std::min(piece, o.row_bytes - b);
-            std::string e = pread_full(fd, bounce, len, src_row + b);
+            std::string e = pread_full(fd, bounce, len, src_row + b, fault);
             if (!e.empty()) return e;
             bytes_read += len;
             convert(bounce, s, dst_row + b / ssz * dsz, d, len / ssz);
@@ -225,7 +265,7 @@ struct Runner {
       if (s == d) {
         std::string e = pread_full(fds[size_t(o.file_index)],
                                    reinterpret_cast<unsigned char*>(o.dst) + t.byte0, t.bytes,
-                                   o.file_offset + t.byte0);
+                                   o.file_offset + t.byte0, fault);
         if (e.empty()) bytes_read += t.bytes;
         return e;
       }
@@ -234,7 +274,8 @@ struct Runner {
       for (int64_t b = t.byte0; b < t.byte0 + t.bytes; b += piece) {
         if (failed.load(std::memory_order_relaxed)) return {};
         const int64_t len = std::min(piece, t.byte0 + t.bytes - b);
-        std::string e = pread_full(fds[size_t(o.file_index)], bounce, len, o.file_offset + b);
+        std::string e =
+            pread_full(fds[size_t(o.file_index)], bounce, len, o.file_offset + b, fault);
         if (!e.empty()) return e;
         bytes_read += len;
         convert(bounce, s, reinterpret_cast<unsigned char*>(o.dst) + b / ssz * dsz, d,
@@ -247,7 +288,8 @@ struct Runner {
 
   void worker() {
     std::unique_ptr<unsigned char[]> bounce;
-    int64_t cap = std::max<int64_t>(opt.bounce_bytes, 64);
+    // Clamped: a huge request (the option is caller-supplied) must not abort the process.
+    int64_t cap = std::min<int64_t>(std::max<int64_t>(opt.bounce_bytes, 64), int64_t(1) << 30);
     cap -= cap % 4;  // whole elements of every dtype
     try {
       bounce.reset(new unsigned char[size_t(cap)]);
@@ -375,6 +417,9 @@ ReadResult execute_reads(const std::vector<std::string>& files, const ReadOp* op
 
   // 2. Cut the ops into tasks of about task_bytes.
   Runner run(files, fdset.fds, ops, opt);
+  Fault fault;
+  parse_fault(fault);
+  run.fault = &fault;
   const int64_t tb = std::max<int64_t>(opt.task_bytes, 4096);
   for (int64_t i = 0; i < n; ++i) {
     const ReadOp& o = ops[i];

@@ -57,6 +57,11 @@ struct ReadResult {
 };
 
 // Execute `n` ops. Never throws; joins every thread it starts on every path.
+//
+// Fault injection (tests only): METAMAT_IO_FAULT="<k>:<mode>" makes the k-th pread of each
+// call misbehave: `eio` fails with EIO, `eof` returns 0 (file shrank), `short` returns half
+// the bytes asked (must be retried transparently), `eintr` fails with EINTR (retried). The
+// variable is read once per call; unset or malformed, it does nothing.
 ReadResult execute_reads(const std::vector<std::string>& files, const ReadOp* ops, int64_t n,
                          const ReadOptions& opt);
 

@@ -5,15 +5,15 @@ file byte ranges holding them) without reading tensor data; ``metamat.fill_load`
 executes the reads.
 """
 from .base import Checkpoint, Chunk, TensorEntry
-from .errors import (CheckpointError, CoverageError, DestinationError, DtypeMismatchError,
-                     HeaderTooLargeError, InvalidHeaderError, InvalidOffsetError,
-                     MissingFileError, MissingTensorError, OverlappingChunksError, ReadError,
+from .errors import (CheckpointError, ChecksumMismatchError, CoverageError, DestinationError,
+                     DtypeMismatchError, HeaderTooLargeError, InvalidHeaderError,
+                     InvalidOffsetError, MissingFileError, MissingTensorError, OverlappingChunksError, ReadError,
                      ShapeMismatchError, TruncatedFileError, UnsupportedFormatError)
 from .open import open_checkpoint
 
 __all__ = [
     "Checkpoint", "Chunk", "TensorEntry", "open_checkpoint",
-    "CheckpointError", "CoverageError", "DestinationError", "DtypeMismatchError",
+    "CheckpointError", "ChecksumMismatchError", "CoverageError", "DestinationError", "DtypeMismatchError",
     "HeaderTooLargeError", "InvalidHeaderError", "InvalidOffsetError", "MissingFileError",
     "MissingTensorError", "OverlappingChunksError", "ReadError", "ShapeMismatchError",
     "TruncatedFileError", "UnsupportedFormatError",

@@ -13,10 +13,28 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from .errors import (InvalidOffsetError, MissingFileError, ShapeMismatchError,
+from .errors import (InvalidOffsetError, MissingFileError, ReadError, ShapeMismatchError,
                      TruncatedFileError)
 
-__all__ = ["Chunk", "TensorEntry", "Checkpoint", "itemsize", "numel"]
+__all__ = ["Chunk", "TensorEntry", "Checkpoint", "itemsize", "numel", "open_binary"]
+
+
+def open_binary(path: str, what: str = "file", tensor: Optional[str] = None):
+    """``open(path, "rb")`` with every failure as a named error.
+
+    Raises:
+        MissingFileError: ``path`` does not exist.
+        ReadError: it is a directory, unreadable, or the OS refuses otherwise.
+    """
+    try:
+        return open(path, "rb")
+    except FileNotFoundError:
+        raise MissingFileError(f"{what} does not exist", file=path, tensor=tensor) from None
+    except IsADirectoryError:
+        raise ReadError(f"{what} is a directory", file=path, tensor=tensor) from None
+    except OSError as e:
+        raise ReadError(f"cannot open {what} ({e.strerror or e})", file=path,
+                        tensor=tensor) from None
 
 
 def itemsize(dtype: torch.dtype) -> int:
@@ -134,6 +152,8 @@ class Checkpoint:
                 sizes[f] = os.stat(f).st_size
             except FileNotFoundError:
                 raise MissingFileError("data file does not exist", file=f) from None
+            except OSError as e:  # e.g. a path component is not a directory
+                raise ReadError(f"cannot stat data file ({e.strerror or e})", file=f) from None
         for e in self._entries.values():
             for ch in e.chunks:
                 end = ch.byte_offset + ch.nbytes

@@ -18,9 +18,12 @@ import json
 import os
 from typing import Dict, List, Tuple
 
-from .base import Checkpoint, Chunk, TensorEntry
-from .errors import (DtypeMismatchError, InvalidHeaderError, MissingFileError,
-                     ShapeMismatchError, UnsupportedFormatError)
+import torch
+
+from .base import Checkpoint, Chunk, TensorEntry, open_binary
+from .errors import (CheckpointError, DtypeMismatchError, InvalidHeaderError,
+                     InvalidOffsetError, ShapeMismatchError,
+                     TruncatedFileError, UnsupportedFormatError)
 from .safetensors import read_header
 from .torch_save import TensorRef, parse_torch_save, tensor_chunk
 
@@ -51,40 +54,55 @@ def open_dcp(path: str) -> Checkpoint:
         InvalidHeaderError, MissingFileError, TruncatedFileError, ShapeMismatchError,
         DtypeMismatchError: the metadata and the files disagree.
     """
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata, MetadataIndex
+    from torch.distributed.checkpoint.metadata import (Metadata, MetadataIndex,
+                                                        TensorStorageMetadata)
 
     path = os.path.abspath(path)
     md = _read_metadata(path)
+    if not isinstance(md, Metadata) or not isinstance(md.state_dict_metadata, dict) \
+            or not isinstance(md.storage_data or {}, dict):
+        raise InvalidHeaderError(f".metadata holds {type(md).__name__}, not DCP Metadata",
+                                 file=os.path.join(path, ".metadata"))
     storage = md.storage_data or {}
     # file -> [(fqn, chunk offsets, chunk sizes, storage info)]
     per_file: Dict[str, List[Tuple[str, tuple, tuple, object]]] = {}
     entries: Dict[str, TensorEntry] = {}
-    for fqn, tmd in md.state_dict_metadata.items():
-        if not isinstance(tmd, TensorStorageMetadata):
-            continue  # bytes / non-tensor objects
-        entries[fqn] = TensorEntry(fqn, tuple(int(s) for s in tmd.size), tmd.properties.dtype)
-        for ch in tmd.chunks:
-            offs = tuple(int(o) for o in ch.offsets)
-            info = storage.get(MetadataIndex(fqn, ch.offsets))
-            if info is None:
-                raise InvalidHeaderError(f"no storage entry for chunk at {offs}",
-                                         file=os.path.join(path, ".metadata"), tensor=fqn)
-            if getattr(info, "transform_descriptors", None):
-                raise UnsupportedFormatError(
-                    f"chunk uses storage transforms {list(info.transform_descriptors)}",
-                    file=os.path.join(path, info.relative_path), tensor=fqn)
-            f = os.path.join(path, info.relative_path)
-            per_file.setdefault(f, []).append(
-                (fqn, offs, tuple(int(s) for s in ch.sizes), info))
+    meta = os.path.join(path, ".metadata")
+    fqn = None
+    try:
+        for fqn, tmd in md.state_dict_metadata.items():
+            if not isinstance(tmd, TensorStorageMetadata):
+                continue  # bytes / non-tensor objects
+            dtype = tmd.properties.dtype
+            if not isinstance(dtype, torch.dtype):
+                raise InvalidHeaderError(f"dtype {dtype!r} is not a torch.dtype", file=meta,
+                                         tensor=fqn)
+            entries[fqn] = TensorEntry(fqn, tuple(int(s) for s in tmd.size), dtype)
+            for ch in tmd.chunks:
+                offs = tuple(int(o) for o in ch.offsets)
+                info = storage.get(MetadataIndex(fqn, ch.offsets))
+                if info is None:
+                    raise InvalidHeaderError(f"no storage entry for chunk at {offs}",
+                                             file=meta, tensor=fqn)
+                f = _data_file(path, info, fqn)
+                if getattr(info, "transform_descriptors", None):
+                    raise UnsupportedFormatError(
+                        f"chunk uses storage transforms {list(info.transform_descriptors)}",
+                        file=f, tensor=fqn)
+                per_file.setdefault(f, []).append(
+                    (fqn, offs, tuple(int(s) for s in ch.sizes), info))
+    except (TypeError, ValueError, AttributeError) as e:
+        # a pickle that loads but is not DCP metadata (or holds the wrong field types)
+        raise InvalidHeaderError(f"malformed DCP metadata ({type(e).__name__}: {e})",
+                                 file=meta, tensor=fqn) from None
 
     fmt = None
     for f, items in sorted(per_file.items()):
-        try:
-            fh = open(f, "rb")
-        except FileNotFoundError:
-            raise MissingFileError("DCP data file does not exist", file=f,
-                                   tensor=items[0][0]) from None
+        fh = open_binary(f, "DCP data file", tensor=items[0][0])
         with fh:
+            fsize = os.fstat(fh.fileno()).st_size
+            for fqn, offs, _, info in items:
+                _check_range(f, fsize, fqn, offs, info)
             first = os.pread(fh.fileno(), 4, items[0][3].offset)
             file_fmt = "dcp" if first == b"PK\x03\x04" else "dcp-safetensors"
             if fmt is not None and fmt != file_fmt:
@@ -98,8 +116,37 @@ def open_dcp(path: str) -> Checkpoint:
     return Checkpoint(fmt or "dcp", path, entries)
 
 
+def _data_file(path: str, info, fqn: str) -> str:
+    """The data file of a storage entry; it must be a relative path inside ``path``."""
+    rel = info.relative_path
+    meta = os.path.join(path, ".metadata")
+    if not isinstance(rel, str) or not rel or os.path.isabs(rel):
+        raise InvalidHeaderError(f"storage relative_path {rel!r} is not a relative path",
+                                 file=meta, tensor=fqn)
+    f = os.path.normpath(os.path.join(path, rel))
+    if not f.startswith(os.path.normpath(path) + os.sep):
+        raise InvalidHeaderError(f"storage relative_path {rel!r} leaves the checkpoint "
+                                 "directory", file=meta, tensor=fqn)
+    return f
+
+
+def _check_range(f: str, fsize: int, fqn: str, offs, info) -> None:
+    """The metadata's (offset, length) of a chunk: non-negative ints inside the file."""
+    o, n = info.offset, info.length
+    if (not isinstance(o, int) or not isinstance(n, int) or isinstance(o, bool)
+            or isinstance(n, bool) or o < 0 or n < 0):
+        raise InvalidOffsetError(f"chunk at {offs}: bad storage offset {o!r} / length {n!r}",
+                                 file=f, tensor=fqn)
+    if o + n > fsize:
+        raise TruncatedFileError(f"chunk at {offs} needs bytes [{o}, {o + n}) but the file "
+                                 f"has {fsize}", file=f, tensor=fqn)
+
+
 def _add_torch_save_chunk(entry: TensorEntry, f: str, fh, offs, sizes, info) -> None:
-    arch = parse_torch_save(f, base=info.offset, length=info.length, f=fh)
+    try:
+        arch = parse_torch_save(f, base=info.offset, length=info.length, f=fh)
+    except CheckpointError as e:
+        raise e.with_tensor(entry.name) from e.__cause__
     if not isinstance(arch.obj, TensorRef):
         raise InvalidHeaderError(f"blob at {info.offset} holds {type(arch.obj).__name__}, "
                                  "not a tensor", file=f, tensor=entry.name)
@@ -121,8 +168,13 @@ def _add_safetensors_chunks(entries: Dict[str, TensorEntry], f: str, items) -> N
     h = read_header(f, base=bases.pop())
     try:
         sharding = json.loads(h.metadata.get("DCP_SHARDING_INFO", "{}"))
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         raise InvalidHeaderError("DCP_SHARDING_INFO is not JSON", file=f) from None
+    if not isinstance(sharding, dict) or not all(
+            isinstance(v, dict) and isinstance(v.get("saved_offsets", []), list)
+            for v in sharding.values()):
+        raise InvalidHeaderError("DCP_SHARDING_INFO is not {fqn: {saved_offsets: [...]}}",
+                                 file=f)
     for fqn, offs, sizes, _ in items:
         e = entries[fqn]
         t = h.tensors.get(fqn)

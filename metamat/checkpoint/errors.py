@@ -23,6 +23,7 @@ __all__ = [
     "OverlappingChunksError",
     "DestinationError",
     "ReadError",
+    "ChecksumMismatchError",
 ]
 
 
@@ -43,8 +44,20 @@ class CheckpointError(Exception):
             parts.append(f"tensor {tensor!r}")
         prefix = (", ".join(parts) + ": ") if parts else ""
         super().__init__(prefix + message)
+        self.detail = message
         self.file = None if file is None else str(file)
         self.tensor = tensor
+
+    def with_tensor(self, tensor: str) -> "CheckpointError":
+        """The same error naming ``tensor`` (for parsers that learn the name later).
+
+        Returns ``self`` when a tensor is already named or the class takes other arguments.
+        """
+        if self.tensor is not None or type(self).__init__ is not CheckpointError.__init__:
+            return self
+        e = type(self)(self.detail, file=self.file, tensor=tensor)
+        e.__cause__ = self.__cause__
+        return e
 
 
 class UnsupportedFormatError(CheckpointError):
@@ -104,4 +117,20 @@ class DestinationError(CheckpointError):
 
 
 class ReadError(CheckpointError):
-    """The C++ reader failed while reading (I/O error, short read)."""
+    """A file could not be read: the C++ reader failed (I/O error, short read), or a file
+    the checkpoint names is a directory or cannot be opened."""
+
+
+class ChecksumMismatchError(CheckpointError):
+    """Bytes on disk differ from the checksum manifest (see :mod:`.checksum`).
+
+    Attributes:
+        chunk: offsets of the chunk (its position in the global tensor), when known.
+        byte_range: ``(start, end)`` of the block that differs, when known.
+    """
+
+    def __init__(self, message: str, *, file=None, tensor=None, chunk=None,
+                 byte_range=None) -> None:
+        super().__init__(message, file=file, tensor=tensor)
+        self.chunk = chunk
+        self.byte_range = byte_range

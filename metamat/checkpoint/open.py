@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import os
 
-from .base import Checkpoint
+from .base import Checkpoint, open_binary
 from .dcp import is_dcp_dir, open_dcp
 from .errors import MissingFileError, UnsupportedFormatError
 from .safetensors import (looks_like_safetensors, open_safetensors_dir, open_safetensors_file,
@@ -38,7 +38,7 @@ def open_checkpoint(path) -> Checkpoint:
         if is_dcp_dir(path):
             return open_dcp(path)
         return open_safetensors_dir(path)
-    with open(path, "rb") as f:
+    with open_binary(path, "checkpoint file") as f:
         head = f.read(9)
     if head[:4] == b"PK\x03\x04":
         return open_torch_save(path)

@@ -17,7 +17,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from .base import Checkpoint, Chunk, TensorEntry, itemsize, numel
+from .base import Checkpoint, Chunk, TensorEntry, itemsize, numel, open_binary
 from .errors import (DtypeMismatchError, HeaderTooLargeError, InvalidHeaderError, InvalidOffsetError,
                      MissingFileError, MissingTensorError, TruncatedFileError,
                      UnsupportedFormatError)
@@ -56,6 +56,20 @@ class SafetensorsHeader:
     metadata: Dict[str, str]
 
 
+class _DuplicateKey(Exception):
+    pass
+
+
+def _no_duplicates(pairs):
+    """JSON object hook: a repeated key (json keeps the last silently) is an error."""
+    d = {}
+    for k, v in pairs:
+        if k in d:
+            raise _DuplicateKey(k)
+        d[k] = v
+    return d
+
+
 def looks_like_safetensors(path: str, base: int = 0) -> bool:
     """True if the bytes at ``base`` start like a safetensors header (size, then ``{``)."""
     try:
@@ -90,6 +104,9 @@ def read_header(path: str, base: int = 0, blob_len: Optional[int] = None) -> Saf
         fsize = os.stat(path).st_size
     except FileNotFoundError:
         raise MissingFileError("safetensors file does not exist", file=path) from None
+    except OSError as e:
+        raise MissingFileError(f"cannot stat safetensors file ({e.strerror or e})",
+                               file=path) from None
     if blob_len is None:
         blob_len = fsize - base
     if base + blob_len > fsize:
@@ -98,7 +115,7 @@ def read_header(path: str, base: int = 0, blob_len: Optional[int] = None) -> Saf
     if blob_len < 8:
         raise TruncatedFileError(f"{blob_len} bytes, too short for a safetensors header",
                                  file=path)
-    with open(path, "rb") as f:
+    with open_binary(path, "safetensors file") as f:
         f.seek(base)
         n = struct.unpack("<Q", f.read(8))[0]
         if n > MAX_HEADER_SIZE:
@@ -113,8 +130,11 @@ def read_header(path: str, base: int = 0, blob_len: Optional[int] = None) -> Saf
     if not raw.startswith(b"{"):
         raise InvalidHeaderError("header does not start with '{'", file=path)
     try:
-        hdr = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        hdr = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
+    except _DuplicateKey as e:
+        raise InvalidHeaderError("name appears twice in the header", file=path,
+                                 tensor=e.args[0]) from None
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise InvalidHeaderError(f"header is not valid UTF-8 JSON ({e})", file=path) from None
     if not isinstance(hdr, dict):
         raise InvalidHeaderError("header is not a JSON object", file=path)
@@ -123,12 +143,13 @@ def read_header(path: str, base: int = 0, blob_len: Optional[int] = None) -> Saf
             isinstance(k, str) and isinstance(v, str) for k, v in meta.items()):
         raise InvalidHeaderError("__metadata__ must map strings to strings", file=path)
 
+    buf_len = blob_len - 8 - n
     tensors: Dict[str, Tuple[torch.dtype, Tuple[int, ...], int, int]] = {}
     for name, info in hdr.items():
         if not isinstance(info, dict):
             raise InvalidHeaderError("entry is not an object", file=path, tensor=name)
         dt_name, shape, offs = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-        if dt_name not in SAFETENSORS_DTYPES:
+        if not isinstance(dt_name, str) or dt_name not in SAFETENSORS_DTYPES:
             raise DtypeMismatchError(f"unknown dtype {dt_name!r}", file=path, tensor=name)
         if (not isinstance(shape, list)
                 or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0
@@ -144,6 +165,11 @@ def read_header(path: str, base: int = 0, blob_len: Optional[int] = None) -> Saf
             raise InvalidOffsetError(
                 f"data_offsets {offs} hold {offs[1] - offs[0]} B, shape {shape} {dt_name} "
                 f"needs {want}", file=path, tensor=name)
+        if offs[1] > buf_len:
+            # checked per entry (not only by the tiling below) so the message names it
+            raise TruncatedFileError(
+                f"data_offsets {offs} end past the byte buffer: it needs {offs[1]} B, the "
+                f"file holds {buf_len}", file=path, tensor=name)
         tensors[name] = (dtype, tuple(shape), offs[0], offs[1])
 
     # The entries must tile [0, buffer_len) without holes or overlaps (spec rule).
@@ -154,7 +180,6 @@ def read_header(path: str, base: int = 0, blob_len: Optional[int] = None) -> Saf
                 f"data_offsets start at {b}, expected {end} (hole or overlap)",
                 file=path, tensor=name)
         end = e
-    buf_len = blob_len - 8 - n
     if end > buf_len:
         raise TruncatedFileError(f"byte buffer needs {end} B, the file holds {buf_len}",
                                  file=path)
@@ -197,9 +222,12 @@ def open_safetensors_index(index_path: str) -> Checkpoint:
     """
     index_path = os.path.abspath(index_path)
     try:
-        with open(index_path, "rb") as f:
-            idx = json.loads(f.read().decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        with open_binary(index_path, "index file") as f:
+            idx = json.loads(f.read().decode("utf-8"), object_pairs_hook=_no_duplicates)
+    except _DuplicateKey as e:
+        raise InvalidHeaderError("name appears twice in the index", file=index_path,
+                                 tensor=e.args[0]) from None
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise InvalidHeaderError(f"index is not valid JSON ({e})", file=index_path) from None
     wm = idx.get("weight_map") if isinstance(idx, dict) else None
     if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):

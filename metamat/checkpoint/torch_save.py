@@ -16,17 +16,23 @@ import os
 import pickle
 import struct
 import zipfile
+import zlib
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from .base import Checkpoint, Chunk, TensorEntry, itemsize, numel
-from .errors import (InvalidHeaderError, InvalidOffsetError, MissingFileError,
+from .base import Checkpoint, Chunk, TensorEntry, itemsize, numel, open_binary
+from .errors import (CheckpointError, InvalidHeaderError, InvalidOffsetError,
                      TruncatedFileError, UnsupportedFormatError)
 
 __all__ = ["StorageRef", "TensorRef", "TorchSaveArchive", "parse_torch_save",
            "open_torch_save", "tensor_chunk"]
+
+# What zipfile / struct raise on damaged archives (beyond BadZipFile).
+_ZIP_ERRORS = (zipfile.BadZipFile, zlib.error, EOFError, OSError, ValueError, struct.error,
+               NotImplementedError, UnicodeDecodeError, OverflowError, KeyError,
+               RuntimeError)  # RuntimeError: "File ... is encrypted, password required"
 
 _STORAGE_DTYPES = {
     "DoubleStorage": torch.float64, "FloatStorage": torch.float32,
@@ -174,10 +180,7 @@ def parse_torch_save(path: str, base: int = 0, length: Optional[int] = None,
     path = str(path)
     own = f is None
     if own:
-        try:
-            f = open(path, "rb")
-        except FileNotFoundError:
-            raise MissingFileError("file does not exist", file=path) from None
+        f = open_binary(path, "torch.save file")
     try:
         fsize = os.fstat(f.fileno()).st_size
         if length is None:
@@ -186,48 +189,61 @@ def parse_torch_save(path: str, base: int = 0, length: Optional[int] = None,
             raise TruncatedFileError(
                 f"torch.save blob [{base}, {base + length}) past end of file ({fsize} B)",
                 file=path)
-        win = _Window(f, base, length)
         try:
-            zf = zipfile.ZipFile(io.BufferedReader(win, 1 << 16))
-        except zipfile.BadZipFile as e:
-            raise InvalidHeaderError(f"not a torch.save zip archive at {base} ({e})",
-                                     file=path) from None
-        infos = zf.infolist()
-        pkl = [i for i in infos if i.filename.endswith("/data.pkl") and i.filename.count("/") == 1]
-        if len(pkl) != 1:
-            raise InvalidHeaderError("zip archive has no single <prefix>/data.pkl", file=path)
-        prefix = pkl[0].filename[: -len("data.pkl")]
-        names = {i.filename: i for i in infos}
-        bo = names.get(prefix + "byteorder")
-        if bo is not None and zf.read(bo).strip() not in (b"little",):
-            raise UnsupportedFormatError("big-endian torch.save archive", file=path)
-        try:
-            obj = _RestrictedUnpickler(io.BytesIO(zf.read(pkl[0])), path).load()
-        except (UnsupportedFormatError, InvalidHeaderError):
-            raise
-        except Exception as e:  # malformed pickle stream: any of a dozen exception types
-            raise InvalidHeaderError(f"data.pkl does not unpickle ({type(e).__name__}: {e})",
-                                     file=path) from None
-        records: Dict[str, Tuple[int, int]] = {}
-        dprefix = prefix + "data/"
-        for name, info in names.items():
-            if not name.startswith(dprefix) or "/" in name[len(dprefix):]:
-                continue
-            key = name[len(dprefix):]
-            if info.compress_type != zipfile.ZIP_STORED:
-                raise UnsupportedFormatError(f"record {name} is compressed", file=path)
-            hdr = os.pread(f.fileno(), 30, base + info.header_offset)
-            if len(hdr) != 30 or hdr[:4] != b"PK\x03\x04":
-                raise InvalidHeaderError(f"bad local header for record {name}", file=path)
-            method, = struct.unpack("<H", hdr[8:10])
-            nlen, elen = struct.unpack("<HH", hdr[26:30])
-            if method != 0:
-                raise UnsupportedFormatError(f"record {name} is compressed", file=path)
-            start = info.header_offset + 30 + nlen + elen
-            if start + info.file_size > length:
-                raise TruncatedFileError(f"record {name} runs past the end of the blob",
+            win = _Window(f, base, length)
+            try:
+                zf = zipfile.ZipFile(io.BufferedReader(win, 1 << 16))
+            except zipfile.BadZipFile as e:
+                raise InvalidHeaderError(f"not a torch.save zip archive at {base} ({e})",
+                                         file=path) from None
+            infos = zf.infolist()
+            names = {i.filename: i for i in infos}
+            if len(names) != len(infos):
+                counts = collections.Counter(i.filename for i in infos)
+                dup = sorted(k for k, c in counts.items() if c > 1)
+                raise InvalidHeaderError(f"zip archive holds {dup[:3]} more than once",
                                          file=path)
-            records[key] = (base + start, info.file_size)
+            pkl = [i for i in infos
+                   if i.filename.endswith("/data.pkl") and i.filename.count("/") == 1]
+            if len(pkl) != 1:
+                raise InvalidHeaderError("zip archive has no single <prefix>/data.pkl",
+                                         file=path)
+            prefix = pkl[0].filename[: -len("data.pkl")]
+            bo = names.get(prefix + "byteorder")
+            if bo is not None and zf.read(bo).strip() not in (b"little",):
+                raise UnsupportedFormatError("big-endian torch.save archive", file=path)
+            try:
+                obj = _RestrictedUnpickler(io.BytesIO(zf.read(pkl[0])), path).load()
+            except (UnsupportedFormatError, InvalidHeaderError):
+                raise
+            except Exception as e:  # malformed pickle stream: any of a dozen exception types
+                raise InvalidHeaderError(
+                    f"data.pkl does not unpickle ({type(e).__name__}: {e})", file=path) from None
+            records: Dict[str, Tuple[int, int]] = {}
+            dprefix = prefix + "data/"
+            for name, info in names.items():
+                if not name.startswith(dprefix) or "/" in name[len(dprefix):]:
+                    continue
+                key = name[len(dprefix):]
+                if info.compress_type != zipfile.ZIP_STORED:
+                    raise UnsupportedFormatError(f"record {name} is compressed", file=path)
+                hdr = os.pread(f.fileno(), 30, base + info.header_offset)
+                if len(hdr) != 30 or hdr[:4] != b"PK\x03\x04":
+                    raise InvalidHeaderError(f"bad local header for record {name}", file=path)
+                method, = struct.unpack("<H", hdr[8:10])
+                nlen, elen = struct.unpack("<HH", hdr[26:30])
+                if method != 0:
+                    raise UnsupportedFormatError(f"record {name} is compressed", file=path)
+                start = info.header_offset + 30 + nlen + elen
+                if start + info.file_size > length:
+                    raise TruncatedFileError(f"record {name} runs past the end of the blob",
+                                             file=path)
+                records[key] = (base + start, info.file_size)
+        except CheckpointError:
+            raise
+        except _ZIP_ERRORS as e:  # a damaged archive: zipfile raises many types
+            raise InvalidHeaderError(f"damaged zip archive at {base} ({type(e).__name__}: {e})",
+                                     file=path) from None
         return TorchSaveArchive(path, obj, records)
     finally:
         if own:

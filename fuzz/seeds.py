@@ -1,0 +1,44 @@
+"""Write seed corpora for the harnesses: valid files plus every hostile variant's files.
+
+    python fuzz/seeds.py OUT   ->  OUT/safetensors, OUT/torch_save, OUT/dcp
+"""
+import os
+import shutil
+import sys
+import tempfile
+
+import _harness as H  # noqa: F401  (sys.path)
+import hostile_gen
+
+
+def main(out: str) -> None:
+    for sub in ("safetensors", "torch_save", "dcp"):
+        os.makedirs(os.path.join(out, sub), exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix="metamat_seeds_")
+    try:
+        bases = hostile_gen.make_bases(os.path.join(tmp, "bases"))
+        shutil.copy(bases["st"], os.path.join(out, "safetensors", "valid"))
+        shutil.copy(os.path.join(bases["hf"], "m.safetensors.index.json"),
+                    os.path.join(out, "safetensors", "index"))
+        shutil.copy(bases["ts"], os.path.join(out, "torch_save", "valid"))
+        for sel, key in ((b"\x00\x00", "dcp"), (b"\x01\x00", "dcpst")):
+            d = bases[key]
+            data = [f for f in sorted(os.listdir(d)) if f.endswith(".distcp")][0]
+            with open(os.path.join(d, data), "rb") as f:
+                H.write(os.path.join(out, "dcp", f"valid_{key}"), sel + f.read())
+        for v in hostile_gen.all_variants():
+            if v.base not in ("st", "ts"):
+                continue
+            w = os.path.join(tmp, v.name)
+            os.makedirs(w)
+            p = os.path.join(w, os.path.basename(bases[v.base]))
+            shutil.copy(bases[v.base], p)
+            v.mutate(p)
+            sub = "safetensors" if v.base == "st" else "torch_save"
+            shutil.copy(p, os.path.join(out, sub, v.name))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else "fuzz/corpus")

@@ -1,0 +1,353 @@
+"""Integrity sidecars: per-chunk xxh3_64 checksums of any checkpoint ``open_checkpoint`` reads.
+
+A manifest lists, for every saved chunk (one :class:`~metamat.checkpoint.base.Chunk`: a box of
+one tensor and the byte range holding it), the xxh3_64 digest of each ``block_bytes`` block of
+that range (blocks start at the chunk's first byte; the last may be short). Blocks rather than
+one digest per chunk so that a loader reading a row block of a huge table verifies only the
+blocks it touched (:func:`verify_ranges`), not the whole table.
+
+The sidecar is JSON next to the checkpoint (:func:`sidecar_path`); file names in it are
+relative to the checkpoint's root, so a checkpoint moved with its sidecar still verifies.
+Only tensor bytes are covered: headers are validated structurally by the parsers instead.
+
+Typical use::
+
+    write_manifest("ckpt/")                       # once, after saving
+    m = read_manifest("ckpt/")
+    verify_manifest(m)                            # everything, or after a load:
+    verify_ranges(m, reads_from_plan(plan))       # only the bytes a load read
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
+
+from .base import Checkpoint, open_binary
+from .errors import ChecksumMismatchError, InvalidHeaderError, MissingFileError
+
+__all__ = ["ALGORITHM", "DEFAULT_BLOCK_BYTES", "ChunkSum", "Manifest", "VerifyResult",
+           "sidecar_path", "build_manifest", "write_manifest", "read_manifest",
+           "verify_manifest", "verify_ranges", "reads_from_plan"]
+
+ALGORITHM = "xxh3_64"
+#: Big enough that hashing runs at memory speed, small enough that a row-block read
+#: re-hashes little beyond what it read.
+DEFAULT_BLOCK_BYTES = 4 << 20
+_VERSION = 1
+_SIDECAR_DIR = ".metamat-checksums.json"
+_SIDECAR_SUFFIX = ".xxh3.json"
+_PIECE = 8 << 20  # read size while hashing one block
+
+
+def _xxh3():
+    try:
+        import xxhash
+    except ImportError as e:  # a declared dependency; say which one is missing
+        raise ImportError("metamat.checkpoint.checksum needs the 'xxhash' package "
+                          "(pip install xxhash)") from e
+    return xxhash.xxh3_64
+
+
+@dataclass(frozen=True)
+class ChunkSum:
+    """Checksums of one saved chunk.
+
+    Attributes:
+        file: data file, relative to the manifest root.
+        tensor: the fqn.
+        offsets: the chunk's position in the global tensor.
+        byte_offset: first byte of the chunk in ``file``.
+        nbytes: bytes of the chunk.
+        blocks: hex xxh3_64 of each block ``[byte_offset + i*B, +B)`` (B = block_bytes).
+    """
+
+    file: str
+    tensor: str
+    offsets: Tuple[int, ...]
+    byte_offset: int
+    nbytes: int
+    blocks: Tuple[str, ...]
+
+
+@dataclass
+class Manifest:
+    """A checkpoint's checksums.
+
+    Attributes:
+        root: directory the file names are relative to (absolute; not stored in the JSON).
+        format: the checkpoint format, as ``Checkpoint.format``.
+        block_bytes: block size of every chunk's digests.
+        files: relative file -> size in bytes when the manifest was written.
+        chunks: one entry per saved chunk.
+        algorithm: always ``"xxh3_64"`` for now.
+    """
+
+    root: str
+    format: str
+    block_bytes: int
+    files: Dict[str, int]
+    chunks: List[ChunkSum] = field(default_factory=list)
+    algorithm: str = ALGORITHM
+
+    def to_json(self) -> dict:
+        return {"version": _VERSION, "algorithm": self.algorithm, "format": self.format,
+                "block_bytes": self.block_bytes, "files": self.files,
+                "chunks": [{"file": c.file, "tensor": c.tensor, "offsets": list(c.offsets),
+                            "byte_offset": c.byte_offset, "nbytes": c.nbytes,
+                            "blocks": list(c.blocks)} for c in self.chunks]}
+
+    @classmethod
+    def from_json(cls, d, root: str, where: str) -> "Manifest":
+        """Parse :meth:`to_json` output; ``where`` names the sidecar in errors.
+
+        Raises:
+            InvalidHeaderError: not a manifest this version understands.
+        """
+        try:
+            if d["version"] != _VERSION or d["algorithm"] != ALGORITHM:
+                raise InvalidHeaderError(f"manifest version {d['version']!r} / algorithm "
+                                         f"{d['algorithm']!r} not supported", file=where)
+            bb = d["block_bytes"]
+            files = {str(k): int(v) for k, v in d["files"].items()}
+            chunks = [ChunkSum(str(c["file"]), str(c["tensor"]),
+                               tuple(int(o) for o in c["offsets"]), int(c["byte_offset"]),
+                               int(c["nbytes"]), tuple(str(b) for b in c["blocks"]))
+                      for c in d["chunks"]]
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise InvalidHeaderError(f"malformed checksum manifest ({type(e).__name__}: {e})",
+                                     file=where) from None
+        if not isinstance(bb, int) or bb <= 0:
+            raise InvalidHeaderError(f"block_bytes {bb!r} must be a positive int", file=where)
+        for c in chunks:
+            if c.byte_offset < 0 or c.nbytes < 0 or len(c.blocks) != -(-c.nbytes // bb):
+                raise InvalidHeaderError(f"chunk at {c.offsets} has {len(c.blocks)} digests "
+                                         f"for {c.nbytes} B", file=where, tensor=c.tensor)
+        return cls(root, str(d.get("format", "")), bb, files, chunks)
+
+    def abspath(self, rel: str) -> str:
+        return os.path.normpath(os.path.join(self.root, rel))
+
+
+@dataclass
+class VerifyResult:
+    """What a verification covered.
+
+    Attributes:
+        blocks: blocks hashed and found equal.
+        bytes_hashed: bytes read to hash them.
+        uncovered_bytes: bytes of the requested reads that no manifest chunk covers
+            (headers, or a different checkpoint): not verified.
+    """
+
+    blocks: int = 0
+    bytes_hashed: int = 0
+    uncovered_bytes: int = 0
+
+
+def _root(ckpt_path: str) -> str:
+    return ckpt_path if os.path.isdir(ckpt_path) else os.path.dirname(ckpt_path)
+
+
+def sidecar_path(checkpoint_path) -> str:
+    """Where the sidecar of a checkpoint lives: ``<dir>/.metamat-checksums.json`` for a
+    directory, ``<file>.xxh3.json`` for a single file (or an index json)."""
+    p = os.path.abspath(os.fspath(checkpoint_path))
+    return os.path.join(p, _SIDECAR_DIR) if os.path.isdir(p) else p + _SIDECAR_SUFFIX
+
+
+def _hash_range(fd: int, start: int, n: int, path: str, tensor: Optional[str]) -> str:
+    h = _xxh3()()
+    done = 0
+    while done < n:
+        b = os.pread(fd, min(_PIECE, n - done), start + done)
+        if not b:
+            raise ChecksumMismatchError(
+                f"bytes [{start + done}, {start + n}) are past the end of the file",
+                file=path, tensor=tensor)
+        h.update(b)
+        done += len(b)
+    return h.hexdigest()
+
+
+def build_manifest(ckpt: Union[Checkpoint, str, os.PathLike],
+                   block_bytes: int = DEFAULT_BLOCK_BYTES) -> Manifest:
+    """Hash every chunk of a checkpoint (an opened one, or a path to open).
+
+    Raises:
+        ValueError: ``block_bytes`` is not positive.
+        CheckpointError: the checkpoint does not open, or a file changed while hashing.
+    """
+    if block_bytes <= 0:
+        raise ValueError("block_bytes must be positive")
+    if not isinstance(ckpt, Checkpoint):
+        from .open import open_checkpoint
+        ckpt = open_checkpoint(ckpt)
+    root = _root(ckpt.path)
+    m = Manifest(root, ckpt.format, int(block_bytes), {})
+    by_file: Dict[str, List] = {}
+    for e in ckpt.tensors().values():
+        for c in e.chunks:
+            by_file.setdefault(c.file, []).append((e.name, c))
+    for f, items in sorted(by_file.items()):
+        rel = os.path.relpath(f, root)
+        with open_binary(f, "data file") as fh:
+            m.files[rel] = os.fstat(fh.fileno()).st_size
+            for name, c in sorted(items, key=lambda it: (it[1].byte_offset, it[0])):
+                blocks = tuple(
+                    _hash_range(fh.fileno(), c.byte_offset + b, min(block_bytes, c.nbytes - b),
+                                f, name) for b in range(0, c.nbytes, block_bytes))
+                m.chunks.append(ChunkSum(rel, name, tuple(c.offsets), c.byte_offset, c.nbytes,
+                                         blocks))
+    return m
+
+
+def write_manifest(ckpt: Union[Checkpoint, str, os.PathLike], out: Optional[str] = None,
+                   block_bytes: int = DEFAULT_BLOCK_BYTES) -> str:
+    """Build the manifest of ``ckpt`` and write it (atomically) to ``out`` or the sidecar path.
+
+    Returns:
+        The path written.
+    """
+    if not isinstance(ckpt, Checkpoint):
+        from .open import open_checkpoint
+        ckpt = open_checkpoint(ckpt)
+    m = build_manifest(ckpt, block_bytes)
+    out = out or sidecar_path(ckpt.path)
+    tmp = f"{out}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(m.to_json(), f, separators=(",", ":"))
+    os.replace(tmp, out)
+    return out
+
+
+def read_manifest(path, root: Optional[str] = None) -> Manifest:
+    """Read a manifest: ``path`` is the sidecar itself or the checkpoint it sits next to.
+
+    Args:
+        root: directory file names are relative to; default: the sidecar's checkpoint root.
+
+    Raises:
+        MissingFileError: no sidecar. InvalidHeaderError: it is not a valid manifest.
+    """
+    p = os.path.abspath(os.fspath(path))
+    if os.path.isdir(p) or not p.endswith(".json") or not _is_sidecar(p):
+        side = sidecar_path(p)
+    else:
+        side = p
+    if not os.path.exists(side):
+        raise MissingFileError("checksum manifest does not exist", file=side)
+    if root is None:
+        root = os.path.dirname(side)
+    with open_binary(side, "checksum manifest") as f:
+        try:
+            d = json.loads(f.read().decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+            raise InvalidHeaderError(f"checksum manifest is not JSON ({e})", file=side) from None
+    if not isinstance(d, dict):
+        raise InvalidHeaderError("checksum manifest is not a JSON object", file=side)
+    return Manifest.from_json(d, root, side)
+
+
+def _is_sidecar(p: str) -> bool:
+    return os.path.basename(p) == _SIDECAR_DIR or p.endswith(_SIDECAR_SUFFIX)
+
+
+def _verify_blocks(m: Manifest, c: ChunkSum, which: Iterable[int], res: VerifyResult) -> None:
+    path = m.abspath(c.file)
+    with open_binary(path, "data file", tensor=c.tensor) as fh:
+        size = os.fstat(fh.fileno()).st_size
+        want_size = m.files.get(c.file)
+        if want_size is not None and size != want_size:
+            raise ChecksumMismatchError(
+                f"file is {size} B, the manifest recorded {want_size} B", file=path,
+                tensor=c.tensor)
+        for i in which:
+            b0 = c.byte_offset + i * m.block_bytes
+            n = min(m.block_bytes, c.nbytes - i * m.block_bytes)
+            got = _hash_range(fh.fileno(), b0, n, path, c.tensor)
+            res.bytes_hashed += n
+            if got != c.blocks[i]:
+                raise ChecksumMismatchError(
+                    f"chunk at {tuple(c.offsets)}: bytes [{b0}, {b0 + n}) hash {got}, the "
+                    f"manifest says {c.blocks[i]} ({m.algorithm})", file=path, tensor=c.tensor,
+                    chunk=tuple(c.offsets), byte_range=(b0, b0 + n))
+            res.blocks += 1
+
+
+def verify_manifest(m: Manifest) -> VerifyResult:
+    """Re-hash every block of every chunk.
+
+    Raises:
+        ChecksumMismatchError: the first block that differs (names file, tensor, chunk, bytes),
+            or a file whose size changed. MissingFileError: a data file is gone.
+    """
+    res = VerifyResult()
+    for c in m.chunks:
+        _verify_blocks(m, c, range(len(c.blocks)), res)
+    return res
+
+
+def verify_ranges(m: Manifest, reads: Iterable[Tuple[str, int, int]]) -> VerifyResult:
+    """Verify the blocks a set of reads touched.
+
+    Args:
+        m: the manifest.
+        reads: ``(file, offset, nbytes)`` triples; ``file`` absolute or relative to the root.
+            Every block of every chunk overlapping a read is re-hashed (once).
+
+    Returns:
+        A :class:`VerifyResult`; bytes of the reads no chunk covers are counted, not verified.
+
+    Raises:
+        ChecksumMismatchError, MissingFileError: as :func:`verify_manifest`.
+    """
+    by_file: Dict[str, List[ChunkSum]] = {}
+    for c in m.chunks:
+        by_file.setdefault(m.abspath(c.file), []).append(c)
+    todo: Dict[int, set] = {}
+    index = {id(c): c for c in m.chunks}
+    res = VerifyResult()
+    for f, off, n in reads:
+        if n <= 0:
+            continue
+        path = m.abspath(f)
+        lo, hi = off, off + n
+        covered = []
+        for c in by_file.get(path, ()):
+            a, b = max(lo, c.byte_offset), min(hi, c.byte_offset + c.nbytes)
+            if a >= b:
+                continue
+            covered.append((a, b))
+            first = (a - c.byte_offset) // m.block_bytes
+            last = (b - 1 - c.byte_offset) // m.block_bytes
+            todo.setdefault(id(c), set()).update(range(first, last + 1))
+        res.uncovered_bytes += n - _union_len(covered)
+    for cid, blocks in todo.items():
+        _verify_blocks(m, index[cid], sorted(blocks), res)
+    return res
+
+
+def _union_len(spans: Sequence[Tuple[int, int]]) -> int:
+    total, end = 0, None
+    for a, b in sorted(spans):
+        if end is None or a >= end:
+            total += b - a
+            end = b
+        elif b > end:
+            total += b - end
+            end = b
+    return total
+
+
+def reads_from_plan(plan) -> List[Tuple[str, int, int]]:
+    """The ``(file, offset, nbytes)`` spans a :class:`metamat.fill_load.LoadPlan` reads
+    (a strided op is one span from its first to its last byte)."""
+    out = []
+    for o in plan.ops:
+        if o.rows <= 0 or o.row_bytes <= 0:
+            continue
+        out.append((plan.files[o.file_index], o.file_offset,
+                    (o.rows - 1) * o.src_stride + o.row_bytes))
+    return out

@@ -1,0 +1,160 @@
+"""Checksum sidecars (metamat.checkpoint.checksum): round trip on every format, and a flipped
+byte detected naming the file, the tensor and the chunk, by full and by range verification."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("xxhash")
+
+from metamat.checkpoint import (ChecksumMismatchError, InvalidHeaderError, MissingFileError,
+                                open_checkpoint)
+from metamat.checkpoint.checksum import (Manifest, build_manifest, read_manifest,
+                                         reads_from_plan, sidecar_path, verify_manifest,
+                                         verify_ranges, write_manifest)
+from metamat.fill_load import plan_load
+from metamat.plan import Target
+
+import hostile_gen
+
+
+@pytest.fixture(scope="module")
+def bases(tmp_path_factory):
+    return hostile_gen.make_bases(str(tmp_path_factory.mktemp("bases")))
+
+
+@pytest.fixture(params=["st", "hf", "ts", "dcp", "dcpst"])
+def ckpt(request, bases, tmp_path):
+    """A private copy of each kind of checkpoint: (path, kind)."""
+    import shutil
+    src = bases[request.param]
+    dst = str(tmp_path / os.path.basename(src))
+    (shutil.copytree if os.path.isdir(src) else shutil.copy)(src, dst)
+    if request.param == "hf":
+        dst = os.path.join(dst, "m.safetensors.index.json")
+    return dst, request.param
+
+
+def _flip(path: str, off: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(off)
+        b = f.read(1)
+        f.seek(off)
+        f.write(bytes([b[0] ^ 0x10]))
+
+
+def test_round_trip_every_format(ckpt):
+    path, kind = ckpt
+    side = write_manifest(path, block_bytes=64)
+    assert side == sidecar_path(path) and os.path.exists(side)
+    m = read_manifest(path)
+    assert m.to_json() == build_manifest(path, block_bytes=64).to_json()
+    ck = open_checkpoint(path)
+    assert len(m.chunks) == sum(len(e.chunks) for e in ck.tensors().values())
+    assert {c.tensor for c in m.chunks} == set(ck.tensors())
+    r = verify_manifest(m)
+    assert r.bytes_hashed == sum(c.nbytes for c in m.chunks)
+    # the sidecar is itself never mistaken for a checkpoint file
+    assert open_checkpoint(path).tensors().keys() == ck.tensors().keys()
+
+
+def test_flipped_byte_names_file_tensor_chunk(ckpt):
+    path, _ = ckpt
+    write_manifest(path, block_bytes=32)
+    m = read_manifest(path)
+    c = next(c for c in m.chunks if c.tensor == "emb")
+    f = m.abspath(c.file)
+    bad = c.byte_offset + 100  # inside block 3 of emb's chunk
+    _flip(f, bad)
+    with pytest.raises(ChecksumMismatchError) as ei:
+        verify_manifest(m)
+    e = ei.value
+    assert f in str(e) and "'emb'" in str(e) and str(tuple(c.offsets)) in str(e)
+    assert e.chunk == tuple(c.offsets) and e.byte_range == (c.byte_offset + 96,
+                                                            c.byte_offset + 128)
+    # a read over the damaged block fails, one elsewhere in the same chunk passes
+    with pytest.raises(ChecksumMismatchError):
+        verify_ranges(m, [(f, bad, 1)])
+    ok = verify_ranges(m, [(f, c.byte_offset, 64), (f, c.byte_offset + 160, 40)])
+    assert ok.blocks == 4 and ok.uncovered_bytes == 0
+    other = next(c2 for c2 in m.chunks if c2.tensor == "vec")
+    assert verify_ranges(m, [(other.file, other.byte_offset, other.nbytes)]).blocks == len(
+        other.blocks)
+
+
+def test_verify_ranges_of_a_load_plan(ckpt):
+    path, _ = ckpt
+    write_manifest(path, block_bytes=48)
+    m = read_manifest(path)
+    ck = open_checkpoint(path)
+    t = Target("emb", "emb", (13, 6), (4, 2), (5, 3), torch.float32,
+               tensor=torch.empty(5, 3))
+    plan = plan_load([t], ck)
+    reads = reads_from_plan(plan)
+    r = verify_ranges(m, reads)
+    assert r.blocks >= 1 and r.uncovered_bytes == 0
+    c = next(c for c in m.chunks if c.tensor == "emb")
+    _flip(m.abspath(c.file), c.byte_offset)  # row 0: not read by a block of rows 4-8
+    if c.byte_offset + 48 <= reads[0][1]:
+        verify_ranges(m, reads)
+    _flip(m.abspath(c.file), reads[0][1])
+    with pytest.raises(ChecksumMismatchError, match="'emb'"):
+        verify_ranges(m, reads)
+
+
+def test_size_change_and_missing_file(ckpt):
+    path, _ = ckpt
+    write_manifest(path)
+    m = read_manifest(path)
+    f = m.abspath(m.chunks[0].file)
+    with open(f, "ab") as fh:
+        fh.write(b"\0")
+    with pytest.raises(ChecksumMismatchError, match="recorded"):
+        verify_manifest(m)
+    os.remove(f)
+    with pytest.raises(MissingFileError):
+        verify_manifest(m)
+
+
+def test_uncovered_bytes_are_counted_not_verified(ckpt):
+    path, _ = ckpt
+    write_manifest(path)
+    m = read_manifest(path)
+    c = m.chunks[0]
+    r = verify_ranges(m, [(c.file, 0, 8), ("elsewhere.bin", 0, 10)])
+    assert r.uncovered_bytes >= 10
+
+
+@pytest.mark.parametrize("damage", [
+    lambda d: "not json",
+    lambda d: json.dumps([1]),
+    lambda d: json.dumps({**d, "version": 99}),
+    lambda d: json.dumps({**d, "block_bytes": 0}),
+    lambda d: json.dumps({**d, "chunks": [{"file": "x"}]}),
+    lambda d: json.dumps({**d, "chunks": [{**d["chunks"][0], "blocks": []}]}),
+])
+def test_malformed_manifest(ckpt, damage):
+    path, _ = ckpt
+    side = write_manifest(path)
+    with open(side) as f:
+        d = json.load(f)
+    with open(side, "w") as f:
+        f.write(damage(d))
+    with pytest.raises(InvalidHeaderError) as ei:
+        read_manifest(path)
+    assert side in str(ei.value)
+
+
+def test_no_sidecar(tmp_path):
+    with pytest.raises(MissingFileError):
+        read_manifest(str(tmp_path))
+
+
+def test_manifest_is_plain_json(ckpt):
+    path, _ = ckpt
+    m = build_manifest(open_checkpoint(path))
+    again = Manifest.from_json(json.loads(json.dumps(m.to_json())), m.root, "mem")
+    assert again == m
