@@ -2,6 +2,7 @@
 
     python bench/materialize.py                 # all modes on the built-in default model
     python bench/materialize.py --mode init --size-gib 2 --reps 5 --out bench_out
+    python bench/materialize.py --mode load --cold   # checkpoint loading, page cache dropped
     python bench/materialize.py --quick         # small sizes (the test suite runs this)
 """
 from __future__ import annotations
@@ -16,7 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _common import env_header, write_csv  # noqa: E402
 
-MODES = ("init", "dmp")
+MODES = ("init", "dmp", "load")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -57,6 +58,9 @@ def main(argv=None) -> int:
         elif mode == "dmp":
             from bench_dmp import run_dmp
             rows += run_dmp(a, device)
+        elif mode == "load":
+            from bench_load import run_load
+            rows += run_load(a, device)
     if a.out and rows:
         from _plot import plot
         write_csv(os.path.join(a.out, "results.csv"), rows)

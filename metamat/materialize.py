@@ -1,4 +1,5 @@
-"""``metamat.materialize``: turn a model holding meta tensors into a real, initialised one.
+"""``metamat.materialize``: turn a model holding meta tensors into a real, initialised one,
+or load a checkpoint into it.
 
 Pipeline: plan (find every meta tensor, validate, compute targets) -> allocate (one real
 storage per meta storage, nothing touched) -> fill (init engine, or checkpoint load) ->
@@ -9,12 +10,12 @@ from __future__ import annotations
 
 import time
 import warnings as _warnings
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Callable, List, Mapping, Optional, Union
 
 import torch
 from torch import nn
 
-from .report import Report
+from .report import Report, make_progress
 from .spec import Dist
 
 __all__ = ["materialize"]
@@ -31,26 +32,52 @@ def materialize(
     ckpt: Any = None,
     *,
     device: Optional[Union[str, torch.device]] = None,
+    strict: bool = True,
+    dtype: Union[None, str, torch.dtype] = None,
+    io_threads: Optional[int] = None,
+    staging_bytes: int = 256 << 20,
+    progress: Union[None, bool, Callable[[int, int], None]] = None,
     seed: int = 0,
     init: Optional[Mapping[str, Dist]] = None,
 ) -> Report:
-    """Allocate and initialise every meta tensor of ``model`` in place.
+    """Allocate and initialise every meta tensor of ``model`` in place, or load ``ckpt``.
 
     Args:
         model: a ``DistributedModelParallel`` from ``metamat.shard_on_meta`` or from
             ``DistributedModelParallel(..., device=torch.device("meta"),
-            init_parameters=False)``, or any ``nn.Module`` holding meta tensors.
-        ckpt: a checkpoint to load instead of initialising (not supported yet).
-        device: target device; default the current CUDA device if available, else CPU.
+            init_parameters=False)``, or any ``nn.Module`` holding meta tensors. With
+            ``ckpt``, also an already-materialized model (e.g. an eager DMP): its tensors
+            are overwritten in place (a fast replacement for ``dcp.load``).
+        ckpt: a checkpoint to load instead of initialising: a path (DCP directory,
+            ``.safetensors`` file, HF index json or directory of shards, torch.save file)
+            or a ``metamat.open_checkpoint`` object. Keys are the model's ``state_dict()``
+            keys, optionally behind ``model.``/``module.``; fused-optimizer state
+            (``state.<param>.<table>.momentum1``) behind ``optim.``/``optimizer.`` or none
+            (see ``metamat.torchrec.load``).
+        device: target device; default the current CUDA device if available, else CPU
+            (TorchRec tables: CPU only). Ignored for an already-materialized model.
+        strict: with ``ckpt``: every model tensor must be in the checkpoint, and all the
+            optimizer state if it holds any (else ``MissingTensorError`` naming them all).
+            ``strict=False``: missing meta tensors are initialised as without ``ckpt``
+            (``Report.initialized``), missing real ones are left (``Report.unchanged``).
+        dtype: checkpoint dtype policy (``metamat.fill_load``): None converts between
+            float32/float16/bfloat16, ``"exact"`` forbids it, a dtype requires it.
+        io_threads: pread threads (default ``min(8, cpu_count)``).
+        staging_bytes: bounce-buffer budget of the reader.
+        progress: None: a tqdm bar on rank 0 for loads over a second, only on a TTY;
+            True/False force it on/off; a callable gets ``(bytes_done, bytes_total)``.
         seed: RNG seed; values are a pure function of (seed, table name, global row/col).
         init: fnmatch patterns of table names or parameter fqns -> metamat distributions,
             overriding the model's own init.
 
     Returns:
-        A ``Report`` (bytes written, seconds per phase, GB/s).
+        A ``Report`` (bytes, seconds per phase, GB/s; with ``ckpt`` also bytes needed and
+        read, read amplification, which tensors were initialised instead of loaded).
 
     Raises:
-        NotImplementedError: ``ckpt`` given.
+        metamat.CheckpointError: with ``ckpt``: unreadable, damaged or mismatching
+            checkpoint, raised after validating everything and before the first byte of the
+            model is written; in a process group every rank raises if any rank fails.
         metamat.torchrec.compat.UnsupportedError: unsupported version, kernel or module,
             raised before anything is allocated.
     """
@@ -59,13 +86,18 @@ def materialize(
     from .torchrec.register import register
     from .torchrec.walk import build_plan
 
-    if ckpt is not None:
-        raise NotImplementedError("materialize(ckpt=...) is not implemented yet")
+    if device is None and ckpt is not None:
+        # loading into an already-materialized model: where its tensors are
+        device = next((p.device for p in model.parameters() if p.device.type != "meta"), None)
     device = torch.device(device) if device is not None else _default_device()
     if device.type == "meta":
         raise ValueError("materialize: device must be a real device, not meta")
     if device.type == "cuda" and device.index is None and torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())
+    if ckpt is not None:
+        return _materialize_from_checkpoint(
+            model, ckpt, device=device, strict=strict, dtype=dtype, io_threads=io_threads,
+            staging_bytes=staging_bytes, progress=progress, seed=seed, init=init)
     report = Report(device=str(device), source="init")
 
     t0 = time.perf_counter()
@@ -88,3 +120,151 @@ def materialize(
     for w in plan.warnings:
         _warnings.warn(w, stacklevel=2)
     return report
+
+
+# ---------------------------------------------------------------------------------------------
+# the load path
+
+
+def _agreement_group():
+    """The group the ranks agree on success over (CPU tensors: the default group when it
+    has a CPU backend, else a gloo group created once), or None without a process group."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    backend = str(dist.get_backend())
+    if "gloo" in backend or "mpi" in backend:
+        return dist.group.WORLD
+    global _GLOO_GROUP
+    if _GLOO_GROUP is None:
+        _GLOO_GROUP = dist.new_group(backend="gloo")  # collective: every rank is here
+    return _GLOO_GROUP
+
+
+_GLOO_GROUP = None
+
+
+def _agree(group, err: Optional[BaseException], stage: str) -> None:
+    """Every rank says whether ``stage`` succeeded; if any failed, every rank raises (the
+    failing rank its own error, the others a CheckpointError naming it). No rank goes on
+    to write or register while another has failed, and none waits forever for it."""
+    from .checkpoint.errors import CheckpointError
+
+    if group is None:
+        if err is not None:
+            raise err
+        return
+    import torch.distributed as dist
+
+    msg = None if err is None else f"{type(err).__name__}: {err}"
+    flags: List[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(flags, msg, group=group)
+    if err is not None:
+        raise err
+    failed = [(r, m) for r, m in enumerate(flags) if m is not None]
+    if failed:
+        r, m = failed[0]
+        raise CheckpointError(f"materialize failed during {stage} on rank(s) "
+                              f"{[r for r, _ in failed]}; nothing was registered. Rank {r}: {m}")
+
+
+def _materialize_from_checkpoint(model, ckpt, *, device, strict, dtype, io_threads,
+                                 staging_bytes, progress, seed, init) -> Report:
+    """The load path of :func:`materialize` (its docstring has the contract)."""
+    from .checkpoint import Checkpoint, open_checkpoint
+    from .fill_load import execute_plan, plan_load, validate_destination
+    from .torchrec.allocate import allocate
+    from .torchrec.fill import _fill_dense, _table_targets, fill_support, fill_targets
+    from .torchrec.load import finish, inplace_targets, match_keys
+    from .torchrec.register import register
+    from .torchrec.walk import build_plan
+
+    import torch.distributed as dist
+
+    group = _agreement_group()
+    rank = dist.get_rank() if group is not None else 0
+    report = Report(device=str(device), source="checkpoint", seconds={})
+    sec = report.seconds
+
+    # 1. open, plan, match keys, validate: nothing allocated, nothing written.
+    err: Optional[BaseException] = None
+    try:
+        t = time.perf_counter()
+        ck = ckpt if isinstance(ckpt, Checkpoint) else open_checkpoint(ckpt)
+        report.checkpoint = ck.path
+        sec["open"] = time.perf_counter() - t
+        t = time.perf_counter()
+        plan = build_plan(model, device, init)
+        extra, extra_opt = inplace_targets(model, plan)
+        sec["plan"] = time.perf_counter() - t
+        t = time.perf_counter()
+        match = match_keys(plan.targets + extra, plan.optimizer_fqns | extra_opt, ck,
+                           strict=strict, inplace=extra)
+        plan_load(match.renamed()[0], ck, strict=True, dtype=dtype, check_destinations=False)
+        for tg in extra:
+            validate_destination(tg)
+        sec["validate"] = time.perf_counter() - t
+    except BaseException as e:  # noqa: BLE001 - shared with the other ranks, then re-raised
+        err = e
+    _agree(group, err, "validation")
+
+    # 2. allocate, fill what is not loaded, read. The model is untouched until register
+    # (except already-real tensors, which are loaded in place).
+    try:
+        t = time.perf_counter()
+        alloc = allocate(plan)
+        sec["allocate"] = time.perf_counter() - t
+        t = time.perf_counter()
+        written = fill_support(plan, alloc)
+        with torch.no_grad():
+            written += _fill_dense(plan, alloc, seed)  # loaded dense tensors are overwritten
+        init_ids = {id(tg) for tg in match.init}
+        written += fill_targets([tg for tg in _table_targets(plan, alloc) if id(tg) in init_ids],
+                                seed)
+        sec["fill"] = time.perf_counter() - t
+        t = time.perf_counter()
+        load_targets, means = match.renamed()
+        lp = plan_load(load_targets, ck, strict=True, dtype=dtype)
+        cb = make_progress(progress, rank)
+        try:
+            nread = execute_plan(lp, io_threads=io_threads, staging_bytes=staging_bytes,
+                                 progress=cb)
+        finally:
+            if hasattr(cb, "close"):
+                cb.close()
+        finish(means)
+        sec["read"] = time.perf_counter() - t
+    except BaseException as e:  # noqa: BLE001
+        err = e
+    _agree(group, err, "reading")
+
+    # 3. register: swap the real tensors in.
+    t = time.perf_counter()
+    if alloc.twins or plan.storages:
+        register(model, plan, alloc)
+    sec["register"] = time.perf_counter() - t
+
+    report.bytes_needed = lp.bytes_needed
+    report.bytes_read = nread
+    report.read_amplification = nread / lp.bytes_needed if lp.bytes_needed else 1.0
+    report.bytes_written = written + sum(tg.nbytes for tg in lp.targets)
+    report.warnings = [f"{tg.fqn}: row-wise optimizer state of {c} column shards loaded as "
+                       "their mean" for tg, _ in match.load
+                       for c in [match.remap.get(id(tg), (None, 0, 1))[2]] if c > 1]
+    report.bytes_allocated = plan.nbytes
+    report.num_targets = len(plan.targets) + len(extra)
+    report.num_tensors = len(alloc.twins)
+    report.loaded = sorted({tg.fqn for tg, _ in match.load})
+    report.initialized = sorted({tg.fqn for tg in match.init})
+    report.unchanged = sorted({tg.fqn for tg in match.unchanged})
+    report.key_prefixes = dict(match.prefixes)
+    report.warnings += [w for w in plan.warnings if not _all_loaded_warning(w, report.loaded)]
+    for w in report.warnings:
+        _warnings.warn(w, stacklevel=3)
+    return report
+
+
+def _all_loaded_warning(w: str, loaded: List[str]) -> bool:
+    """A custom-init_fn warning about a table that was loaded, not initialised."""
+    return w.startswith("table ") and any(f".{w.split(chr(39))[1]}.weight" in f for f in loaded)

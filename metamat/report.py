@@ -1,12 +1,15 @@
-"""Report: what a ``materialize`` call wrote and how fast."""
+"""Report: what a ``materialize`` call wrote (or loaded) and how fast; the load progress bar."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List
+import sys
+import time
+from typing import Callable, Dict, List, Optional, Union
 
-__all__ = ["Report"]
+__all__ = ["Report", "make_progress"]
 
 PHASES = ("plan", "allocate", "fill", "register")
+LOAD_PHASES = ("open", "plan", "validate", "allocate", "fill", "read", "register")
 
 
 @dataclasses.dataclass
@@ -14,14 +17,25 @@ class Report:
     """Outcome of ``metamat.materialize``.
 
     Attributes:
-        bytes_written: bytes of model memory written (each allocated byte once).
+        bytes_written: bytes of model memory written (each allocated byte once; on the load
+            path also the bytes the loader wrote).
         bytes_allocated: bytes of new storage allocated on ``device``.
-        seconds: wall seconds per phase (plan, allocate, fill, register).
+        seconds: wall seconds per phase (init: plan, allocate, fill, register; load: open,
+            plan, validate, allocate, fill, read, register).
         device: where the tensors now live.
         num_targets: checkpointable blocks planned (table shards, optimizer state, dense).
         num_tensors: meta tensor objects replaced.
         source: "init" or "checkpoint".
         warnings: messages (e.g. tables with custom init callables).
+        checkpoint: the checkpoint's path (load path).
+        bytes_needed: checkpoint bytes this rank's blocks need (saved dtype).
+        bytes_read: bytes read from files (gaps of coalesced strided reads included).
+        read_amplification: ``bytes_read / bytes_needed``.
+        loaded: fqns (model ``state_dict`` / fused-optimizer keys) filled from the checkpoint.
+        initialized: fqns of meta tensors initialised as in the init path because the
+            checkpoint lacks them (non-strict, or optimizer state absent altogether).
+        unchanged: fqns of already-real tensors the checkpoint lacks (left as they were).
+        key_prefixes: the checkpoint key prefix chosen for model and optimizer tensors.
     """
 
     bytes_written: int = 0
@@ -32,6 +46,14 @@ class Report:
     num_tensors: int = 0
     source: str = "init"
     warnings: List[str] = dataclasses.field(default_factory=list)
+    checkpoint: Optional[str] = None
+    bytes_needed: int = 0
+    bytes_read: int = 0
+    read_amplification: float = 1.0
+    loaded: List[str] = dataclasses.field(default_factory=list)
+    initialized: List[str] = dataclasses.field(default_factory=list)
+    unchanged: List[str] = dataclasses.field(default_factory=list)
+    key_prefixes: Dict[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def total_seconds(self) -> float:
@@ -39,26 +61,87 @@ class Report:
 
     @property
     def gbps(self) -> float:
-        """Bytes written per second of the whole call, in GB/s (1e9)."""
+        """Bytes written (init) or checkpoint bytes loaded (load) per second of the whole
+        call, in GB/s (1e9)."""
         t = self.total_seconds
-        return self.bytes_written / t / 1e9 if t > 0 else 0.0
+        n = self.bytes_needed if self.source == "checkpoint" else self.bytes_written
+        return n / t / 1e9 if t > 0 else 0.0
 
     @property
     def fill_gbps(self) -> float:
         t = self.seconds.get("fill", 0.0)
         return self.bytes_written / t / 1e9 if t > 0 else 0.0
 
+    @property
+    def read_gbps(self) -> float:
+        """Checkpoint bytes needed per second of the read phase, in GB/s (1e9)."""
+        t = self.seconds.get("read", 0.0)
+        return self.bytes_needed / t / 1e9 if t > 0 else 0.0
+
     def __str__(self) -> str:
-        lines = [
-            f"metamat.materialize ({self.source}) on {self.device}: "
-            f"{self.bytes_written / 1e9:.3f} GB written, {self.num_targets} targets, "
-            f"{self.num_tensors} tensors",
-            f"  {'phase':<10}{'seconds':>10}",
-        ]
-        for p in PHASES:
-            lines.append(f"  {p:<10}{self.seconds.get(p, 0.0):>10.4f}")
-        lines.append(f"  {'total':<10}{self.total_seconds:>10.4f}   "
-                     f"{self.gbps:.2f} GB/s overall, {self.fill_gbps:.2f} GB/s fill")
+        if self.source == "checkpoint":
+            head = (f"metamat.materialize (checkpoint {self.checkpoint}) on {self.device}: "
+                    f"{self.bytes_needed / 1e9:.3f} GB needed, {self.bytes_read / 1e9:.3f} GB "
+                    f"read (amplification {self.read_amplification:.3f}), "
+                    f"{len(self.loaded)} tensors loaded, {len(self.initialized)} initialised, "
+                    f"{len(self.unchanged)} unchanged")
+        else:
+            head = (f"metamat.materialize ({self.source}) on {self.device}: "
+                    f"{self.bytes_written / 1e9:.3f} GB written, {self.num_targets} targets, "
+                    f"{self.num_tensors} tensors")
+        lines = [head, f"  {'phase':<10}{'seconds':>10}"]
+        for p, s in self.seconds.items():
+            lines.append(f"  {p:<10}{s:>10.4f}")
+        tail = f"{self.gbps:.2f} GB/s overall, "
+        tail += (f"{self.read_gbps:.2f} GB/s read" if self.source == "checkpoint"
+                 else f"{self.fill_gbps:.2f} GB/s fill")
+        lines.append(f"  {'total':<10}{self.total_seconds:>10.4f}   {tail}")
+        for name in self.initialized[:20]:
+            lines.append(f"  initialised (not in checkpoint): {name}")
+        if len(self.initialized) > 20:
+            lines.append(f"  ... and {len(self.initialized) - 20} more initialised")
+        for name in self.unchanged[:20]:
+            lines.append(f"  unchanged (not in checkpoint): {name}")
         for w in self.warnings:
             lines.append(f"  warning: {w}")
         return "\n".join(lines)
+
+
+class _Bar:
+    """A tqdm bar that appears only once the load has run for ``delay`` seconds."""
+
+    def __init__(self, delay: float = 1.0) -> None:
+        self.t0 = time.perf_counter()
+        self.delay = delay
+        self.bar = None
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.bar is None:
+            if time.perf_counter() - self.t0 < self.delay:
+                return
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=0, unit="B", unit_scale=True,
+                            desc="metamat load", leave=False)
+        self.bar.update(done - self.bar.n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def make_progress(progress: Union[None, bool, Callable[[int, int], None]], rank: int
+                  ) -> Optional[Callable[[int, int], None]]:
+    """Progress callback for the loader.
+
+    ``None`` (auto): a tqdm bar on rank 0 when stderr is a TTY, shown once the load has run
+    for a second; ``True``: the bar on rank 0 regardless of the TTY; ``False``: none; a
+    callable: called as ``progress(bytes_done, bytes_total)`` on every rank.
+    """
+    if callable(progress):
+        return progress
+    if progress is False or rank != 0:
+        return None
+    if progress is None and not (hasattr(sys.stderr, "isatty") and sys.stderr.isatty()):
+        return None
+    return _Bar(delay=1.0 if progress is None else 0.0)

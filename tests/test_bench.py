@@ -16,13 +16,14 @@ def test_bench_quick_writes_every_column(tmp_path):
                         "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "metamat Uniform" in r.stdout and "TorchRec DMP" in r.stdout
+    assert "dcp.load" in r.stdout and "read amplification" in r.stdout
     assert (tmp_path / "throughput.png").stat().st_size > 1000
     with open(tmp_path / "results.csv") as f:
         rows = list(csv.DictReader(f))
     modes = {row["mode"] for row in rows}
     sizes = sorted({int(row["nbytes"]) for row in rows if row["mode"] == "init"})
     assert sizes[-1] >= 16 * sizes[0]  # the plot spans at least 16x in size
-    assert modes == {"init", "dmp"}
+    assert modes == {"init", "dmp", "load"}
     for row in rows:
         for col in ("method", "nbytes", "seconds", "reps", "gbps", "ratio_to_baseline",
                     "pct_of_ceiling", "peak_rss_gib", "extra"):

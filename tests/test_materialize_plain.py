@@ -101,9 +101,13 @@ def test_missing_reset_is_clear_error_and_leaves_model_unchanged():
     assert _no_meta(m)
 
 
-def test_ckpt_not_implemented_and_meta_device_rejected():
-    with pytest.raises(NotImplementedError):
-        materialize(Net(), ckpt="somewhere")
+def test_missing_ckpt_and_meta_device_rejected():
+    import metamat
+
+    net = Net()
+    with pytest.raises(metamat.CheckpointError, match="somewhere"):
+        materialize(net, ckpt="somewhere")
+    assert all(p.device.type == "meta" for p in net.parameters())
     with pytest.raises(ValueError):
         materialize(Net(), device="meta")
 

@@ -66,6 +66,7 @@ class Plan:
     dense: List[DenseModule]
     warnings: List[str] = dataclasses.field(default_factory=list)
     sharded: List[Tuple[str, nn.Module]] = dataclasses.field(default_factory=list)
+    optimizer_fqns: set = dataclasses.field(default_factory=set)  # fqns of optimizer-state targets
 
     @property
     def nbytes(self) -> int:
@@ -218,7 +219,9 @@ def _table_targets(model: nn.Module, sharded: List[Tuple[str, nn.Module]],
     return targets
 
 
-def _optimizer_targets(model: nn.Module) -> List[Target]:
+def _optimizer_targets(model: nn.Module, real: bool = False) -> List[Target]:
+    """Targets of the fused optimizer's state: the meta blocks, or (``real``) the blocks
+    already on a real device (an eager model, loaded in place)."""
     fo = getattr(model, "fused_optimizer", None)
     if fo is None:
         return []
@@ -232,7 +235,7 @@ def _optimizer_targets(model: nn.Module) -> List[Target]:
             if not isinstance(value, torch.Tensor):
                 continue
             for local, offsets, gshape in _local_blocks(value):
-                if local.numel() == 0 or local.device.type != "meta":
+                if local.numel() == 0 or (local.device.type == "meta") == real:
                     continue
                 targets.append(Target(
                     fqn=f"state.{pfqn}.{sname}", key=sname, global_shape=gshape,
@@ -393,7 +396,8 @@ def build_plan(model: nn.Module, device: torch.device, init: Optional[Mapping[st
         )
     warnings: List[str] = []
     targets = _table_targets(root, sharded, init, warnings)
-    targets += _optimizer_targets(model)
+    opt_targets = _optimizer_targets(model)
+    targets += opt_targets
     values = _known_values(graph, sharded, device) if with_values else {}
     dense, dense_targets = _dense_modules(root, init, set(values) if with_values else None)
     targets += dense_targets
@@ -446,4 +450,5 @@ def build_plan(model: nn.Module, device: torch.device, init: Optional[Mapping[st
                     f"{tuple(g.tensors[0].shape)}) holds metadata metamat cannot compute; "
                     "build the model with metamat.shard_on_meta"
                 )
-    return Plan(device, graph, targets, storages, dense, warnings, sharded)
+    return Plan(device, graph, targets, storages, dense, warnings, sharded,
+                {t.fqn for t in opt_targets})
