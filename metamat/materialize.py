@@ -8,6 +8,7 @@ as it was.
 """
 from __future__ import annotations
 
+import logging
 import time
 import warnings as _warnings
 from typing import Any, Callable, List, Mapping, Optional, Union
@@ -19,6 +20,8 @@ from .report import Report, make_progress
 from .spec import Dist
 
 __all__ = ["materialize"]
+
+_log = logging.getLogger("metamat")
 
 
 def _default_device() -> torch.device:
@@ -39,6 +42,7 @@ def materialize(
     progress: Union[None, bool, Callable[[int, int], None]] = None,
     seed: int = 0,
     init: Optional[Mapping[str, Dist]] = None,
+    rename: Union[None, Mapping[str, str], Callable[[str], str]] = None,
 ) -> Report:
     """Allocate and initialise every meta tensor of ``model`` in place, or load ``ckpt``.
 
@@ -69,6 +73,11 @@ def materialize(
         seed: RNG seed; values are a pure function of (seed, table name, global row/col).
         init: fnmatch patterns of table names or parameter fqns -> metamat distributions,
             overriding the model's own init.
+        rename: model key -> checkpoint key (dict or callable), for DTensor and plain
+            models whose checkpoint names differ (TorchRec models match state_dict keys).
+
+    Models holding DTensors (tensor parallel, FSDP2) go to ``metamat.dtensor``; models with
+    TorchRec sharded modules and plain modules to ``metamat.torchrec``.
 
     Returns:
         A ``Report`` (bytes, seconds per phase, GB/s; with ``ckpt`` also bytes needed and
@@ -81,6 +90,43 @@ def materialize(
         metamat.torchrec.compat.UnsupportedError: unsupported version, kernel or module,
             raised before anything is allocated.
     """
+    report = _dispatch_dtensor(model, ckpt, device=device, strict=strict, dtype=dtype,
+                               io_threads=io_threads, staging_bytes=staging_bytes,
+                               progress=progress, seed=seed, init=init, rename=rename)
+    if report is None:
+        report = _materialize_torchrec(model, ckpt, device=device, strict=strict, dtype=dtype,
+                                       io_threads=io_threads, staging_bytes=staging_bytes,
+                                       progress=progress, seed=seed, init=init)
+    _log.info("metamat.materialize: %s", report.summary())
+    _log.debug("materialize phases: %s", report.seconds)
+    return report
+
+
+def _has_torchrec_modules(model: nn.Module) -> bool:
+    import sys
+
+    if "torchrec" not in sys.modules:  # nothing of torchrec was ever built
+        return False
+    from torchrec.distributed.types import ShardedModule
+
+    return any(isinstance(m, ShardedModule) for m in model.modules())
+
+
+def _dispatch_dtensor(model, ckpt, *, rename, **kw) -> Optional[Report]:
+    """Run the DTensor path for DTensor models (and plain models with ``rename``)."""
+    from .dtensor import has_dtensor, materialize_dtensor
+
+    if has_dtensor(model) or (rename is not None and not _has_torchrec_modules(model)):
+        return materialize_dtensor(model, ckpt, rename=rename, **kw)
+    if rename is not None:
+        raise ValueError("materialize: rename= is not supported for TorchRec models; their "
+                         "checkpoint keys are matched to state_dict() keys (with model./module. "
+                         "prefixes detected)")
+    return None
+
+
+def _materialize_torchrec(model, ckpt, *, device, strict, dtype, io_threads, staging_bytes,
+                          progress, seed, init) -> Report:
     from .torchrec.allocate import allocate
     from .torchrec.fill import fill_init
     from .torchrec.register import register

@@ -78,6 +78,14 @@ class Report:
         t = self.seconds.get("read", 0.0)
         return self.bytes_needed / t / 1e9 if t > 0 else 0.0
 
+    def summary(self) -> str:
+        """One line: what was done, how much, how fast (the INFO log line)."""
+        what = (f"loaded {self.bytes_needed / 1e9:.3f} GB from {self.checkpoint} "
+                f"(read amplification {self.read_amplification:.3f}, "
+                f"{len(self.initialized)} initialised)" if self.source == "checkpoint"
+                else f"initialised {self.bytes_written / 1e9:.3f} GB")
+        return f"{what} on {self.device} in {self.total_seconds:.3f} s ({self.gbps:.2f} GB/s)"
+
     def __str__(self) -> str:
         if self.source == "checkpoint":
             head = (f"metamat.materialize (checkpoint {self.checkpoint}) on {self.device}: "

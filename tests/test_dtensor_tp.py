@@ -125,7 +125,7 @@ def _scenarios(rank, world, d):
                      ("prefixed.safetensors", {}),
                      ("renamed.safetensors", {"rename": lambda k: "mlp/" + k})):
         m = _meta(mesh, plan_a())
-        rep = materialize_dtensor(m, os.path.join(d, name), **kw)
+        rep = metamat.materialize(m, os.path.join(d, name), **kw)  # dispatches to DTensor
         got = _state(m)
         assert all(torch.equal(got[k], full[k]) for k in full), name
         assert isinstance(m.net1.weight, nn.Parameter) and isinstance(m.net1.weight.data, DTensor)

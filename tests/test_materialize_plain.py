@@ -117,3 +117,13 @@ def test_report_str_has_phases():
     s = str(rep)
     for p in ("plan", "allocate", "fill", "register", "GB/s"):
         assert p in s
+
+
+def test_materialize_logs_one_info_line(caplog):
+    import logging
+
+    m = torch.nn.Linear(8, 4, device="meta")
+    with caplog.at_level(logging.INFO, logger="metamat"):
+        metamat.materialize(m, device="cpu")
+    lines = [r for r in caplog.records if r.name == "metamat" and r.levelno == logging.INFO]
+    assert len(lines) == 1 and "initialised" in lines[0].getMessage()
