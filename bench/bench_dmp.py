@@ -79,7 +79,7 @@ def _rank(rank: int, world: int, method: str, per_rank: int, n_tables: int, dim:
         else:
             model = metamat.shard_on_meta(ebc, env=env, plan=plan)
             report = metamat.materialize(model, device=torch.device("cpu"), seed=0)
-            local_bytes = report.bytes_written
+            local_bytes = report.bytes_allocated  # the rank's model bytes (TorchRec's too)
         times.append(time.perf_counter() - t0)
         del model, ebc
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20

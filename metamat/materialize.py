@@ -221,7 +221,8 @@ def _materialize_from_checkpoint(model, ckpt, *, device, strict, dtype, io_threa
     from .checkpoint import Checkpoint, open_checkpoint
     from .fill_load import execute_plan, plan_load, validate_destination
     from .torchrec.allocate import allocate
-    from .torchrec.fill import _fill_dense, _table_targets, fill_support, fill_targets
+    from .torchrec.fill import (_fill_dense, _table_targets, fill_support, fill_targets,
+                                needs_write)
     from .torchrec.load import finish, inplace_targets, match_keys
     from .torchrec.register import register
     from .torchrec.walk import build_plan
@@ -266,8 +267,8 @@ def _materialize_from_checkpoint(model, ckpt, *, device, strict, dtype, io_threa
         with torch.no_grad():
             written += _fill_dense(plan, alloc, seed)  # loaded dense tensors are overwritten
         init_ids = {id(tg) for tg in match.init}
-        written += fill_targets([tg for tg in _table_targets(plan, alloc) if id(tg) in init_ids],
-                                seed)
+        written += fill_targets(needs_write([tg for tg in _table_targets(plan, alloc)
+                                             if id(tg) in init_ids], alloc), seed)
         sec["fill"] = time.perf_counter() - t
         t = time.perf_counter()
         load_targets, means = match.renamed()

@@ -72,8 +72,10 @@ def test_shard_on_meta_allocates_nothing_and_materialize_peak_is_shard_bytes():
     res = run_dist(worker_memory, 2)
     for r in res:
         local = r["allocated"]
-        assert local > 100e6  # each rank holds ~1.5 tables (RW halves + one TW)
-        assert r["written"] == local
+        # each rank holds ~1.5 tables (RW halves + one TW) plus row-wise momentum; never the
+        # unsharded tables TorchRec's sharding infos keep on meta (4 tables = 307 MB)
+        assert 153e6 < local < 160e6, r
+        assert r["written"] <= local  # zero-born momentum pages need no write
         assert r["shard_delta"] < 40e6, r  # no table memory while sharding
         assert r["peak_delta"] < local + 64e6, r  # no second copy, no zeros pass buffer
         assert r["peak_delta"] > 0.8 * local, r  # and the pages really were written

@@ -8,11 +8,12 @@ here: the twins are swapped in by the register stage. Memory is allocated, not t
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict
+from typing import Dict, Set
 
 import torch
 from torch import nn
 
+from ..allocate import LAZY_ZERO_MIN_BYTES, zeroed_cpu_storage
 from .walk import Plan, storage_key
 
 __all__ = ["Allocation", "allocate"]
@@ -24,6 +25,7 @@ class Allocation:
     storages: Dict[int, torch.UntypedStorage]
     twins: Dict[int, torch.Tensor]  # id(old meta tensor) -> new tensor object
     target_storage: Dict[int, int] = dataclasses.field(default_factory=dict)  # id(Target) -> meta storage key
+    zeroed: Set[int] = dataclasses.field(default_factory=set)  # keys of storages born zero
 
     def view(self, old: torch.Tensor) -> torch.Tensor:
         """A real tensor viewing the new storage exactly as ``old`` views its meta one."""
@@ -55,8 +57,14 @@ def allocate(plan: Plan) -> Allocation:
 
     Target tensors are replaced by real views (the plan's meta views are dropped).
     """
-    storages = {k: torch.UntypedStorage(g.nbytes, device=plan.device) for k, g in plan.storages.items()}
-    alloc = Allocation(plan.device, storages, {})
+    storages, zeroed = {}, set()
+    for k, g in plan.storages.items():
+        if plan.device.type == "cpu" and g.nbytes >= LAZY_ZERO_MIN_BYTES:
+            storages[k] = zeroed_cpu_storage(g.nbytes)  # zero pages on demand: no zero pass
+            zeroed.add(k)
+        else:
+            storages[k] = torch.UntypedStorage(g.nbytes, device=plan.device)
+    alloc = Allocation(plan.device, storages, {}, zeroed=zeroed)
     for t in plan.graph.meta_tensors():
         alloc.twins[id(t)] = _twin(alloc, t)
     # Copy the python-side state (dict, slots) of tensor subclasses, mapping tensors to twins.

@@ -14,11 +14,12 @@ from typing import Dict, List, Tuple
 
 import torch
 
+from ..allocate import is_zero_dist
 from ..plan import Target
 from .allocate import Allocation
 from .walk import Plan
 
-__all__ = ["fill_init", "fill_support", "fill_targets"]
+__all__ = ["fill_init", "fill_support", "fill_targets", "needs_write"]
 
 
 def _module_seed(seed: int, fqn: str) -> int:
@@ -60,6 +61,8 @@ def fill_support(plan: Plan, alloc: Allocation) -> int:
         covered.setdefault(k, []).append((lo, lo + tg.tensor.numel() * isz))
     with torch.no_grad():
         for k, g in plan.storages.items():
+            if g.kind in ("targets", "zeros") and k in alloc.zeroed:
+                continue  # born zero (allocate.py): gaps and zero storages need no write
             if g.kind == "targets":
                 written += _zero_gaps(alloc, k, covered.get(k, []))
             elif g.kind == "zeros":
@@ -97,12 +100,19 @@ def fill_targets(targets: List[Target], seed: int) -> int:
     return written
 
 
+def needs_write(targets: List[Target], alloc: Allocation) -> List[Target]:
+    """Drop the targets whose value is zero and whose storage was born zero."""
+    return [tg for tg in targets
+            if not (tg.init_fn is None and is_zero_dist(tg.dist)
+                    and alloc.target_storage.get(id(tg)) in alloc.zeroed)]
+
+
 def fill_init(plan: Plan, alloc: Allocation, seed: int) -> int:
     """Initialise every allocated storage of ``plan`` (the init path). Returns bytes
     written. The load path replaces ``fill_targets`` by the checkpoint loader and keeps
     ``fill_support`` (metadata, gaps) and ``fill_dense`` for anything not loaded."""
     written = fill_support(plan, alloc)
-    written += fill_targets(_table_targets(plan, alloc), seed)
+    written += fill_targets(needs_write(_table_targets(plan, alloc), alloc), seed)
     with torch.no_grad():
         written += _fill_dense(plan, alloc, seed)
     return written

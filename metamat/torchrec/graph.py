@@ -56,6 +56,12 @@ class Slot:
             raise TypeError(f"cannot replace an element of an immutable {type(self.holder).__name__}")
 
 
+# TorchRec's EmbeddingShardingInfo keeps the *unsharded* construction-time parameter
+# (`.param`, full table size). It is not model state: eager TorchRec leaves it on meta too.
+# Materializing it would cost every rank a full copy of every table.
+_UNWALKED_TYPES = frozenset({"EmbeddingShardingInfo"})
+
+
 def is_wrapper_tensor(t: torch.Tensor) -> bool:
     """ShardedTensor/DTensor: a tensor object without storage of its own."""
     return hasattr(t, "_local_shards") or hasattr(t, "_local_tensor")
@@ -153,7 +159,7 @@ def scan(root: Any, *extra_roots: Any) -> Graph:
         if isinstance(obj, torch.Tensor) and not is_wrapper_tensor(obj) and type(obj) is torch.Tensor:
             continue  # plain tensors hold nothing else worth walking
         for kind, key, child in _children(obj):
-            if isinstance(child, _LEAF_TYPES):
+            if isinstance(child, _LEAF_TYPES) or type(child).__name__ in _UNWALKED_TYPES:
                 continue
             if isinstance(child, torch.Tensor) or isinstance(child, (dict, list, tuple, set, frozenset)) \
                     or _walkable_object(child):
