@@ -1,7 +1,8 @@
 """--mode load: load a DCP checkpoint into the bench_dmp model (~2 GiB/rank, 2 gloo ranks)
 three ways, in the same run:
 
-* TorchRec eager DMP + ``dcp.load`` (the baseline);
+* TorchRec eager DMP + ``dcp.load`` (the baseline: building the eager DMP is timed too, as
+  metamat's time includes sharding on meta; "dcp.load only" times the load alone);
 * eager DMP + ``torch.load(mmap=True)`` of each rank's own torch.save'd local shards +
   ``copy_`` into the existing tensors (the "already laid out per rank" upper bound);
 * ``shard_on_meta`` + ``metamat.materialize(model, ckpt)`` (plan, allocate, read, register;
@@ -116,7 +117,7 @@ def _rank(rank: int, world: int, method: str, per_rank: int, n_tables: int, dim:
     start_rss = _rss_gib()
     ckpt = os.path.join(root, "dcp")
     mine = os.path.join(root, f"rank{rank}.pt")
-    model = _eager(world, cfgs) if method != "metamat" else None
+    model = _eager(world, cfgs) if method in ("dcp_only", "torch_load") else None
     times, amp, how, nbytes = [], float("nan"), "warm", 0
     for _ in range(reps):
         if cold and rank == 0:
@@ -124,6 +125,12 @@ def _rank(rank: int, world: int, method: str, per_rank: int, n_tables: int, dim:
         dist.barrier()
         t0 = time.perf_counter()
         if method == "dcp":
+            model = None
+            gc.collect()  # DMP holds reference cycles: free the previous rep's model first
+            t0 = time.perf_counter()
+            model = _eager(world, cfgs)
+            dcp.load(model.state_dict(), checkpoint_id=ckpt)
+        elif method == "dcp_only":
             dcp.load(model.state_dict(), checkpoint_id=ckpt)
         elif method == "torch_load":
             saved = torch.load(mine, mmap=True, weights_only=True)
@@ -135,6 +142,7 @@ def _rank(rank: int, world: int, method: str, per_rank: int, n_tables: int, dim:
         else:
             model = None
             gc.collect()  # DMP holds reference cycles: free the previous rep's model first
+            t0 = time.perf_counter()
             ebc = EmbeddingBagCollection(tables=cfgs, device=torch.device("meta"))
             model = metamat.shard_on_meta(ebc, plan=build_plan(ebc, world))
             rep = metamat.materialize(model, ckpt, device="cpu", progress=False)
@@ -163,6 +171,7 @@ def run_load(a, device: torch.device) -> List[Row]:
         rows = [Row("load", "memcpy (copy_ of the same bytes)", nbytes, memcpy_s, a.reps,
                     peak_rss_gib=2 * nbytes / 2**30, extra="ceiling; RSS = src + dst buffers")]
         labels = (("dcp", "TorchRec eager DMP + dcp.load"),
+                  ("dcp_only", "dcp.load only (into eager DMP)"),
                   ("torch_load", "torch.load(mmap)+copy_ (per rank)"),
                   ("metamat", "metamat shard_on_meta+materialize"))
         for method, label in labels:

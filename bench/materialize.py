@@ -17,12 +17,12 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _common import env_header, write_csv  # noqa: E402
 
-MODES = ("init", "dmp", "load")
+MODES = ("init", "dmp", "load")  # "all"; "tp" (DTensor tensor parallel) runs on its own
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mode", choices=MODES + ("all",), default="all")
+    p.add_argument("--mode", choices=MODES + ("tp", "all"), default="all")
     p.add_argument("--quick", action="store_true", help="small sizes, 3 reps (for CI)")
     p.add_argument("--size-gib", type=float, default=2.0, help="bytes per rank to fill or load")
     p.add_argument("--tables", type=int, default=5, help="embedding tables (dmp, load)")
@@ -61,6 +61,9 @@ def main(argv=None) -> int:
         elif mode == "load":
             from bench_load import run_load
             rows += run_load(a, device)
+        elif mode == "tp":
+            from bench_tp import run_tp
+            rows += run_tp(a, device)
     if a.out and rows:
         from _plot import plot
         write_csv(os.path.join(a.out, "results.csv"), rows)

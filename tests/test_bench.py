@@ -29,3 +29,16 @@ def test_bench_quick_writes_every_column(tmp_path):
                     "pct_of_ceiling", "peak_rss_gib", "extra"):
             assert row[col] not in ("", "nan"), (row["method"], col)
         assert float(row["gbps"]) > 0 and math.isfinite(float(row["seconds"]))
+
+
+@pytest.mark.multiprocess
+def test_bench_tp_quick(tmp_path):
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "materialize.py"), "--quick",
+                        "--mode", "tp", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    with open(tmp_path / "results.csv") as f:
+        rows = list(csv.DictReader(f))
+    methods = {row["method"] for row in rows}
+    assert any("metamat" in m for m in methods) and any("dcp.load" in m for m in methods)
+    assert all(float(row["gbps"]) > 0 for row in rows)
