@@ -208,9 +208,9 @@ def validate_destination(t: Target) -> None:
     x = t.tensor
     if not isinstance(x, torch.Tensor):
         raise DestinationError("target has no allocated tensor", tensor=t.fqn)
-    if x.device.type != "cpu":
-        raise DestinationError(f"destination on {x.device}: only CPU destinations are "
-                               "supported by the loader for now", tensor=t.fqn)
+    if x.device.type not in ("cpu", "cuda"):
+        raise DestinationError(f"destination on {x.device}: the loader writes CPU and CUDA "
+                               "tensors", tensor=t.fqn)
     if x.dtype != t.dtype:
         raise DestinationError(f"destination dtype {x.dtype} != target dtype {t.dtype}",
                                tensor=t.fqn)
@@ -430,19 +430,22 @@ def execute_plan(plan: LoadPlan, *, io_threads: Optional[int] = None,
 def load_targets(targets: Sequence[Target], ckpt: Checkpoint, *, strict: bool = True,
                  dtype: Union[None, str, torch.dtype] = None, io_threads: Optional[int] = None,
                  staging_bytes: int = 256 << 20,
-                 progress: Optional[Callable[[int, int], None]] = None) -> LoadStats:
+                 progress: Optional[Callable[[int, int], None]] = None,
+                 staged: bool = False) -> LoadStats:
     """Fill each target's ``tensor`` with its block of the checkpoint tensor ``target.fqn``.
 
     Everything is validated (see :func:`plan_load`) before the first byte is written, so a
     failed validation leaves every destination as it was.
 
     Args:
-        targets: allocated targets (``tensor`` set, CPU).
+        targets: allocated targets (``tensor`` set, CPU or CUDA; CUDA destinations go
+            through a ring of pinned staging buffers and asynchronous copies).
         ckpt: an opened checkpoint (:func:`metamat.checkpoint.open_checkpoint`).
         strict: missing fqns raise :class:`MissingTensorError`; else they are returned in
             ``LoadStats.missing`` for the caller to initialise.
         dtype: conversion policy (module docstring).
         io_threads, staging_bytes, progress: see :func:`execute_plan`.
+        staged: force the staging pipeline for CPU destinations too (tests).
 
     Returns:
         :class:`LoadStats`.
@@ -452,8 +455,13 @@ def load_targets(targets: Sequence[Target], ckpt: Checkpoint, *, strict: bool = 
     """
     t0 = time.perf_counter()
     plan = plan_load(targets, ckpt, strict=strict, dtype=dtype)
-    nread = execute_plan(plan, io_threads=io_threads, staging_bytes=staging_bytes,
-                         progress=progress)
+    if staged or any(t.tensor.device.type != "cpu" for t in plan.targets):
+        from .fill_load_staged import execute_plan_staged  # pinned ring -> device copies
+        nread = execute_plan_staged(plan, io_threads=int(io_threads or default_io_threads()),
+                                    staging_bytes=staging_bytes, progress=progress)
+    else:
+        nread = execute_plan(plan, io_threads=io_threads, staging_bytes=staging_bytes,
+                             progress=progress)
     secs = time.perf_counter() - t0
     return LoadStats(bytes_needed=plan.bytes_needed, bytes_read=nread,
                      read_amplification=(nread / plan.bytes_needed) if plan.bytes_needed else 1.0,
