@@ -6,6 +6,7 @@ before the model is built) belongs to that method alone.
 """
 from __future__ import annotations
 
+import gc
 import os
 import statistics
 import sys
@@ -70,6 +71,7 @@ def _rank(rank: int, world: int, method: str, per_rank: int, n_tables: int, dim:
     start_rss = _rss_gib()
     times, local_bytes = [], 0
     for _ in range(reps):
+        gc.collect()  # DMP holds reference cycles: the previous rep's model goes first
         dist.barrier()
         t0 = time.perf_counter()
         ebc = EmbeddingBagCollection(tables=cfgs, device=torch.device("meta"))
