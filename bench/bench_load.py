@@ -6,7 +6,10 @@ three ways, in the same run:
 * eager DMP + ``torch.load(mmap=True)`` of each rank's own torch.save'd local shards +
   ``copy_`` into the existing tensors (the "already laid out per rank" upper bound);
 * ``shard_on_meta`` + ``metamat.materialize(model, ckpt)`` (plan, allocate, read, register;
-  the timed region includes sharding on meta).
+  the timed region includes sharding on meta);
+* the same with ``verify=True`` (every byte read checked against the checkpoint's xxh3
+  sidecar while streaming; the sidecar is written once after saving, not timed). Its row
+  reports the overhead over the row without verification.
 
 The checkpoint is written once by an eager DMP (one process group, which also measures the
 memcpy ceiling: a ``copy_`` of the same bytes). Each method then runs in its own rank
@@ -126,7 +129,7 @@ def _rank(rank: int, world: int, method: str, per_rank: int, n_tables: int, dim:
     ckpt = os.path.join(root, "dcp")
     mine = os.path.join(root, f"rank{rank}.pt")
     model = _eager(world, cfgs) if method in ("dcp_only", "torch_load") else None
-    times, amp, how, nbytes = [], float("nan"), "warm", 0
+    times, amp, how, nbytes, reads = [], float("nan"), "warm", 0, []
     for _ in range(reps):
         if cold and rank == 0:
             how = drop_cache([ckpt] + [os.path.join(root, f"rank{r}.pt") for r in range(world)])
@@ -153,14 +156,17 @@ def _rank(rank: int, world: int, method: str, per_rank: int, n_tables: int, dim:
             t0 = time.perf_counter()
             ebc = EmbeddingBagCollection(tables=cfgs, device=torch.device("meta"))
             model = metamat.shard_on_meta(ebc, plan=build_plan(ebc, world))
-            rep = metamat.materialize(model, ckpt, device="cpu", progress=False)
+            rep = metamat.materialize(model, ckpt, device="cpu", progress=False,
+                                      verify=method == "metamat_verify")
             amp, nbytes = rep.read_amplification, rep.bytes_needed
+            reads.append(rep.seconds["read"])
         times.append(time.perf_counter() - t0)
-    if method != "metamat":
+    if not method.startswith("metamat"):
         nbytes = sum(t.numel() * t.element_size() for t in _local_shards(model).values())
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     return {"median_s": statistics.median(times), "peak_rss_growth": peak - start_rss,
-            "bytes": nbytes, "amp": amp, "cache": how}
+            "bytes": nbytes, "amp": amp, "cache": how,
+            "read_s": statistics.median(reads) if reads else float("nan")}
 
 
 def run_load(a, device: torch.device) -> List[Row]:
@@ -174,6 +180,8 @@ def run_load(a, device: torch.device) -> List[Row]:
     cold = bool(getattr(a, "cold", False))
     try:
         saved = run_dist(_save, a.ranks, per_rank, a.tables, a.dim, a.dtype, threads, root, a.reps)
+        from metamat.checkpoint.checksum import write_manifest
+        write_manifest(os.path.join(root, "dcp"))  # once, untimed: the verify row uses it
         nbytes = max(r["bytes"] for r in saved)
         memcpy_s = max(r["memcpy_s"] for r in saved)
         rows = [Row("load", "memcpy (copy_ of the same bytes)", nbytes, memcpy_s, a.reps,
@@ -184,13 +192,21 @@ def run_load(a, device: torch.device) -> List[Row]:
         labels = (("dcp", "TorchRec eager DMP + dcp.load"),
                   ("dcp_only", "dcp.load only (into eager DMP)"),
                   ("torch_load", "torch.load(mmap)+copy_ (per rank)"),
-                  ("metamat", "metamat shard_on_meta+materialize"))
+                  ("metamat", "metamat shard_on_meta+materialize"),
+                  ("metamat_verify", "metamat materialize verify=True"))
         for method, label in labels:
             res = run_dist(_rank, a.ranks, method, per_rank, a.tables, a.dim, a.reps, a.dtype,
                            threads, root, cold)
             extra = f"{a.ranks} ranks, {'cold: ' + res[0]['cache'] if cold else 'warm'} cache"
-            if method == "metamat":
+            if method.startswith("metamat"):
                 extra += f", read amplification {max(r['amp'] for r in res):.3f}"
+            if method == "metamat":
+                plain, plain_read = (max(r["median_s"] for r in res),
+                                     max(r["read_s"] for r in res))
+            if method == "metamat_verify":  # runs after "metamat"
+                t, t_read = max(r["median_s"] for r in res), max(r["read_s"] for r in res)
+                extra += (f", verify overhead {t / plain - 1:+.1%} total, "
+                          f"{t_read / plain_read - 1:+.1%} read phase")
             rows.append(Row("load", label, max(r["bytes"] for r in res),
                             max(r["median_s"] for r in res), a.reps,
                             peak_rss_gib=max(r["peak_rss_growth"] for r in res), extra=extra))

@@ -2,8 +2,11 @@
 
     python -m metamat inspect CKPT [--json]
     python -m metamat plan CKPT --world-size N --sharding row_wise [--rank R] [--json]
+    python -m metamat checksum CKPT [--block-bytes N] [--json]   # write the sidecar manifest
+    python -m metamat checksum CKPT --verify [--json]            # check the files against it
 
-Exit codes: 0 ok, 2 bad usage, 1 bad checkpoint (the CheckpointError message is printed).
+Exit codes: 0 ok, 2 bad usage, 1 bad checkpoint (the CheckpointError message is printed;
+for ``checksum --verify`` also a missing manifest or bytes that differ from it).
 """
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import json
 import os
 import re
 import sys
+import time
 from typing import Dict, List
 
 import torch
@@ -122,6 +126,42 @@ def _print_plan(info: Dict) -> None:
               f"{x['read_amplification']:>7.3f}{x['ops']:>7}  {', '.join(x['files'])}")
 
 
+def checksum_info(path: str, block_bytes: int, verify: bool) -> Dict:
+    """Write (or, ``verify``, check) the checksum sidecar of ``path``.
+
+    Raises:
+        CheckpointError: the checkpoint does not open; ``verify``: no manifest
+            (MissingFileError naming it), or bytes differ (ChecksumMismatchError).
+    """
+    from .checkpoint.checksum import (read_manifest, sidecar_path, verify_manifest,
+                                      write_manifest)
+
+    if verify:
+        m = read_manifest(path)
+        t = time.perf_counter()
+        hashed = verify_manifest(m).bytes_hashed
+        secs = time.perf_counter() - t
+        side = sidecar_path(path)
+    else:
+        with open_checkpoint(path) as ckpt:
+            t = time.perf_counter()  # hashing and writing, not parsing the metadata
+            side = write_manifest(ckpt, block_bytes=block_bytes)
+            secs = time.perf_counter() - t
+        m = read_manifest(side)
+        hashed = sum(c.nbytes for c in m.chunks)
+    return {"manifest": side, "verified" if verify else "written": True,
+            "chunks": len(m.chunks), "files": len(m.files), "block_bytes": m.block_bytes,
+            "bytes_hashed": hashed, "seconds": secs,
+            "gbps": hashed / secs / 1e9 if secs > 0 else 0.0}
+
+
+def _print_checksum(info: Dict) -> None:
+    what = "verified" if info.get("verified") else "wrote"
+    print(f"{what} {info['manifest']}: {info['chunks']} chunk(s) in {info['files']} file(s), "
+          f"{info['bytes_hashed'] / 1e6:.1f} MB hashed in {info['seconds']:.3f} s "
+          f"({info['gbps']:.2f} GB/s), {info['block_bytes']} B blocks")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m metamat", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -135,7 +175,32 @@ def main(argv=None) -> int:
     pp.add_argument("--sharding", choices=SHARDINGS, default="row_wise")
     pp.add_argument("--rank", type=int, default=None, help="one rank (default: all)")
     pp.add_argument("--json", action="store_true")
+    pc = sub.add_parser("checksum", help="write (or --verify) the xxh3 checksum sidecar")
+    pc.add_argument("ckpt")
+    pc.add_argument("--block-bytes", type=int, default=None,
+                    help="bytes per digest (default 4 MiB; writing only)")
+    pc.add_argument("--verify", action="store_true",
+                    help="check the files against an existing manifest instead of writing one")
+    pc.add_argument("--json", action="store_true")
     a = p.parse_args(argv)
+    if a.cmd == "checksum":
+        from .checkpoint.checksum import DEFAULT_BLOCK_BYTES
+        if a.verify and a.block_bytes is not None:
+            p.error("--block-bytes applies when writing a manifest, not with --verify")
+        if a.block_bytes is not None and a.block_bytes <= 0:
+            p.error("--block-bytes must be positive")
+        try:
+            info = checksum_info(a.ckpt, a.block_bytes or DEFAULT_BLOCK_BYTES, a.verify)
+        except CheckpointError as e:
+            from .checkpoint import ChecksumMismatchError
+            what = "checksum mismatch" if isinstance(e, ChecksumMismatchError) else "bad checkpoint"
+            print(f"metamat: {what}: {e}", file=sys.stderr)
+            return 1
+        if a.json:
+            print(json.dumps(info, indent=1))
+        else:
+            _print_checksum(info)
+        return 0
     if a.cmd == "plan":
         if a.world_size < 1:
             p.error("--world-size must be >= 1")

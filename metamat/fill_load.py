@@ -10,7 +10,10 @@ Two steps, kept apart so the first is testable alone:
    slice of a wider chunk). Adjacent runs are merged.
 2. :func:`execute_plan` hands the ops to the C++ reader (``metamat._C.read_ops``: a pread
    thread pool writing straight into the destination memory, converting fp32 <-> fp16/bf16 in
-   the copy loop). :func:`load_targets` does both.
+   the copy loop) in batches of :data:`BATCH_BYTES`, so a KeyboardInterrupt lands between
+   batches with no reader thread left. :func:`load_targets` does both. With ``verify``,
+   every block of the checkpoint the reads touch is checked against its checksum manifest
+   while streaming (:mod:`metamat.fill_verify`).
 
 Dtype policy (``dtype`` argument): ``None``/``"auto"`` (default) loads a saved dtype into the
 same dtype bit-exactly and converts between float32, float16 and bfloat16 (round to nearest
@@ -88,6 +91,8 @@ class LoadPlan:
     ops: List[ReadOp]
     missing: List[Target] = field(default_factory=list)
     bytes_needed: int = 0
+    verified_bytes: int = 0  # set by a verifying execute_plan: checkpoint bytes checked
+    reread_bytes: int = 0  # ... of which read again from the files to complete blocks
 
 
 @dataclass
@@ -102,6 +107,10 @@ class LoadStats:
         missing: targets not in the checkpoint (non-strict); the caller initialises them.
         loaded: number of targets filled.
         ops: number of read ops executed.
+        bytes_verified: checkpoint bytes checked against the checksum manifest
+            (``verify=True``: the blocks the reads touched).
+        bytes_reread: of those, bytes read again from the files (block ends beyond what was
+            needed, strided or converted reads).
     """
 
     bytes_needed: int = 0
@@ -111,6 +120,8 @@ class LoadStats:
     missing: List[Target] = field(default_factory=list)
     loaded: int = 0
     ops: int = 0
+    bytes_verified: int = 0
+    bytes_reread: int = 0
 
     @property
     def gbps(self) -> float:
@@ -378,10 +389,43 @@ def default_io_threads() -> int:
     return max(1, min(8, os.cpu_count() or 1))
 
 
+#: Reads run in batches of about this many source bytes (8 reader tasks of 8 MiB): a
+#: KeyboardInterrupt lands between batches (the C++ reader holds no GIL and joins its threads
+#: before returning, so none is left running), progress is reported and a verifying load
+#: checks the blocks each batch completed.
+BATCH_BYTES = 64 << 20
+
+
+def _batches(ops: Sequence[ReadOp], batch_bytes: int) -> List[List[ReadOp]]:
+    """Ops grouped into consecutive batches of at most ``batch_bytes`` source bytes (a
+    single op bigger than that is cut by rows, or inside its row, first)."""
+    from .fill_load_staged import split_ops
+
+    out: List[List[ReadOp]] = []
+    cur: List[ReadOp] = []
+    acc = 0
+    for op in ops:
+        if op.src_bytes > batch_bytes:
+            # split_ops cuts by destination bytes; scale so the source pieces fit
+            cap = max(1, batch_bytes * itemsize(op.dst_dtype) // itemsize(op.src_dtype))
+            pieces = split_ops([op], cap)
+        else:
+            pieces = [op]
+        for p in pieces:
+            if cur and acc + p.src_bytes > batch_bytes:
+                out.append(cur)
+                cur, acc = [], 0
+            cur.append(p)
+            acc += p.src_bytes
+    if cur:
+        out.append(cur)
+    return out
+
+
 def execute_plan(plan: LoadPlan, *, io_threads: Optional[int] = None,
                  staging_bytes: int = 256 << 20,
                  progress: Optional[Callable[[int, int], None]] = None,
-                 coalesce_gap: int = 4096) -> int:
+                 coalesce_gap: int = 4096, verify=None) -> int:
     """Run ``plan``'s reads into its targets' tensors; returns the bytes read from files.
 
     Args:
@@ -389,11 +433,17 @@ def execute_plan(plan: LoadPlan, *, io_threads: Optional[int] = None,
         staging_bytes: total bounce-buffer budget (split across threads, 1-8 MiB each); used
             for dtype conversion and coalesced strided reads.
         progress: called as ``progress(bytes_done, bytes_total)`` (source bytes) between
-            batches of about 256 MiB.
+            batches (:data:`BATCH_BYTES`).
         coalesce_gap: strided rows separated by at most this many bytes are read as one span.
+        verify: None, or a :class:`metamat.checkpoint.checksum.Manifest`: every block of
+            the checkpoint the reads touch is checked against it as soon as the batch that
+            completes it has run (see :mod:`metamat.fill_verify`).
 
     Raises:
         ReadError: an I/O error or short read (destinations may be partly written).
+        ChecksumMismatchError: ``verify`` and a block differs (destinations may be partly
+            written).
+        KeyboardInterrupt: between batches; no reader thread is left running.
         ExtensionNotBuiltError: metamat._C is missing.
     """
     from ._ext import core
@@ -403,25 +453,26 @@ def execute_plan(plan: LoadPlan, *, io_threads: Optional[int] = None,
         raise ValueError("io_threads must be >= 1")
     bounce = max(1 << 20, min(8 << 20, int(staging_bytes) // threads))
     total = sum(o.src_bytes for o in plan.ops)
-    batch_bytes = 256 << 20 if progress is not None else max(total, 1)
-    done = read = 0
-    i = 0
-    ops = plan.ops
-    while i < len(ops):
-        j, acc = i, 0
-        while j < len(ops) and (acc == 0 or acc + ops[j].src_bytes <= batch_bytes):
-            acc += ops[j].src_bytes
-            j += 1
-        arr = _op_array(plan, ops[i:j])
+
+    def run_cpp(ops) -> int:
+        arr = _op_array(plan, ops)
         ok, err, failed, nread, _wrote = C.read_ops(
             plan.files, arr.ctypes.data, len(arr), threads, 8 << 20, bounce, coalesce_gap)
-        read += nread
         if not ok:
-            k = i + failed if failed >= 0 else None
-            name = plan.targets[ops[k].dst_index].fqn if k is not None else None
+            name = plan.targets[ops[failed].dst_index].fqn if failed >= 0 else None
             raise ReadError(err, tensor=name)
-        done += acc
-        i = j
+        return nread
+
+    if verify is not None:
+        from .fill_verify import execute_verified
+        read, plan.verified_bytes, plan.reread_bytes = execute_verified(
+            plan, verify, threads=threads, run_cpp=run_cpp, batch_bytes=BATCH_BYTES,
+            progress=progress)
+        return read
+    done = read = 0
+    for ops in _batches(plan.ops, BATCH_BYTES):
+        read += run_cpp(ops)
+        done += sum(o.src_bytes for o in ops)
         if progress is not None:
             progress(done, total)
     return read
@@ -431,7 +482,7 @@ def load_targets(targets: Sequence[Target], ckpt: Checkpoint, *, strict: bool = 
                  dtype: Union[None, str, torch.dtype] = None, io_threads: Optional[int] = None,
                  staging_bytes: int = 256 << 20,
                  progress: Optional[Callable[[int, int], None]] = None,
-                 staged: bool = False) -> LoadStats:
+                 staged: bool = False, verify=False) -> LoadStats:
     """Fill each target's ``tensor`` with its block of the checkpoint tensor ``target.fqn``.
 
     Everything is validated (see :func:`plan_load`) before the first byte is written, so a
@@ -446,24 +497,51 @@ def load_targets(targets: Sequence[Target], ckpt: Checkpoint, *, strict: bool = 
         dtype: conversion policy (module docstring).
         io_threads, staging_bytes, progress: see :func:`execute_plan`.
         staged: force the staging pipeline for CPU destinations too (tests).
+        verify: False; True to check every byte read against the checkpoint's checksum
+            manifest (its sidecar, :func:`metamat.checkpoint.checksum.write_manifest`) while
+            streaming; or an already read ``Manifest``.
 
     Returns:
         :class:`LoadStats`.
 
     Raises:
         CheckpointError subclasses (validation, or ReadError during the reads).
+        MissingFileError: ``verify=True`` and no manifest (named), before any read.
+        ChecksumMismatchError: ``verify`` and bytes differ from the manifest (destinations
+            may be partly written).
     """
     t0 = time.perf_counter()
+    manifest = resolve_manifest(ckpt, verify)
     plan = plan_load(targets, ckpt, strict=strict, dtype=dtype)
     if staged or any(t.tensor.device.type != "cpu" for t in plan.targets):
         from .fill_load_staged import execute_plan_staged  # pinned ring -> device copies
         nread = execute_plan_staged(plan, io_threads=int(io_threads or default_io_threads()),
-                                    staging_bytes=staging_bytes, progress=progress)
+                                    staging_bytes=staging_bytes, progress=progress,
+                                    verify=manifest)
     else:
         nread = execute_plan(plan, io_threads=io_threads, staging_bytes=staging_bytes,
-                             progress=progress)
+                             progress=progress, verify=manifest)
     secs = time.perf_counter() - t0
     return LoadStats(bytes_needed=plan.bytes_needed, bytes_read=nread,
                      read_amplification=(nread / plan.bytes_needed) if plan.bytes_needed else 1.0,
                      seconds=secs, missing=plan.missing, loaded=len(plan.targets),
-                     ops=len(plan.ops))
+                     ops=len(plan.ops), bytes_verified=plan.verified_bytes,
+                     bytes_reread=plan.reread_bytes)
+
+
+def resolve_manifest(ckpt: Checkpoint, verify):
+    """``verify`` argument -> a Manifest or None (True: read the checkpoint's sidecar).
+
+    Raises:
+        MissingFileError: True and there is no sidecar (the message names its path).
+        InvalidHeaderError: the sidecar does not parse.
+    """
+    if verify is None or verify is False:
+        return None
+    if verify is True:
+        from .fill_verify import load_manifest
+        return load_manifest(ckpt)
+    from .checkpoint.checksum import Manifest
+    if isinstance(verify, Manifest):
+        return verify
+    raise TypeError(f"verify must be a bool or a Manifest, got {type(verify).__name__}")

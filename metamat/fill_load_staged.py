@@ -80,15 +80,19 @@ def _dst_view(t: torch.Tensor, op) -> torch.Tensor:
 
 def execute_plan_staged(plan, *, io_threads: int, staging_bytes: int = 256 << 20, ring: int = 2,
                         progress: Optional[Callable[[int, int], None]] = None,
-                        coalesce_gap: int = 4096) -> int:
+                        coalesce_gap: int = 4096, verify=None) -> int:
     """Run ``plan`` (see ``metamat.fill_load``) through staging buffers; returns bytes read.
 
     Args:
         staging_bytes: host memory for the ring (split into ``ring`` buffers).
         ring: number of buffers (2: read one while the other is copied).
+        verify: None or a checksum ``Manifest``: each staged chunk is checked (its bytes
+            hashed in the staging buffer, the rest of the blocks it touches re-read from the
+            files) before it is copied to the destinations.
 
     Raises:
         ReadError: an I/O error (destinations may be partly written).
+        ChecksumMismatchError: ``verify`` and a block differs.
     """
     from ._ext import core
     from .fill_load import _op_array, LoadPlan
@@ -106,6 +110,10 @@ def execute_plan_staged(plan, *, io_threads: int, staging_bytes: int = 256 << 20
     events: List[Optional[torch.cuda.Event]] = [None] * ring
     C = core()
     read = done = 0
+    checker = None
+    if verify is not None:
+        from .fill_verify import StreamVerifier
+        checker = StreamVerifier(verify, plan.files)  # buffers are reused: verify per chunk
     try:
         for k, chunk in enumerate(_chunks(ops, cap)):
             b = k % ring
@@ -121,6 +129,8 @@ def execute_plan_staged(plan, *, io_threads: int, staging_bytes: int = 256 << 20
             if not ok:
                 name = plan.targets[chunk[failed][0].dst_index].fqn if failed >= 0 else None
                 raise ReadError(err, tensor=name)
+            if checker is not None:
+                checker.after_batch(k, staged, [buf.data_ptr()])
             ctx = torch.cuda.stream(stream) if cuda else contextlib.nullcontext()
             with ctx:
                 for op, off in chunk:
@@ -133,7 +143,13 @@ def execute_plan_staged(plan, *, io_threads: int, staging_bytes: int = 256 << 20
             done += sum(op.src_bytes for op, _ in chunk)
             if progress is not None:
                 progress(done, total)
+        if checker is not None:
+            checker.finish()
+            plan.verified_bytes = checker.bytes_hashed
+            plan.reread_bytes = checker.bytes_reread
     finally:
+        if checker is not None:
+            checker.close()
         if cuda:  # every copy finished before the buffers go back to the allocator
             for e in events:
                 if e is not None:

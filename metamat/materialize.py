@@ -8,7 +8,10 @@ as it was.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
+import signal
+import threading
 import time
 import warnings as _warnings
 from typing import Any, Callable, List, Mapping, Optional, Union
@@ -43,6 +46,7 @@ def materialize(
     seed: int = 0,
     init: Optional[Mapping[str, Dist]] = None,
     rename: Union[None, Mapping[str, str], Callable[[str], str]] = None,
+    verify: bool = False,
 ) -> Report:
     """Allocate and initialise every meta tensor of ``model`` in place, or load ``ckpt``.
 
@@ -75,6 +79,15 @@ def materialize(
             overriding the model's own init.
         rename: model key -> checkpoint key (dict or callable), for DTensor and plain
             models whose checkpoint names differ (TorchRec models match state_dict keys).
+        verify: with ``ckpt``: check every byte read against the checkpoint's checksum
+            manifest (``python -m metamat checksum CKPT`` writes it) while streaming; a
+            missing manifest raises ``MissingFileError`` naming its expected path before
+            anything is allocated, a mismatch ``ChecksumMismatchError`` (on every rank) and
+            nothing is registered.
+
+    A KeyboardInterrupt during the load propagates between read batches (no reader thread
+    is left running) and leaves the model as it was; one arriving while the tensors are
+    swapped in is held until the swap is complete.
 
     Models holding DTensors (tensor parallel, FSDP2) go to ``metamat.dtensor``; models with
     TorchRec sharded modules and plain modules to ``metamat.torchrec``.
@@ -90,13 +103,16 @@ def materialize(
         metamat.torchrec.compat.UnsupportedError: unsupported version, kernel or module,
             raised before anything is allocated.
     """
+    if verify and ckpt is None:
+        raise ValueError("materialize: verify=True needs a checkpoint")
     report = _dispatch_dtensor(model, ckpt, device=device, strict=strict, dtype=dtype,
                                io_threads=io_threads, staging_bytes=staging_bytes,
-                               progress=progress, seed=seed, init=init, rename=rename)
+                               progress=progress, seed=seed, init=init, rename=rename,
+                               verify=verify)
     if report is None:
         report = _materialize_torchrec(model, ckpt, device=device, strict=strict, dtype=dtype,
                                        io_threads=io_threads, staging_bytes=staging_bytes,
-                                       progress=progress, seed=seed, init=init)
+                                       progress=progress, seed=seed, init=init, verify=verify)
     _log.info("metamat.materialize: %s", report.summary())
     _log.debug("materialize phases: %s", report.seconds)
     return report
@@ -126,7 +142,7 @@ def _dispatch_dtensor(model, ckpt, *, rename, **kw) -> Optional[Report]:
 
 
 def _materialize_torchrec(model, ckpt, *, device, strict, dtype, io_threads, staging_bytes,
-                          progress, seed, init) -> Report:
+                          progress, seed, init, verify=False) -> Report:
     from .torchrec.allocate import allocate
     from .torchrec.fill import fill_init
     from .torchrec.register import register
@@ -143,7 +159,8 @@ def _materialize_torchrec(model, ckpt, *, device, strict, dtype, io_threads, sta
     if ckpt is not None:
         return _materialize_from_checkpoint(
             model, ckpt, device=device, strict=strict, dtype=dtype, io_threads=io_threads,
-            staging_bytes=staging_bytes, progress=progress, seed=seed, init=init)
+            staging_bytes=staging_bytes, progress=progress, seed=seed, init=init,
+            verify=verify)
     report = Report(device=str(device), source="init")
 
     t0 = time.perf_counter()
@@ -155,7 +172,8 @@ def _materialize_torchrec(model, ckpt, *, device, strict, dtype, io_threads, sta
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     t3 = time.perf_counter()
-    register(model, plan, alloc)
+    with defer_sigint():
+        register(model, plan, alloc)
     t4 = time.perf_counter()
 
     report.seconds = {"plan": t1 - t0, "allocate": t2 - t1, "fill": t3 - t2, "register": t4 - t3}
@@ -166,6 +184,25 @@ def _materialize_torchrec(model, ckpt, *, device, strict, dtype, io_threads, sta
     for w in plan.warnings:
         _warnings.warn(w, stacklevel=2)
     return report
+
+
+@contextlib.contextmanager
+def defer_sigint():
+    """Hold SIGINT while the real tensors are swapped into the model (a KeyboardInterrupt
+    halfway through would leave it half meta, half real): raised once the block is done.
+    Only in the main thread and while Python's default SIGINT handler is installed."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        yield
+        return
+    got = []
+    prev = signal.signal(signal.SIGINT, lambda signum, frame: got.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, prev)
+    if got:
+        raise KeyboardInterrupt
 
 
 # ---------------------------------------------------------------------------------------------
@@ -216,10 +253,10 @@ def _agree(group, err: Optional[BaseException], stage: str) -> None:
 
 
 def _materialize_from_checkpoint(model, ckpt, *, device, strict, dtype, io_threads,
-                                 staging_bytes, progress, seed, init) -> Report:
+                                 staging_bytes, progress, seed, init, verify=False) -> Report:
     """The load path of :func:`materialize` (its docstring has the contract)."""
     from .checkpoint import Checkpoint, open_checkpoint
-    from .fill_load import execute_plan, plan_load, validate_destination
+    from .fill_load import execute_plan, plan_load, resolve_manifest, validate_destination
     from .torchrec.allocate import allocate
     from .torchrec.fill import (_fill_dense, _table_targets, fill_support, fill_targets,
                                 needs_write)
@@ -240,6 +277,7 @@ def _materialize_from_checkpoint(model, ckpt, *, device, strict, dtype, io_threa
         t = time.perf_counter()
         ck = ckpt if isinstance(ckpt, Checkpoint) else open_checkpoint(ckpt)
         report.checkpoint = ck.path
+        manifest = resolve_manifest(ck, verify)  # missing manifest: fail before allocating
         sec["open"] = time.perf_counter() - t
         t = time.perf_counter()
         plan = build_plan(model, device, init)
@@ -276,7 +314,7 @@ def _materialize_from_checkpoint(model, ckpt, *, device, strict, dtype, io_threa
         cb = make_progress(progress, rank)
         try:
             nread = execute_plan(lp, io_threads=io_threads, staging_bytes=staging_bytes,
-                                 progress=cb)
+                                 progress=cb, verify=manifest)
         finally:
             if hasattr(cb, "close"):
                 cb.close()
@@ -289,11 +327,13 @@ def _materialize_from_checkpoint(model, ckpt, *, device, strict, dtype, io_threa
     # 3. register: swap the real tensors in.
     t = time.perf_counter()
     if alloc.twins or plan.storages:
-        register(model, plan, alloc)
+        with defer_sigint():
+            register(model, plan, alloc)
     sec["register"] = time.perf_counter() - t
 
     report.bytes_needed = lp.bytes_needed
     report.bytes_read = nread
+    report.bytes_verified = lp.verified_bytes
     report.read_amplification = nread / lp.bytes_needed if lp.bytes_needed else 1.0
     report.bytes_written = written + sum(tg.nbytes for tg in lp.targets)
     report.warnings = [f"{tg.fqn}: row-wise optimizer state of {c} column shards loaded as "

@@ -36,6 +36,8 @@ class Report:
             checkpoint lacks them (non-strict, or optimizer state absent altogether).
         unchanged: fqns of already-real tensors the checkpoint lacks (left as they were).
         key_prefixes: the checkpoint key prefix chosen for model and optimizer tensors.
+        bytes_verified: checkpoint bytes checked against the checksum manifest
+            (``verify=True``; the blocks the reads touched), else 0.
     """
 
     bytes_written: int = 0
@@ -54,6 +56,7 @@ class Report:
     initialized: List[str] = dataclasses.field(default_factory=list)
     unchanged: List[str] = dataclasses.field(default_factory=list)
     key_prefixes: Dict[str, str] = dataclasses.field(default_factory=dict)
+    bytes_verified: int = 0
 
     @property
     def total_seconds(self) -> float:
@@ -97,6 +100,8 @@ class Report:
             head = (f"metamat.materialize ({self.source}) on {self.device}: "
                     f"{self.bytes_written / 1e9:.3f} GB written, {self.num_targets} targets, "
                     f"{self.num_tensors} tensors")
+        if self.bytes_verified:
+            head += f", {self.bytes_verified / 1e9:.3f} GB checksum-verified"
         lines = [head, f"  {'phase':<10}{'seconds':>10}"]
         for p, s in self.seconds.items():
             lines.append(f"  {p:<10}{s:>10.4f}")

@@ -62,3 +62,58 @@ def test_bad_usage_exit_2(ckpts):
     assert run("plan", ckpts / "dcp").returncode == 2
     assert run("plan", ckpts / "dcp", "--world-size", 2, "--rank", 5).returncode == 2
     assert run("frobnicate").returncode == 2
+
+
+def _copy(ckpts, name, tmp_path):
+    import shutil
+    src = ckpts / name
+    dst = tmp_path / name
+    (shutil.copytree if src.is_dir() else shutil.copy)(src, dst)
+    return dst
+
+
+def _flip(path, off):
+    with open(path, "r+b") as f:
+        f.seek(off)
+        b = f.read(1)
+        f.seek(off)
+        f.write(bytes([b[0] ^ 0x01]))
+
+
+@pytest.mark.parametrize("name", ["dcp", "m.safetensors", "m.pt"])
+def test_checksum_write_then_verify(ckpts, tmp_path, name):
+    from metamat.checkpoint import open_checkpoint
+    from metamat.checkpoint.checksum import read_manifest, sidecar_path
+
+    path = _copy(ckpts, name, tmp_path)
+    r = run("checksum", path, "--block-bytes", 1000)
+    assert r.returncode == 0, r.stderr
+    side = sidecar_path(path)
+    line = r.stdout.strip()
+    assert line.startswith(f"wrote {side}:") and "3 chunk(s)" in line and "GB/s" in line
+    assert f"{(1600 + 240 + 7) * 4 / 1e6:.1f} MB hashed" in line
+    m = read_manifest(path)
+    assert m.block_bytes == 1000 and len(m.chunks) == 3
+    info = json.loads(run("checksum", path, "--verify", "--json").stdout)
+    assert info["verified"] and info["manifest"] == side
+    assert info["bytes_hashed"] == (1600 + 240 + 7) * 4 and info["gbps"] > 0
+    # one flipped byte inside ebc.t0.weight: exit 1 naming file, tensor and byte range
+    ch = open_checkpoint(str(path)).tensors()["ebc.t0.weight"].chunks[0]
+    _flip(ch.file, ch.byte_offset + 4321)
+    r = run("checksum", path, "--verify")
+    assert r.returncode == 1
+    assert "checksum mismatch" in r.stderr and "'ebc.t0.weight'" in r.stderr
+    assert ch.file in r.stderr and f"[{ch.byte_offset + 4000}, {ch.byte_offset + 5000})" in r.stderr
+    # re-writing the manifest accepts the new bytes
+    assert run("checksum", path, "--json").returncode == 0
+    assert run("checksum", path, "--verify").returncode == 0
+
+
+def test_checksum_errors(ckpts, tmp_path):
+    path = _copy(ckpts, "m.safetensors", tmp_path)
+    r = run("checksum", path, "--verify")  # no manifest yet
+    assert r.returncode == 1 and "m.safetensors.xxh3.json" in r.stderr
+    assert run("checksum", ckpts / "bad.safetensors").returncode == 1
+    assert run("checksum", path, "--block-bytes", 0).returncode == 2
+    assert run("checksum", path, "--verify", "--block-bytes", 64).returncode == 2
+    assert run("checksum").returncode == 2

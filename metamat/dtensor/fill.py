@@ -107,15 +107,18 @@ def plan_entries_load(entries: Sequence[Entry], ckpt, *, strict: bool, dtype,
 
 def fill_load(res: LoadResult, *, dtype, io_threads: Optional[int],
               progress: Optional[Callable[[int, int], None]],
-              staging_bytes: int = 256 << 20) -> LoadResult:
+              staging_bytes: int = 256 << 20, verify=None) -> LoadResult:
     """Read the blocks of ``res.loaded`` (a validated :func:`plan_entries_load`) into their
     allocated ``local`` tensors; non-CPU blocks go through CPU bounce tensors.
 
     Returns:
         ``res`` with ``stats`` set.
 
+    ``verify``: None or a checksum ``Manifest`` every byte read is checked against.
+
     Raises:
-        metamat.ReadError (destinations may be partly written; the model is not touched).
+        metamat.ReadError, ChecksumMismatchError (destinations may be partly written; the
+        model is not touched).
     """
     copies = []
     targets = []
@@ -127,7 +130,8 @@ def fill_load(res: LoadResult, *, dtype, io_threads: Optional[int],
             copies.append((e, bounce))
             targets += e.targets(bounce)
     res.stats = load_targets(targets, res.view, strict=True, dtype=dtype, io_threads=io_threads,
-                             staging_bytes=staging_bytes, progress=progress)
+                             staging_bytes=staging_bytes, progress=progress,
+                             verify=verify or False)
     with torch.no_grad():
         for e, bounce in copies:
             e.local.copy_(bounce)

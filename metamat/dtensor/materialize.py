@@ -59,6 +59,7 @@ def materialize_dtensor(
     io_threads: Optional[int] = None,
     staging_bytes: int = 256 << 20,
     progress: Union[None, bool, Callable[[int, int], None]] = None,
+    verify: bool = False,
 ) -> Report:
     """Allocate, fill and register every meta tensor (DTensor or plain) of ``model``.
 
@@ -85,6 +86,8 @@ def materialize_dtensor(
         io_threads, staging_bytes: passed to the loader.
         progress: None: a tqdm bar on rank 0 for loads over a second, only on a TTY;
             True/False force it on/off; a callable gets ``(bytes_done, bytes_total)``.
+        verify: loading, check every byte read against the checkpoint's checksum manifest
+            while streaming (``metamat.materialize``).
 
     Returns:
         A :class:`metamat.Report`: bytes, seconds per phase; for loads bytes needed and
@@ -100,6 +103,8 @@ def materialize_dtensor(
     """
     from ..checkpoint.base import Checkpoint
     from ..checkpoint.open import open_checkpoint
+    from ..fill_load import resolve_manifest
+    from ..materialize import defer_sigint
 
     import torch.distributed as dist
 
@@ -115,6 +120,7 @@ def materialize_dtensor(
         if loading:
             ck = ckpt if isinstance(ckpt, Checkpoint) else open_checkpoint(ckpt)
             report.checkpoint = ck.path
+            manifest = resolve_manifest(ck, verify)  # missing: fail before allocating
             sec["open"] = time.perf_counter() - t
             t = time.perf_counter()
         entries = walk(model, init)
@@ -142,7 +148,7 @@ def materialize_dtensor(
             cb = make_progress(progress, rank)
             try:
                 fill_load(result, dtype=dtype, io_threads=io_threads,
-                          staging_bytes=staging_bytes, progress=cb)
+                          staging_bytes=staging_bytes, progress=cb, verify=manifest)
             finally:
                 if hasattr(cb, "close"):
                     cb.close()
@@ -158,7 +164,8 @@ def materialize_dtensor(
     agree(error)  # raises on every rank if any rank failed; the model is still unchanged
 
     t = time.perf_counter()
-    report.num_tensors = swap(entries)
+    with defer_sigint():
+        report.num_tensors = swap(entries)
     loaded = set() if result is None else {id(e) for e in result.loaded}
     resets = _reset_modules([e for e in entries if id(e) not in loaded])
     _run_resets(entries, resets, loaded, seed)
@@ -169,6 +176,7 @@ def materialize_dtensor(
         st = result.stats
         report.bytes_needed, report.bytes_read = st.bytes_needed, st.bytes_read
         report.read_amplification = st.read_amplification
+        report.bytes_verified = st.bytes_verified
         report.loaded = [e.fqn for e in result.loaded]
         report.initialized = [e.fqn for e in entries if id(e) not in loaded]
         if result.prefix:
