@@ -195,6 +195,7 @@ def run_load(a, device: torch.device) -> List[Row]:
                   ("metamat", "metamat shard_on_meta+materialize"),
                   ("metamat_verify", "metamat materialize verify=True"))
         for method, label in labels:
+            print(f"load: running {label} ...", file=sys.stderr, flush=True)
             res = run_dist(_rank, a.ranks, method, per_rank, a.tables, a.dim, a.reps, a.dtype,
                            threads, root, cold)
             extra = f"{a.ranks} ranks, {'cold: ' + res[0]['cache'] if cold else 'warm'} cache"

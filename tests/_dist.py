@@ -7,7 +7,9 @@ must be picklable). An exception in any rank is re-raised in the caller with its
 """
 from __future__ import annotations
 
+import faulthandler
 import os
+import sys
 import pickle
 import socket
 import tempfile
@@ -29,6 +31,7 @@ def free_port() -> int:
 
 
 def _worker(rank: int, world_size: int, port: int, outdir: str, fn: Callable, args: tuple) -> None:
+    faulthandler.enable(all_threads=True)  # a native crash prints every thread's Python stack
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     os.environ["RANK"] = str(rank)
@@ -48,7 +51,9 @@ def _worker(rank: int, world_size: int, port: int, outdir: str, fn: Callable, ar
         except Exception:  # noqa: BLE001 - unpicklable result: ship its repr instead
             result = repr(result)
         try:
-            torch.save((ok, result), os.path.join(outdir, f"rank{rank}.pt"))
+            path = os.path.join(outdir, f"rank{rank}.pt")
+            torch.save((ok, result), path + ".tmp")
+            os.replace(path + ".tmp", path)  # a result file exists only once it is whole
         finally:
             dist.destroy_process_group()
 
@@ -68,13 +73,24 @@ def run_dist(fn: Callable, world_size: int, *args: Any) -> List[Any]:
         RuntimeError: a rank raised; the message holds its traceback.
     """
     with tempfile.TemporaryDirectory() as outdir:
-        mp.start_processes(
-            _worker,
-            args=(world_size, free_port(), outdir, fn, args),
-            nprocs=world_size,
-            join=True,
-            start_method="spawn",
-        )
+        try:
+            mp.start_processes(
+                _worker,
+                args=(world_size, free_port(), outdir, fn, args),
+                nprocs=world_size,
+                join=True,
+                start_method="spawn",
+            )
+        except mp.ProcessExitedException as e:
+            # A rank that died *after* writing its result crashed in process-group teardown
+            # (seen rarely on a loaded 2-core box: "terminate called without an active
+            # exception" from a native thread at exit). Its work is complete and checked
+            # below; a rank that died before reporting still fails the run.
+            if not all(os.path.exists(os.path.join(outdir, f"rank{r}.pt"))
+                       for r in range(world_size)):
+                raise
+            print(f"run_dist: {e} after every rank reported; teardown crash ignored",
+                  file=sys.stderr)
         results = []
         for rank in range(world_size):
             ok, res = torch.load(os.path.join(outdir, f"rank{rank}.pt"), weights_only=False)
