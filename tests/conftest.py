@@ -24,6 +24,16 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(pytest.mark.skip(reason=reason))
 
 
+@pytest.fixture(scope="session")
+def reader():
+    """The compiled core with its checkpoint reader (a missing build fails, never skips)."""
+    from metamat._ext import core
+
+    C = core()
+    assert hasattr(C, "read_ops"), "metamat._C was built without the io reader"
+    return C
+
+
 def bits(t: torch.Tensor) -> torch.Tensor:
     """Integer view of a float tensor, for bit-exact comparison."""
     return t.contiguous().view({8: torch.int64, 4: torch.int32, 2: torch.int16}[t.element_size()])

@@ -47,17 +47,6 @@ def dcp_dir(request, tmp_path_factory):
     return path
 
 
-@pytest.fixture(scope="module")
-def reader():
-    from metamat._ext import ExtensionNotBuiltError, core
-    try:
-        C = core()
-    except ExtensionNotBuiltError as e:
-        pytest.skip(f"metamat._C not built: {e}")
-    assert hasattr(C, "read_ops")
-    return C
-
-
 @pytest.mark.multiprocess
 def test_two_rank_chunks_are_indexed(dcp_dir):
     ck = open_checkpoint(dcp_dir)

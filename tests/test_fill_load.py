@@ -25,18 +25,6 @@ POISON = {torch.float32: float("nan"), torch.float16: float("nan"),
           torch.bfloat16: float("nan"), torch.int64: -7, torch.int32: -7}
 
 
-@pytest.fixture(scope="module")
-def reader():
-    """The C++ reader; skipped only when the extension is not built at all."""
-    from metamat._ext import ExtensionNotBuiltError, core
-    try:
-        C = core()
-    except ExtensionNotBuiltError as e:
-        pytest.skip(f"metamat._C not built: {e}")
-    assert hasattr(C, "read_ops"), "metamat._C was built without the io reader"
-    return C
-
-
 def target(fqn, full: torch.Tensor, offsets, shape, dtype=None, row_pad=0) -> Target:
     """A target for block ``offsets``/``shape`` of ``full``, poisoned; ``row_pad`` extra
     elements per row make the destination a strided view."""

@@ -19,17 +19,6 @@ VARIANTS = hostile_gen.all_variants()
 
 
 @pytest.fixture(scope="module")
-def reader():
-    from metamat._ext import ExtensionNotBuiltError, core
-    try:
-        C = core()
-    except ExtensionNotBuiltError as e:
-        pytest.skip(f"metamat._C not built: {e}")
-    assert hasattr(C, "read_ops")
-    return C
-
-
-@pytest.fixture(scope="module")
 def bases(tmp_path_factory):
     return hostile_gen.make_bases(str(tmp_path_factory.mktemp("bases")))
 

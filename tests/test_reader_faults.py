@@ -16,17 +16,6 @@ from metamat.plan import Target
 POISON = 0xA5
 
 
-@pytest.fixture(scope="module")
-def reader():
-    from metamat._ext import ExtensionNotBuiltError, core
-    try:
-        C = core()
-    except ExtensionNotBuiltError as e:
-        pytest.skip(f"metamat._C not built: {e}")
-    assert hasattr(C, "read_ops"), "metamat._C was built without the io reader"
-    return C
-
-
 @pytest.fixture
 def fault(monkeypatch):
     """Set METAMAT_IO_FAULT for the test (the C++ reader reads it at each call)."""
