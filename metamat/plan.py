@@ -5,6 +5,7 @@ plain modules) and consumed by the fill stages (init engine, checkpoint loader).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Optional, Tuple
 
@@ -12,7 +13,7 @@ import torch
 
 from .spec import Dist
 
-__all__ = ["Target"]
+__all__ = ["Target", "block_nbytes"]
 
 
 @dataclass
@@ -45,7 +46,9 @@ class Target:
 
     @property
     def nbytes(self) -> int:
-        n = 1
-        for s in self.local_shape:
-            n *= s
-        return n * torch.empty((), dtype=self.dtype).element_size()
+        return block_nbytes(self.local_shape, self.dtype)
+
+
+def block_nbytes(shape: Tuple[int, ...], dtype: torch.dtype) -> int:
+    """Bytes of a dense block of ``shape`` and ``dtype``."""
+    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()

@@ -13,7 +13,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 import torch
 from torch import nn
 
-from ..plan import Target
+from ..plan import Target, block_nbytes
 from ..spec import Constant, Dist
 from .blocks import row_blocks, view_shape
 from .errors import UnsupportedDTensorError
@@ -103,10 +103,7 @@ class Entry:
 
     @property
     def nbytes(self) -> int:
-        n = 1
-        for s in self.local_shape:
-            n *= s
-        return n * torch.empty((), dtype=self.dtype).element_size()
+        return block_nbytes(self.local_shape, self.dtype)
 
     def targets(self, tensor: Optional[torch.Tensor] = None) -> List[Target]:
         """This entry's block as loader/engine targets (1-D/2-D; N-D cut into 2-D row blocks

@@ -27,17 +27,12 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.overrides import TorchFunctionMode
 
 from .compat import check_versions
+from .tbe import FACTORIES, floating_factory_call
 
 __all__ = ["shard_on_meta", "MetaFactoryMode", "MetaDDP"]
 
 _META = torch.device("meta")
 
-# Factory functions whose floating-point results we send to meta. ``*_like`` and ``new_*``
-# follow their input's device and need no redirect.
-_FACTORIES = {
-    torch.empty, torch.zeros, torch.ones, torch.full, torch.rand, torch.randn,
-    torch.empty_strided,
-}
 
 
 def _is_cpu(device: Any) -> bool:
@@ -67,20 +62,13 @@ class MetaFactoryMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
         redirected = False
-        if func in _FACTORIES and _is_cpu(kwargs.get("device")):
-            dtype = kwargs.get("dtype")
-            if dtype is None and func is torch.full:
-                fill = args[1] if len(args) > 1 else kwargs.get("fill_value")
-                floating = isinstance(fill, float)
-            else:
-                floating = dtype.is_floating_point if dtype is not None else True
-            if floating and kwargs.get("out") is None:
-                kwargs["device"] = _META
-                redirected = True
+        if _is_cpu(kwargs.get("device")) and floating_factory_call(func, args, kwargs):
+            kwargs["device"] = _META
+            redirected = True
         out = func(*args, **kwargs)
         if (
             not redirected
-            and (func in self._RECORD or func in _FACTORIES)
+            and (func in self._RECORD or func in FACTORIES)
             and isinstance(out, torch.Tensor)
             and type(out) is torch.Tensor
             and out.device.type == "meta"

@@ -21,8 +21,21 @@ from .compat import UnsupportedError
 __all__ = ["NoFloatAllocMode", "capture_tbe_args", "rebuild_tbe_metadata"]
 
 _META = torch.device("meta")
-_FACTORIES = {torch.empty, torch.zeros, torch.ones, torch.full, torch.rand, torch.randn,
+# Factory functions whose floating-point results are sent to meta. ``*_like`` and ``new_*``
+# follow their input's device and need no redirect.
+FACTORIES = {torch.empty, torch.zeros, torch.ones, torch.full, torch.rand, torch.randn,
               torch.empty_strided}
+
+
+def floating_factory_call(func, args, kwargs) -> bool:
+    """True for a factory call (torch.empty, zeros, full, ...) that makes a floating tensor."""
+    if func not in FACTORIES or kwargs.get("out") is not None:
+        return False
+    dtype = kwargs.get("dtype")
+    if dtype is None and func is torch.full:
+        fill = args[1] if len(args) > 1 else kwargs.get("fill_value")
+        return isinstance(fill, float)
+    return dtype.is_floating_point if dtype is not None else True
 
 
 class NoFloatAllocMode(TorchFunctionMode):
@@ -30,15 +43,8 @@ class NoFloatAllocMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
-        if func in _FACTORIES and kwargs.get("out") is None:
-            dtype = kwargs.get("dtype")
-            if dtype is None and func is torch.full:
-                fill = args[1] if len(args) > 1 else kwargs.get("fill_value")
-                floating = isinstance(fill, float)
-            else:
-                floating = dtype.is_floating_point if dtype is not None else True
-            if floating:
-                kwargs["device"] = _META
+        if floating_factory_call(func, args, kwargs):
+            kwargs["device"] = _META
         return func(*args, **kwargs)
 
 
