@@ -2,22 +2,66 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
+#include <array>
+#include <optional>
+#include <stdexcept>
+
+#include "io_direct.h"
+#include "io_file.h"
 #include "io_reader.h"
+#include "xxh3.h"
+
+#include <unistd.h>
 
 namespace py = pybind11;
 
+namespace {
+
+namespace mio = metamat::io;
+using Identities = std::vector<std::array<int64_t, 4>>;
+
+mio::IoMode parse_io(const std::string& io) {
+  if (io == "buffered") return mio::IoMode::kBuffered;
+  if (io == "direct") return mio::IoMode::kDirect;
+  if (io == "auto") return mio::IoMode::kAuto;
+  throw py::value_error("io must be 'buffered', 'direct' or 'auto', not '" + io + "'");
+}
+
+mio::ReadOptions options(int threads, int64_t task_bytes, int64_t bounce_bytes,
+                         std::optional<int64_t> coalesce_gap, const Identities& identities,
+                         int64_t max_open_files, const std::string& io,
+                         int64_t auto_direct_min) {
+  mio::ReadOptions opt;
+  opt.threads = threads;
+  opt.task_bytes = task_bytes;
+  opt.bounce_bytes = bounce_bytes;
+  opt.coalesce_gap = coalesce_gap ? *coalesce_gap : mio::kCoalesceAuto;
+  opt.max_open_files = max_open_files;
+  opt.io = parse_io(io);
+  opt.auto_direct_min = auto_direct_min;
+  for (const auto& id : identities) opt.identities.push_back({id[0], id[1], id[2], id[3]});
+  return opt;
+}
+
+const char* mode_name(const mio::FileReport& f) {
+  if (f.bytes_direct > 0 && f.bytes_buffered > 0) return "mixed";
+  if (f.bytes_direct > 0) return "direct";
+  if (f.bytes_buffered > 0) return "buffered";
+  return "unused";
+}
+
+}  // namespace
+
 void metamat_bind_io(py::module_& m) {
-  namespace mio = metamat::io;
   m.attr("READ_OP_FIELDS") = 9;
   m.def(
       "read_ops",
       [](const std::vector<std::string>& files, uintptr_t ops_addr, int64_t count, int threads,
-         int64_t task_bytes, int64_t bounce_bytes, int64_t coalesce_gap) {
-        mio::ReadOptions opt;
-        opt.threads = threads;
-        opt.task_bytes = task_bytes;
-        opt.bounce_bytes = bounce_bytes;
-        opt.coalesce_gap = coalesce_gap;
+         int64_t task_bytes, int64_t bounce_bytes, std::optional<int64_t> coalesce_gap,
+         const Identities& identities, int64_t max_open_files, const std::string& io) {
+        const mio::ReadOptions opt = options(threads, task_bytes, bounce_bytes, coalesce_gap,
+                                             identities, max_open_files, io, int64_t(1) << 20);
         mio::ReadResult r;
         {
           py::gil_scoped_release nogil;
@@ -28,10 +72,115 @@ void metamat_bind_io(py::module_& m) {
       },
       py::arg("files"), py::arg("ops_addr"), py::arg("count"), py::arg("threads"),
       py::arg("task_bytes") = int64_t(8) << 20, py::arg("bounce_bytes") = int64_t(8) << 20,
-      py::arg("coalesce_gap") = 4096,
+      py::arg("coalesce_gap") = 4096, py::kw_only(), py::arg("identities") = Identities(),
+      py::arg("max_open_files") = 0, py::arg("io") = "buffered",
       "Execute `count` packed ReadOps (9 int64 each: file_index, file_offset, row_bytes, rows,\n"
       "src_stride, dst_stride, dst, src_dtype, dst_dtype) at `ops_addr`.\n"
+      "identities: [] or one (st_dev, st_ino, st_size, st_mtime_ns) per file (-1: unchecked);\n"
+      "a file whose fstat differs is refused before anything is written.\n"
+      "max_open_files: descriptor cache size (<= 0: max(16, RLIMIT_NOFILE / 4)).\n"
+      "io: 'buffered', 'direct' or 'auto' (see read_plan). coalesce_gap None: the reader's\n"
+      "per-op rule (read_plan's default); an int: that threshold (< 0: never coalesce).\n"
       "Returns (ok, error, failed_op, bytes_read, wrote).");
+  m.def(
+      "read_plan",
+      [](const std::vector<std::string>& files, uintptr_t ops_addr, int64_t count, int threads,
+         int64_t task_bytes, int64_t bounce_bytes, std::optional<int64_t> coalesce_gap,
+         const Identities& identities, int64_t max_open_files, const std::string& io,
+         int64_t auto_direct_min, uintptr_t verify_addr, int64_t verify_count) {
+        const mio::ReadOptions opt = options(threads, task_bytes, bounce_bytes, coalesce_gap,
+                                             identities, max_open_files, io, auto_direct_min);
+        mio::ReadResult r;
+        {
+          py::gil_scoped_release nogil;
+          r = mio::execute_reads(files, reinterpret_cast<const mio::ReadOp*>(ops_addr), count,
+                                 opt, reinterpret_cast<const mio::VerifyBlock*>(verify_addr),
+                                 verify_count);
+        }
+        py::list per_file;
+        for (const auto& f : r.files) {
+          py::dict d;
+          d["mode"] = mode_name(f);
+          d["bytes_buffered"] = f.bytes_buffered;
+          d["bytes_direct"] = f.bytes_direct;
+          d["direct_refused"] = f.direct_refused;
+          d["refuse_reason"] = f.refuse_reason;
+          per_file.append(d);
+        }
+        py::dict out;
+        out["ok"] = r.ok;
+        out["error"] = r.error;
+        out["failed_op"] = r.failed_op;
+        out["wrote"] = r.wrote;
+        out["bytes_read"] = r.bytes_read;
+        out["files"] = per_file;
+        out["bytes_hashed"] = r.bytes_hashed;
+        out["bytes_reread"] = r.bytes_reread;
+        if (r.mismatch) {
+          py::dict mm;
+          mm["file_index"] = r.mismatch_file;
+          mm["offset"] = r.mismatch_offset;
+          mm["length"] = r.mismatch_length;
+          mm["expected"] = r.mismatch_expected;
+          mm["got"] = r.mismatch_got;
+          out["mismatch"] = mm;
+        } else {
+          out["mismatch"] = py::none();
+        }
+        return out;
+      },
+      py::arg("files"), py::arg("ops_addr"), py::arg("count"), py::kw_only(),
+      py::arg("threads") = 4, py::arg("task_bytes") = int64_t(8) << 20,
+      py::arg("bounce_bytes") = int64_t(8) << 20, py::arg("coalesce_gap") = py::none(),
+      py::arg("identities") = Identities(), py::arg("max_open_files") = 0,
+      py::arg("io") = "buffered", py::arg("auto_direct_min") = int64_t(1) << 20,
+      py::arg("verify_addr") = 0, py::arg("verify_count") = -1,
+      "read_ops with every option and a full report (dict): ok, error, failed_op, wrote,\n"
+      "(coalesce_gap defaults to None here: the reader's measured per-op rule)\n"
+      "bytes_read, files (per file: mode 'buffered'|'direct'|'mixed'|'unused', bytes_buffered,\n"
+      "bytes_direct, direct_refused, refuse_reason), bytes_hashed, bytes_reread, mismatch.\n"
+      "verify_count >= 0: verified read against `verify_count` blocks at `verify_addr` (4 int64\n"
+      "each: file_index, offset, length, xxh3_64 digest bits); mismatch is None or a dict\n"
+      "(file_index, offset, length, expected, got) for the first block that differed.");
+  m.def(
+      "xxh3_64",
+      [](uintptr_t addr, int64_t len, const std::vector<int64_t>& splits) {
+        if (len < 0) throw py::value_error("negative length");
+        const auto* p = reinterpret_cast<const unsigned char*>(addr);
+        py::gil_scoped_release nogil;
+        metamat::Xxh3 h;
+        int64_t at = 0;
+        for (int64_t s : splits) {  // pieces [at, s), then the rest
+          s = std::min(std::max(s, at), len);
+          h.update(p + at, size_t(s - at));
+          at = s;
+        }
+        h.update(p + at, size_t(len - at));
+        return h.digest();
+      },
+      py::arg("addr"), py::arg("length"), py::arg("splits") = std::vector<int64_t>(),
+      "XXH3-64 (seed 0) of `length` bytes at `addr`, streamed in pieces cut at `splits`\n"
+      "(ascending offsets): the same digest for any split.");
+  m.def("xxh3_kernel", [](const std::string& set) {
+        if (!set.empty() && !metamat::Xxh3::set_kernel(set.c_str()))
+          throw py::value_error("xxh3 kernel must be 'scalar' or 'best'");
+        return std::string(metamat::Xxh3::kernel());
+      }, py::arg("set") = "",
+      "The XXH3 long-loop kernel in use ('avx2' or 'scalar'); set='scalar'|'best' (tests).");
+  m.def(
+      "resident_fraction",
+      [](const std::string& path, int64_t offset, int64_t length) {
+        std::string err;
+        struct stat st;
+        const int fd = mio::open_regular(path, 0, &st, &err);
+        if (fd < 0) throw std::runtime_error(path + ": " + err);
+        const double f = mio::resident_fraction(fd, offset, length < 0 ? int64_t(st.st_size) - offset : length);
+        ::close(fd);
+        return f;
+      },
+      py::arg("path"), py::arg("offset") = 0, py::arg("length") = -1,
+      "Fraction of the pages of [offset, offset+length) of `path` in the page cache (mincore;\n"
+      "-1 if it cannot be told). For tests and benchmarks.");
   m.def(
       "convert",
       [](uintptr_t src, int64_t src_dtype, uintptr_t dst, int64_t dst_dtype, int64_t count) {
@@ -40,5 +189,5 @@ void metamat_bind_io(py::module_& m) {
                      reinterpret_cast<void*>(dst), mio::DType(dst_dtype), count);
       },
       py::arg("src"), py::arg("src_dtype"), py::arg("dst"), py::arg("dst_dtype"),
-      py::arg("count"), "Convert `count` floats between DType codes 1=f32, 2=f16, 3=bf16.");
+      py::arg("count"), "Convert `count` floats between DType codes (DTYPE_CODES: float32, float16, bfloat16).");
 }

@@ -4,26 +4,35 @@
 #include <cstdint>
 #include <string>
 
+#include "dtype.h"
 #include "philox.h"
 
 namespace metamat {
 
-enum class DType : int32_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2, kFloat64 = 3 };
+// Where a segment sits in the CUDA launch (fill_units.h `prepare_launch` writes it; Python
+// leaves it zero). 40 bytes.
+struct LaunchInfo {
+  int64_t tile_begin;              // first tile (thread block) of the segment
+  int64_t units;                   // work units: rows x 32-column blocks per row
+  int64_t blocks_per_row;          // 32-column blocks one row touches
+  uint32_t div_magic, div_shift;   // unit / blocks_per_row in 32 bits (when not kWideIndex)
+  uint32_t flags, pad;             // LaunchFlags (fill_units.h)
+};
 
 // One block to fill: rows x cols elements at ptr (row stride in elements, unit col stride),
 // holding global rows [row_offset, row_offset+rows) and cols [col_offset, col_offset+cols)
 // of the table whose Philox key is `key`. Layout is fixed (128 bytes): Python packs it with a
-// matching NumPy structured dtype (metamat/fill_init.py, SEGMENT_DTYPE).
+// matching NumPy structured dtype (metamat/init.py, SEGMENT_DTYPE).
 struct Segment {
   uint64_t ptr;
   int64_t rows, cols, row_stride, row_offset, col_offset;
   uint64_t key;
-  int32_t dtype;
+  int32_t dtype;         // DType (dtype.h)
   DistParams dist;       // 28 bytes
-  int64_t unit_begin;    // CUDA only: first work unit of this segment (set by the core)
-  int64_t reserved[4];
+  LaunchInfo launch;     // CUDA only: set by the core
 };
 static_assert(sizeof(DistParams) == 28, "DistParams layout");
+static_assert(sizeof(LaunchInfo) == 40, "LaunchInfo layout");
 static_assert(sizeof(Segment) == 128, "Segment layout is shared with Python");
 
 // Fill on the CPU with `num_threads` threads (the caller's thread is one of them), with the
@@ -37,10 +46,23 @@ bool cuda_compiled();
 // Number of usable CUDA devices (0 when none or no driver); never throws.
 int cuda_device_count();
 // Fill CUDA memory: one kernel launch on `stream` for all segments (chunked only when the
-// work exceeds the grid limits). `dev_scratch` is caller-owned device memory of
-// n * sizeof(Segment) bytes that must stay alive until the stream passes this launch.
-void fill_cuda(const Segment* segs, int64_t n, void* dev_scratch, void* stream);
-// The CUDA launch's decomposition run on the host (tests the kernel's indexing without a GPU).
-void fill_cuda_emulated(const Segment* segs, int64_t n);
+// work exceeds the grid limits). The core allocates nothing: `staging` is caller-owned host
+// memory of n * sizeof(Segment) bytes (page-locked, so the upload is asynchronous; pageable
+// works too, and the copy is then staged before this returns) and `dev_scratch` caller-owned
+// device memory of the same size. The core writes the launch's segment table to `staging`
+// (`staging` may be `segs` itself) and copies it to `dev_scratch` with cudaMemcpyAsync on
+// `stream`: both buffers must stay alive and unchanged until the stream passes this launch.
+void fill_cuda(const Segment* segs, int64_t n, Segment* staging, void* dev_scratch,
+               void* stream);
+
+// What the host emulation of the launch did (tests check the kernel's store decisions).
+struct EmulationStats {
+  int64_t tiles = 0, segments = 0, philox_calls = 0;
+  int64_t vector_stores = 0, vector_bytes = 0, scalar_stores = 0;
+};
+// The CUDA launch run on the host: the same segment table, block search, per-thread units and
+// vector/scalar store decisions as the kernel, writing CPU memory. `force_wide` makes every
+// segment take the 64-bit index path (normally only segments of >= 2^31 units do).
+EmulationStats fill_cuda_emulated(const Segment* segs, int64_t n, bool force_wide = false);
 
 }  // namespace metamat

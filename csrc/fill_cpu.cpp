@@ -1,51 +1,111 @@
-// CPU backend of the init engine: validates the segments, picks the widest kernel this CPU
-// runs (AVX-512, AVX2 or baseline x86-64), and splits the total element count evenly over
-// threads; each thread walks its (segment, row, column) range.
+// CPU backend of the init engine: validates the segments, picks the kernel for this CPU
+// (AVX-512, AVX2 or baseline x86-64), and lets threads take spans of the concatenated
+// elements from a shared counter; each span is a (segment, element range) walk. Pages not yet mapped are
+// prefaulted in batches: by a helper thread ahead of a single writer, or by each writer for
+// its next span (fill_cpu_prefault.h).
+#include <cpuid.h>
+
 #include <algorithm>
+#include <atomic>
 #include <exception>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "check.h"
-#include "fill.h"
+#include "fill_cpu.h"
+#include "fill_cpu_prefault.h"
+#include "thread_group.h"
 
 namespace metamat {
-namespace isa_avx512 { void fill_range(const Segment&, int64_t, int64_t, int64_t); }
-namespace isa_avx2 { void fill_range(const Segment&, int64_t, int64_t, int64_t); }
-namespace isa_base { void fill_range(const Segment&, int64_t, int64_t, int64_t); }
-
 namespace {
 
-using RangeFn = void (*)(const Segment&, int64_t, int64_t, int64_t);
+using SpanFn = void (*)(const Segment&, int64_t, int64_t);
 
-RangeFn pick_kernel() {
+enum class Isa { kBase = 0, kAvx2 = 1, kAvx512 = 2 };
+
+bool cpu_runs(Isa isa) {
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl"))
-    return isa_avx512::fill_range;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-      __builtin_cpu_supports("f16c"))
-    return isa_avx2::fill_range;
-  return isa_base::fill_range;
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                    __builtin_cpu_supports("f16c");
+  switch (isa) {
+    case Isa::kAvx512:
+      return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+    case Isa::kAvx2: return avx2;
+    default: return true;
+  }
 }
 
-// Elements [begin, end) of the concatenation of all segments (each row-major).
-void fill_elements(RangeFn fn, const Segment* segs, const std::vector<int64_t>& seg_begin,
-                   int64_t begin, int64_t end) {
+// AMD family 0x19 is Zen 3 and Zen 4; of those only Zen 4 has AVX-512, and it executes each
+// 512-bit operation as two 256-bit halves. The AVX-512 kernel's Philox (16 lanes, regrouped
+// with masked moves) then costs as many 256-bit operations per counter as the AVX2 one
+// (even/odd split, no regrouping) and skips the AVX2 one's lane-uniform first rounds, while
+// its transforms are the AVX2 code anyway: on Zen 4 the AVX2 kernel is at least as fast.
+// Zen 5 (family 0x1A) has full-width 512-bit units and keeps AVX-512. A fixed CPUID rule, not
+// a timing at start-up: the choice is the same on every run and every rank (a measurement on
+// a shared, busy machine is not), and the values are identical either way.
+bool amd_family_19h() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid(0, &a, &b, &c, &d)) return false;
+  const bool amd = b == 0x68747541u && d == 0x69746e65u && c == 0x444d4163u;  // AuthenticAMD
+  if (!amd || !__get_cpuid(1, &a, &b, &c, &d)) return false;
+  unsigned family = (a >> 8) & 0xFu;
+  if (family == 0xFu) family += (a >> 20) & 0xFFu;
+  return family == 0x19u;
+}
+
+Isa pick_isa() {
+  if (cpu_runs(Isa::kAvx512) && !amd_family_19h()) return Isa::kAvx512;
+  if (cpu_runs(Isa::kAvx2)) return Isa::kAvx2;
+  return Isa::kBase;
+}
+
+const char* isa_name(Isa isa) {
+  return isa == Isa::kAvx512 ? "avx512" : isa == Isa::kAvx2 ? "avx2" : "x86-64";
+}
+
+// "" -> the picked kernel; a name -> that kernel, if this CPU runs it.
+Isa isa_by_name(const std::string& name) {
+  if (name.empty()) {
+    static const Isa best = pick_isa();
+    return best;
+  }
+  const Isa isa = name == "avx512" ? Isa::kAvx512
+                  : name == "avx2" ? Isa::kAvx2
+                  : name == "x86-64" ? Isa::kBase
+                                     : static_cast<Isa>(-1);
+  MM_CHECK(isa == Isa::kAvx512 || isa == Isa::kAvx2 || isa == Isa::kBase,
+           "unknown CPU kernel '" + name + "' (avx512, avx2, x86-64)");
+  MM_CHECK(cpu_runs(isa), "this CPU cannot run the '" + name + "' kernel");
+  return isa;
+}
+
+SpanFn span_fn(Isa isa) {
+  return isa == Isa::kAvx512 ? isa_avx512::fill_span
+         : isa == Isa::kAvx2 ? isa_avx2::fill_span
+                             : isa_base::fill_span;
+}
+
+// Spans of at most this many elements (1 MiB of fp32): the unit of progress reports to the
+// prefault helper and of a writer's own prefaulting (a span is ~1 ms of work at most).
+constexpr int64_t kSpanElems = int64_t{1} << 18;
+
+// Elements [begin, end) of the concatenation of all segments (each row-major). Stores the
+// index of the next element to write into `progress` after each span, when given; prefaults
+// each span first when `prefault`.
+void fill_elements(SpanFn fn, const Segment* segs, const std::vector<int64_t>& seg_begin,
+                   int64_t begin, int64_t end, std::atomic<int64_t>* progress, bool prefault) {
   int64_t si =
       std::upper_bound(seg_begin.begin(), seg_begin.end(), begin) - seg_begin.begin() - 1;
   while (begin < end) {
-    const Segment& s = segs[si];
     const int64_t stop = std::min(end, seg_begin[si + 1]);
-    const int64_t off = begin - seg_begin[si];
-    int64_t r = s.cols ? off / s.cols : 0, c = s.cols ? off % s.cols : 0;
     while (begin < stop) {
-      const int64_t n = std::min(s.cols - c, stop - begin);
-      fn(s, r, c, c + n);
+      const int64_t n = std::min(kSpanElems, stop - begin);
+      const int64_t b = begin - seg_begin[si];
+      if (prefault) prefault_span(segs[si], b, b + n);
+      fn(segs[si], b, b + n);
       begin += n;
-      ++r;
-      c = 0;
+      if (progress) progress->store(begin, std::memory_order_release);
     }
     ++si;
   }
@@ -57,40 +117,58 @@ void validate(const Segment& s, int64_t i) {
   MM_CHECK(s.rows == 0 || s.cols == 0 || s.ptr != 0, at + "null pointer");
   MM_CHECK(s.rows <= 1 || s.row_stride >= s.cols, at + "row stride smaller than cols");
   MM_CHECK(s.row_offset >= 0 && s.col_offset >= 0, at + "negative global offset");
-  MM_CHECK(s.dtype >= 0 && s.dtype <= 3, at + "unknown dtype code");
+  MM_CHECK(s.dtype >= int32_t(DType::kFloat32) && s.dtype <= int32_t(DType::kFloat64),
+           at + "unknown dtype code");
   MM_CHECK(s.dist.kind >= 0 && s.dist.kind <= 3, at + "unknown distribution code");
 }
 
-}  // namespace
-
-const char* cpu_kernel_name() {
-  RangeFn fn = pick_kernel();
-  return fn == isa_avx512::fill_range ? "avx512" : fn == isa_avx2::fill_range ? "avx2" : "x86-64";
-}
-
-namespace {
-
-RangeFn kernel_by_name(const std::string& isa) {
-  if (isa.empty()) {
-    static const RangeFn best = pick_kernel();
-    return best;
+// philox.h / dtype.h, element by element: what the kernels' math must equal.
+void math_apply_scalar(MathFn fn, const void* in, void* out, int64_t n) {
+  const uint32_t* iu = static_cast<const uint32_t*>(in);
+  float* of = static_cast<float*>(out);
+  uint16_t* oh = static_cast<uint16_t*>(out);
+  for (int64_t i = 0; i < n; ++i) {
+    switch (fn) {
+      case MathFn::kLog: of[i] = mm_logf(bits_to_float(iu[i])); break;
+      case MathFn::kErfinv: of[i] = mm_erfinvf(bits_to_float(iu[i])); break;
+      case MathFn::kSinCos: mm_sincos_turns(iu[i] >> 8, &of[2 * i], &of[2 * i + 1]); break;
+      case MathFn::kBoxMuller:
+        box_muller(iu[2 * i], iu[2 * i + 1], &of[2 * i], &of[2 * i + 1]);
+        break;
+      case MathFn::kToF16: oh[i] = f32_to_f16(bits_to_float(iu[i])); break;
+      case MathFn::kToBF16: oh[i] = f32_to_bf16(bits_to_float(iu[i])); break;
+    }
   }
-  RangeFn best = pick_kernel();
-  RangeFn want = isa == "avx512" ? isa_avx512::fill_range
-                 : isa == "avx2" ? isa_avx2::fill_range
-                 : isa == "x86-64" ? isa_base::fill_range : nullptr;
-  MM_CHECK(want != nullptr, "unknown CPU kernel '" + isa + "' (avx512, avx2, x86-64)");
-  // Never run an instruction set this CPU lacks.
-  const int rank_best = best == isa_avx512::fill_range ? 2 : best == isa_avx2::fill_range ? 1 : 0;
-  const int rank_want = isa == "avx512" ? 2 : isa == "avx2" ? 1 : 0;
-  MM_CHECK(rank_want <= rank_best, "this CPU cannot run the '" + isa + "' kernel");
-  return want;
 }
 
 }  // namespace
+
+const char* cpu_kernel_name() { return isa_name(isa_by_name("")); }
+
+std::vector<std::string> cpu_kernels_runnable() {
+  std::vector<std::string> names;
+  for (Isa isa : {Isa::kAvx512, Isa::kAvx2, Isa::kBase})
+    if (cpu_runs(isa)) names.push_back(isa_name(isa));
+  return names;
+}
+
+void cpu_math(const std::string& fn_name, const std::string& isa_name_, const void* in,
+              void* out, int64_t n) {
+  static const char* const kNames[] = {"log", "sincos", "box_muller", "erfinv", "f16", "bf16"};
+  int f = 0;
+  while (f < 6 && fn_name != kNames[f]) ++f;
+  MM_CHECK(f < 6, "unknown math function '" + fn_name + "'");
+  MM_CHECK(n >= 0, "negative count");
+  const MathFn fn = static_cast<MathFn>(f);
+  if (isa_name_ == "scalar") return math_apply_scalar(fn, in, out, n);
+  const Isa isa = isa_by_name(isa_name_);
+  if (isa == Isa::kAvx512) return isa_avx512::math_apply(fn, in, out, n);
+  if (isa == Isa::kAvx2) return isa_avx2::math_apply(fn, in, out, n);
+  return isa_base::math_apply(fn, in, out, n);
+}
 
 void fill_cpu(const Segment* segs, int64_t n, int num_threads, const std::string& isa) {
-  const RangeFn fn = kernel_by_name(isa);
+  const SpanFn fn = span_fn(isa_by_name(isa));
   std::vector<int64_t> seg_begin(n + 1, 0);
   for (int64_t i = 0; i < n; ++i) {
     validate(segs[i], i);
@@ -101,21 +179,40 @@ void fill_cpu(const Segment* segs, int64_t n, int num_threads, const std::string
   // Below ~1 MB per thread, starting a thread costs more than it saves.
   const int64_t useful = std::max<int64_t>(1, total / (256 * 1024));
   const int nt = static_cast<int>(std::clamp<int64_t>(num_threads, 1, useful));
-  // Split on multiples of 64 elements: threads never share a pass or a cache line.
-  auto split = [&](int t) { return t == nt ? total : (total * t / nt) & ~int64_t{63}; };
+  if (nt == 1) {
+    // One writer: a helper thread prefaults the pages it will reach next (stopped and joined
+    // by its destructor, on return or exception).
+    std::atomic<int64_t> progress{0};
+    PrefaultAhead helper(segs, seg_begin, &progress);
+    fill_elements(fn, segs, seg_begin, 0, total, helper.active() ? &progress : nullptr,
+                  false);
+    return;
+  }
+  // Several writers take spans from a shared counter, not fixed shares: a thread whose core
+  // is busy with other work (a shared machine, an efficiency core) then does less of it, and
+  // the fill is never slower than with one thread. Spans start at multiples of kSpanElems
+  // (a multiple of 64): threads never share a pass or a cache line.
+  const bool prefault = prefault_enabled();
+  std::atomic<int64_t> next{0};
   std::vector<std::exception_ptr> errors(nt);
-  std::vector<std::thread> workers;
-  workers.reserve(nt - 1);
   auto work = [&](int t) {
     try {
-      fill_elements(fn, segs, seg_begin, split(t), split(t + 1));
+      for (int64_t b; (b = next.fetch_add(kSpanElems, std::memory_order_relaxed)) < total;)
+        fill_elements(fn, segs, seg_begin, b, std::min(total, b + kSpanElems), nullptr,
+                      prefault);
     } catch (...) {
       errors[t] = std::current_exception();
     }
   };
-  for (int t = 1; t < nt; ++t) workers.emplace_back(work, t);
-  work(0);
-  for (auto& w : workers) w.join();
+  {
+    // Threads that could not be started (thread limit reached) leave their spans to the
+    // others; the group joins on every path (a joinable std::thread destroyed during
+    // unwinding is std::terminate: "terminate called without an active exception").
+    ThreadGroup group;
+    for (int t = 1; t < nt; ++t)
+      if (!group.spawn([&work, t] { work(t); })) break;
+    work(0);
+  }
   for (auto& e : errors)
     if (e) std::rethrow_exception(e);
 }

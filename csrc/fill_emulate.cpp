@@ -1,51 +1,78 @@
-// Host emulation of the CUDA launch (fill_cuda.cu): the same tiles, the same per-block
-// segment search and the same per-unit work (fill_units.h), run by a loop instead of a
-// grid. Lets machines without a GPU test the kernel's indexing against the CPU engine.
+// Host emulation of the CUDA launch (fill_cuda.cu): the same segment table (prepare_launch),
+// the same per-block segment search, the same per-thread units and store decisions
+// (fill_unit_work.h), run by loops instead of a grid. Lets machines without a GPU test the
+// kernel's indexing against the CPU engine; the stores check the alignment the GPU requires
+// and are counted, so tests also see which path (vector or scalar) the kernel takes.
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "check.h"
+#include "dtype.h"
 #include "fill.h"
+#include "fill_unit_work.h"
 #include "fill_units.h"
-#include "float_convert.h"
 
 namespace metamat {
 namespace {
 
-void store_unit_host(const UnitWork& w) {
-  const Segment& s = *w.seg;
-  for (int i = 0; i < 4; ++i) {
-    const int64_t c = w.c_first + 8 * i;
-    if (c < 0 || c >= s.cols) continue;
-    const int64_t at = w.row * s.row_stride + c;
-    switch (static_cast<DType>(s.dtype)) {
-      case DType::kFloat32: reinterpret_cast<float*>(s.ptr)[at] = w.v[i]; break;
-      case DType::kFloat16: reinterpret_cast<uint16_t*>(s.ptr)[at] = to_half_bits(w.v[i]); break;
-      case DType::kBFloat16: reinterpret_cast<uint16_t*>(s.ptr)[at] = to_bf16_bits(w.v[i]); break;
-      case DType::kFloat64: reinterpret_cast<double*>(s.ptr)[at] = w.v[i]; break;
-    }
+template <class T>
+void put(uintptr_t a, float v) {
+  if constexpr (std::is_same_v<T, F32>) {
+    std::memcpy(reinterpret_cast<void*>(a), &v, 4);
+  } else if constexpr (std::is_same_v<T, F64>) {
+    const double x = v;
+    std::memcpy(reinterpret_cast<void*>(a), &x, 8);
+  } else {
+    const uint16_t h = std::is_same_v<T, F16> ? f32_to_f16(v) : f32_to_bf16(v);
+    std::memcpy(reinterpret_cast<void*>(a), &h, 2);
   }
 }
 
+// The emulation's stores: what the kernel's would write, with the GPU's alignment rules.
+struct HostSink {
+  EmulationStats* st;
+
+  template <class T, int N>
+  void vec(uintptr_t a, const float* f) const {
+    constexpr uintptr_t bytes = N * T::kSize, align = bytes < 16 ? bytes : 16;
+    MM_CHECK(a % align == 0, "emulated launch: misaligned " + std::to_string(bytes) +
+                                 "-byte vector store (the kernel would fault)");
+    for (int k = 0; k < N; ++k) put<T>(a + k * T::kSize, f[k]);
+    st->vector_stores += bytes / align;
+    st->vector_bytes += bytes;
+  }
+  template <class T>
+  void one(uintptr_t a, float v) const {
+    put<T>(a, v);
+    ++st->scalar_stores;
+  }
+  void philox(int n) const { st->philox_calls += n; }
+};
+
 }  // namespace
 
-void fill_cuda_emulated(const Segment* segs, int64_t n) {
-  std::vector<Segment> host(segs, segs + n);
-  const int64_t units = assign_units(host);
-  const int64_t nseg = static_cast<int64_t>(host.size());
-  for (int64_t u0 = 0; u0 < units; u0 += kTile) {  // one iteration = one thread block
-    const int64_t last = std::min(u0 + kTile, units) - 1;
-    const int64_t lo = find_segment(host.data(), 0, nseg - 1, u0);
-    const int64_t hi = find_segment(host.data(), lo, nseg - 1, last);
-    for (int k = 0; k < kUnitsPerThread; ++k)
-      for (int t = 0; t < kTileThreads; ++t) {
-        const int64_t u = u0 + k * kTileThreads + t;
-        if (u >= units) break;
-        UnitWork w;
-        compute_unit(host.data(), lo, hi, u, &w);
-        store_unit_host(w);
-      }
+EmulationStats fill_cuda_emulated(const Segment* segs, int64_t n, bool force_wide) {
+  EmulationStats st;
+  std::vector<Segment> table(segs, segs + n);  // the kernel's copy in device memory
+  const LaunchPlan plan = prepare_launch(table.data(), n, table.data(), force_wide);
+  st.tiles = plan.tiles;
+  st.segments = plan.segments;
+  HostSink out{&st};
+  for (int64_t tile = 0; tile < plan.tiles; ++tile) {  // one iteration = one thread block
+    int64_t lo = 0, hi = plan.segments - 1;
+    while (lo < hi) {
+      const int64_t step = search_step(lo, hi);
+      int count = 0;  // __syncthreads_count
+      for (int t = 0; t < kTileThreads; ++t)
+        count += search_probe(table.data(), lo, hi, step, t, tile) ? 1 : 0;
+      search_narrow(&lo, &hi, step, count);
+    }
+    const Segment& s = table[lo];
+    for (int t = 0; t < kTileThreads; ++t)
+      run_thread_any(s, tile - s.launch.tile_begin, t, out);
   }
+  return st;
 }
 
 }  // namespace metamat

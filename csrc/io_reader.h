@@ -5,20 +5,27 @@
 // duration of the call, and validates the plan; execute_reads() re-validates what it can see
 // (files, byte ranges, dtypes) before the first byte is written, so a bad plan writes nothing.
 //
-// CUDA destinations are not handled here yet: they will go through a pinned staging ring
-// (read into pinned host buffers, then an H2D copy + convert on the caller's stream); ops keep
-// a plain destination address so that stage can re-target them.
+// Destinations are host memory only. CUDA destinations are filled by a staging pipeline built
+// on the per-op read primitive (io_piece.h: OpReader::read / read_to / read_view, one per
+// thread, any io mode): it points ops at pinned host buffers and copies those to the device on
+// the caller's stream. ReadOp keeps a plain destination address so a stage can re-target it.
 #pragma once
 #include <cstddef>
+#include <climits>
 #include <cstdint>
 #include <string>
 #include <vector>
 
+#include "dtype.h"
+#include "io_file.h"
+
 namespace metamat {
 namespace io {
 
-// Element types the reader understands. kRaw: bytes are copied, no conversion (any dtype).
-enum class DType : int64_t { kRaw = 0, kF32 = 1, kF16 = 2, kBF16 = 3 };
+// Element types: metamat::DType (dtype.h). kRaw copies bytes with no conversion (any dtype);
+// the reader converts between kFloat32, kFloat16 and kBFloat16.
+using metamat::DType;
+using metamat::dtype_size;
 
 // One strided read: `rows` rows of `row_bytes` bytes (source dtype) each; row r starts at
 // file byte `file_offset + r*src_stride` and lands at `dst + r*dst_stride`. Destination rows
@@ -37,6 +44,16 @@ struct ReadOp {
 };
 static_assert(sizeof(ReadOp) == 9 * sizeof(int64_t), "ReadOp must be 9 packed int64");
 
+// How data files are read. kBuffered: pread through the page cache. kDirect: O_DIRECT into
+// aligned bounce buffers (or straight into the destination where it and the range line up),
+// falling back to buffered reads per file where the file system refuses O_DIRECT (EINVAL on
+// open or read: some FUSE, file systems that report no direct-I/O support). kAuto: direct
+// for reads of at least ReadOptions::auto_direct_min bytes whose pages are mostly not in the
+// page cache (mincore), buffered otherwise.
+enum class IoMode : int { kBuffered = 0, kDirect = 1, kAuto = 2 };
+
+constexpr int64_t kCoalesceAuto = INT64_MIN;
+
 struct ReadOptions {
   int threads = 4;
   // Work is cut into tasks of about this many bytes so threads balance.
@@ -44,8 +61,43 @@ struct ReadOptions {
   // Per-thread bounce buffer (conversions and coalesced strided reads).
   int64_t bounce_bytes = int64_t(8) << 20;
   // Strided rows whose gap (src_stride - row_bytes) is at most this are read as one span into
-  // the bounce buffer and scattered (one syscall instead of one per row). <0: never.
-  int64_t coalesce_gap = 4096;
+  // the bounce buffer and scattered (one syscall instead of one per row). < 0: never.
+  // kCoalesceAuto: per op, from the measured crossover (bench/bench_coalesce.py, warm cache:
+  // a pread costs about as much as copying 4-8 KiB more through the page cache, and the span's
+  // rows must then be copied out of the bounce buffer): coalesce while
+  // gap <= 4096 - row_bytes / 16 for buffered reads; direct reads pay a whole device request
+  // per row, so they coalesce gaps up to 1 MiB (io=auto: the rule of the path the rows take).
+  int64_t coalesce_gap = kCoalesceAuto;
+  // Per file (empty: none checked): the identity recorded when the checkpoint was opened.
+  // A file whose fstat differs in a checked field (e.g. rewritten with the same size but
+  // another layout: new mtime or inode) is refused before anything is written.
+  std::vector<FileIdentity> identities;
+  // At most this many data-file descriptors open at once (files are opened lazily, least
+  // recently used closed first). <= 0: max(16, RLIMIT_NOFILE soft limit / 4).
+  int64_t max_open_files = 0;
+  IoMode io = IoMode::kBuffered;
+  // kAuto: reads shorter than this stay buffered (a direct read costs a whole aligned
+  // request; small reads are cheaper from the page cache even when cold).
+  int64_t auto_direct_min = int64_t(1) << 20;
+};
+
+// A checksum block (verified reads): `length` bytes of file `file_index` from `offset`, whose
+// XXH3-64 (seed 0) must be `digest` (the manifest's per-4-MiB-block digests). 4 x int64 so
+// Python passes an (n, 4) int64 array (the digest's 64 bits as int64).
+struct VerifyBlock {
+  int64_t file_index;
+  int64_t offset;
+  int64_t length;
+  uint64_t digest;
+};
+static_assert(sizeof(VerifyBlock) == 4 * sizeof(int64_t), "VerifyBlock must be 4 packed int64");
+
+// How each data file was read (ReadResult::files, one per file of the call).
+struct FileReport {
+  int64_t bytes_buffered = 0;
+  int64_t bytes_direct = 0;     // aligned bytes: ranges are rounded out to the alignment
+  bool direct_refused = false;  // O_DIRECT asked for and refused: read buffered instead
+  std::string refuse_reason;
 };
 
 struct ReadResult {
@@ -54,6 +106,13 @@ struct ReadResult {
   int64_t failed_op = -1; // index of the failing op, -1 if none / not op-specific
   int64_t bytes_read = 0; // bytes actually read from files (gaps of coalesced reads included)
   bool wrote = false;     // false: failed during validation, no destination byte touched
+  std::vector<FileReport> files;  // per file (empty when validation failed)
+  // Verified reads only.
+  int64_t bytes_hashed = 0;  // bytes hashed (every byte of every block)
+  int64_t bytes_reread = 0;  // bytes read only to complete a block's hash (no op needed them)
+  bool mismatch = false;     // a block's digest differed (error says which; fields below)
+  int64_t mismatch_file = -1, mismatch_offset = -1, mismatch_length = -1;
+  uint64_t mismatch_expected = 0, mismatch_got = 0;
 };
 
 // Execute `n` ops. Never throws; joins every thread it starts on every path.
@@ -62,13 +121,20 @@ struct ReadResult {
 // call misbehave: `eio` fails with EIO, `eof` returns 0 (file shrank), `short` returns half
 // the bytes asked (must be retried transparently), `eintr` fails with EINTR (retried). The
 // variable is read once per call; unset or malformed, it does nothing.
+//
+// Verified reads (nblocks >= 0): `blocks` must cover every byte of every op's span (first row
+// start to last row end), must not overlap, and must not cut a converting op's element. Each
+// block is one task: one thread reads its bytes in file order and hashes them as they arrive
+// (contiguous raw ops in place in the destination: the bytes hashed are the bytes the model
+// receives; converted/strided ops and block bytes no op needs in the bounce buffer), so every
+// byte is read once. The first mismatch fails the call (ReadResult::mismatch*) and the other
+// threads stop before their next piece.
 ReadResult execute_reads(const std::vector<std::string>& files, const ReadOp* ops, int64_t n,
-                         const ReadOptions& opt);
+                         const ReadOptions& opt, const VerifyBlock* blocks = nullptr,
+                         int64_t nblocks = -1);
 
 // Convert `count` elements (src and dst may be unaligned). kRaw on both sides is invalid here.
 void convert(const void* src, DType s, void* dst, DType d, int64_t count);
-
-int64_t dtype_size(DType t);  // 0 for kRaw / unknown
 
 }  // namespace io
 }  // namespace metamat

@@ -7,21 +7,24 @@
 // Properties checked on every input:
 //   * execute_reads never crashes, hangs or reads/writes out of bounds (ASan/UBSan);
 //   * !ok && !wrote  =>  no destination byte changed;
-//   * ok, raw copy   =>  destination rows equal the file bytes the op names.
+//   * ok, raw copy   =>  destination rows equal the file bytes the op names;
+//   * verified reads with the true digests never report a mismatch.
 //
 //   clang++ -g -O1 -fsanitize=fuzzer,address,undefined -Icsrc fuzz/fuzz_read_ops.cpp \
-//       csrc/io_reader.cpp -o build/fuzz_read_ops && build/fuzz_read_ops -runs=100000
+//       csrc/io_*.cpp csrc/xxh3*.cpp -o build/fuzz_read_ops && build/fuzz_read_ops -runs=100000
 // Without clang: add -DMETAMAT_FUZZ_STANDALONE (g++), which runs N pseudo-random inputs.
 #include <unistd.h>
 
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <algorithm>
 #include <cstring>
 #include <string>
 #include <vector>
 
 #include "io_reader.h"
+#include "xxh3.h"
 
 namespace mio = metamat::io;
 
@@ -85,6 +88,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   opt.task_bytes = field(in, 1 << 16);
   opt.bounce_bytes = field(in, 1 << 14);
   opt.coalesce_gap = int64_t(in.take<int16_t>());
+  if (opt.coalesce_gap == -32768) opt.coalesce_gap = mio::kCoalesceAuto;  // the per-op rule
+  opt.io = mio::IoMode(in.take<uint8_t>() % 3);  // buffered, direct, auto
 
   // 3. ops: file side fuzzed, destination built to fit exactly
   const int nops = in.take<uint8_t>() % 6;
@@ -103,8 +108,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     if (dt >= 200) o.dst_dtype = o.src_dtype;
     // Destination footprint: rows of dst_row bytes at dst_stride; only buildable for sane
     // sizes (the Python layer never passes others: it owns the destination tensors).
-    const int64_t ssz = mio::dtype_size(mio::DType(o.src_dtype));
-    const int64_t dsz = mio::dtype_size(mio::DType(o.dst_dtype));
+    const int64_t ssz = metamat::dtype_size(metamat::DType(o.src_dtype));
+    const int64_t dsz = metamat::dtype_size(metamat::DType(o.dst_dtype));
     const bool conv = o.src_dtype != o.dst_dtype;
     if (o.rows < 0 || o.rows > 64 || o.row_bytes < 0 || o.row_bytes > (1 << 16)) {
       o.dst = 0x1000;  // never dereferenced: such ops must fail validation or be empty
@@ -126,7 +131,36 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     o.dst = need ? int64_t(reinterpret_cast<uintptr_t>(dst[size_t(i)].data())) : 0x1000;
   }
 
-  const mio::ReadResult r = mio::execute_reads(files, ops.data(), nops, opt);
+  // 4. verify blocks, sometimes: none (plain read), blocks of a fuzzed size covering file 0
+  //    with the true digests (must verify), or fuzzed blocks (must be refused or mismatch
+  //    cleanly, never crash or write outside the destinations).
+  std::vector<mio::VerifyBlock> blocks;
+  const uint8_t vsel = in.take<uint8_t>() % 4;
+  int64_t nblocks = -1;
+  if (vsel == 1 && flen > 0) {
+    const int64_t bs = 1 + (field(in, 1 << 14) & ((1 << 14) - 1));  // 1..16384
+    std::vector<uint8_t> bytes(static_cast<size_t>(flen));
+    for (int64_t i = 0; i < flen; ++i) bytes[size_t(i)] = file_byte(i);
+    for (int64_t off = 0; off < flen; off += bs) {
+      const int64_t len = std::min<int64_t>(bs, flen - off);
+      blocks.push_back({0, off, len, metamat::Xxh3::hash(bytes.data() + off, size_t(len))});
+    }
+    nblocks = int64_t(blocks.size());
+  } else if (vsel >= 2) {
+    const int nb = in.take<uint8_t>() % 8;
+    for (int k = 0; k < nb; ++k) {
+      mio::VerifyBlock b;
+      b.file_index = int64_t(in.take<int8_t>()) % 3;
+      b.offset = field(in, 1 << 16);
+      b.length = field(in, 1 << 15);
+      b.digest = in.take<uint64_t>();
+      blocks.push_back(b);
+    }
+    nblocks = int64_t(blocks.size());
+  }
+
+  const mio::ReadResult r =
+      mio::execute_reads(files, ops.data(), nops, opt, blocks.data(), nblocks);
 
   // 4. properties
   if (!r.ok && !r.wrote) {
@@ -136,6 +170,10 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
           std::fprintf(stderr, "validation failed after a write: %s\n", r.error.c_str());
           std::abort();
         }
+  }
+  if (r.mismatch && vsel == 1) {
+    std::fprintf(stderr, "true digests reported a mismatch: %s\n", r.error.c_str());
+    std::abort();
   }
   if (r.ok) {
     for (int i = 0; i < nops; ++i) {

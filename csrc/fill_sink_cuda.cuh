@@ -1,0 +1,66 @@
+// The CUDA kernel's stores: the Sink of fill_unit_work.h for device code (device only).
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include "fill_unit_work.h"
+
+namespace metamat {
+
+// Two floats -> two fp16 / bf16 in one 32-bit word (low half = a), round to nearest even:
+// one F2FP instruction; bit-exact with dtype.h's f32_to_f16 / f32_to_bf16 for non-NaN input.
+__device__ __forceinline__ uint32_t pack2(F16, float a, float b) {
+  const __half2 h = __floats2half2_rn(a, b);
+  uint32_t u;
+  memcpy(&u, &h, 4);
+  return u;
+}
+__device__ __forceinline__ uint32_t pack2(BF16, float a, float b) {
+  const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+  uint32_t u;
+  memcpy(&u, &h, 4);
+  return u;
+}
+__device__ __forceinline__ uint16_t pack1(F16, float a) { return __half_as_ushort(__float2half_rn(a)); }
+__device__ __forceinline__ uint16_t pack1(BF16, float a) {
+  return __bfloat16_as_ushort(__float2bfloat16_rn(a));
+}
+
+// The kernel's stores (the Sink of fill_unit_work.h): 128-bit (or 64-bit) vector stores.
+struct DeviceSink {
+  template <class T, int N>
+  __device__ __forceinline__ void vec(uintptr_t a, const float* f) const {
+    if constexpr (std::is_same_v<T, F32>) {
+#pragma unroll
+      for (int k = 0; k < N; k += 4)
+        __stwb(reinterpret_cast<float4*>(a + 4 * k), make_float4(f[k], f[k + 1], f[k + 2], f[k + 3]));
+    } else if constexpr (std::is_same_v<T, F64>) {
+#pragma unroll
+      for (int k = 0; k < N; k += 2)
+        __stwb(reinterpret_cast<double2*>(a + 8 * k), make_double2(f[k], f[k + 1]));
+    } else if constexpr (N == 8) {
+      __stwb(reinterpret_cast<uint4*>(a), make_uint4(pack2(T{}, f[0], f[1]), pack2(T{}, f[2], f[3]),
+                                                     pack2(T{}, f[4], f[5]), pack2(T{}, f[6], f[7])));
+    } else {
+      static_assert(N == 4, "16-bit vectors are 4 or 8 elements");
+      __stwb(reinterpret_cast<uint2*>(a), make_uint2(pack2(T{}, f[0], f[1]), pack2(T{}, f[2], f[3])));
+    }
+  }
+  template <class T>
+  __device__ __forceinline__ void one(uintptr_t a, float v) const {
+    if constexpr (std::is_same_v<T, F32>) {
+      __stwb(reinterpret_cast<float*>(a), v);
+    } else if constexpr (std::is_same_v<T, F64>) {
+      __stwb(reinterpret_cast<double*>(a), static_cast<double>(v));
+    } else {
+      __stwb(reinterpret_cast<unsigned short*>(a), pack1(T{}, v));
+    }
+  }
+  __device__ __forceinline__ void philox(int) const {}
+};
+
+}  // namespace metamat
