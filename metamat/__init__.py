@@ -6,25 +6,30 @@ column) and rank-local checkpoint loading, with a torch-free C++/CUDA core.
 Importing metamat loads neither the compiled core nor torchrec, and never initialises CUDA.
 """
 from ._ext import ExtensionNotBuiltError
-from .fill_init import fill_, fill_many_
+from .checkpoint import CheckpointError, UnexpectedTensorError, open_checkpoint
+from .empty import init_empty_weights
+from .errors import (MissingValueError, PartialLoadError, PeerCheckpointError, PeerFailedError,
+                     UnsupportedDTensorError, UnsupportedError)
+from .init import fill_, fill_many_
 from .materialize import materialize
 from .report import Report
 from .spec import Constant, Dist, Normal, TruncatedNormal, Uniform, Zeros
-from .checkpoint import CheckpointError, open_checkpoint
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Dist", "Uniform", "Normal", "TruncatedNormal", "Constant", "Zeros",
-    "fill_", "fill_many_", "materialize", "Report", "shard_on_meta",
-    "open_checkpoint", "CheckpointError", "ExtensionNotBuiltError",
+    "fill_", "fill_many_", "materialize", "Report", "shard_on_meta", "init_empty_weights",
+    "open_checkpoint", "CheckpointError", "UnexpectedTensorError", "ExtensionNotBuiltError",
+    "UnsupportedError", "UnsupportedDTensorError", "MissingValueError", "PeerFailedError",
+    "PeerCheckpointError", "PartialLoadError",
 ]
 
 
 def __getattr__(name):
     # TorchRec is optional and slow to import: load it only when its API is asked for.
     if name == "shard_on_meta":
-        from .torchrec import shard_on_meta
+        from .models.torchrec import shard_on_meta
 
         return shard_on_meta
     raise AttributeError(f"module 'metamat' has no attribute {name!r}")

@@ -22,7 +22,9 @@ import torch
 
 from .checkpoint import CheckpointError, open_checkpoint
 from .checkpoint.base import Checkpoint, TensorEntry, itemsize, numel
-from .fill_load import plan_load
+from .blocks import row_blocks, view_shape
+from .checkpoint.view import CheckpointView
+from .load import plan_load
 from .plan import Target
 
 SHARDINGS = ("table_wise", "row_wise", "column_wise", "data_parallel")
@@ -72,38 +74,50 @@ def ckpt_dir(ckpt: Checkpoint) -> str:
     return os.path.commonpath([os.path.dirname(f) for f in ckpt.files]) if ckpt.files else "."
 
 
+def _split(n: int, world: int, rank: int):
+    step = -(-n // world)
+    lo = min(n, rank * step)
+    return lo, max(0, min(n, (rank + 1) * step) - lo)
+
+
 def rank_targets(ckpt: Checkpoint, world: int, rank: int, sharding: str) -> List[Target]:
-    """The blocks ``rank`` would hold if every tensor were sharded ``sharding`` over ``world``."""
+    """The blocks ``rank`` would hold if every tensor were sharded ``sharding`` over ``world``
+    (row-wise splits dim 0, column-wise the last dim; 0-D tensors are replicated; tensors
+    above 2-D are planned as row blocks of their ``(rows, cols)`` view, as materialize does).
+    """
     out = []
     for i, (name, e) in enumerate(sorted(ckpt.tensors().items())):
         shape = tuple(e.global_shape)
-        if len(shape) == 0:
-            continue
-        rows = shape[0]
-        cols = shape[1] if len(shape) > 1 else None
         off, local = [0] * len(shape), list(shape)
         if sharding == "table_wise" and i % world != rank:
             continue
-        if sharding == "row_wise" or (sharding == "column_wise" and cols is None):
-            step = -(-rows // world)
-            off[0], local[0] = min(rows, rank * step), max(0, min(rows, (rank + 1) * step) - rank * step)
-        elif sharding == "column_wise":
-            step = -(-cols // world)
-            off[1], local[1] = min(cols, rank * step), max(0, min(cols, (rank + 1) * step) - rank * step)
+        if shape and (sharding == "row_wise" or (sharding == "column_wise" and len(shape) == 1)):
+            off[0], local[0] = _split(shape[0], world, rank)
+        elif shape and sharding == "column_wise":
+            off[-1], local[-1] = _split(shape[-1], world, rank)
         if 0 in local:
             continue
-        out.append(Target(fqn=name, key=name, global_shape=shape, offsets=tuple(off),
-                          local_shape=tuple(local), dtype=e.dtype))
+        if len(shape) <= 2:
+            out.append(Target(fqn=name, key=name, global_shape=shape, offsets=tuple(off),
+                              local_shape=tuple(local), dtype=e.dtype))
+            continue
+        for b in row_blocks(shape, off, local):
+            out.append(Target(fqn=name, key=name, global_shape=view_shape(shape),
+                              offsets=(b.row, b.col), local_shape=(b.rows, b.cols),
+                              dtype=e.dtype))
     return out
 
 
 def plan_info(ckpt: Checkpoint, world: int, sharding: str, ranks: List[int]) -> Dict:
+    names = ckpt.tensors()
+    view = CheckpointView(ckpt, {n: n for n in names},
+                          {n: e.global_shape for n, e in names.items() if len(e.global_shape) > 2})
     per_rank = {}
     for r in ranks:
-        p = plan_load(rank_targets(ckpt, world, r, sharding), ckpt, check_destinations=False)
+        p = plan_load(rank_targets(ckpt, world, r, sharding), view, check_destinations=False)
         planned = sum(op.src_bytes for op in p.ops)
         files = sorted({os.path.basename(p.files[op.file_index]) for op in p.ops})
-        per_rank[r] = {"tensors": len(p.targets), "bytes_needed": p.bytes_needed,
+        per_rank[r] = {"tensors": len({t.fqn for t in p.targets}), "bytes_needed": p.bytes_needed,
                        "bytes_planned": planned, "ops": len(p.ops), "files": files,
                        "read_amplification": planned / p.bytes_needed if p.bytes_needed else 1.0}
     return {"format": ckpt.format, "world_size": world, "sharding": sharding, "ranks": per_rank}

@@ -1,36 +1,162 @@
-"""``metamat.materialize``: turn a model holding meta tensors into a real, initialised one,
-or load a checkpoint into it.
+"""``metamat.materialize``: the one orchestration, for every model kind.
 
-Pipeline: plan (find every meta tensor, validate, compute targets) -> allocate (one real
-storage per meta storage, nothing touched) -> fill (init engine, or checkpoint load) ->
-register (swap the real tensors in everywhere). A failure before register leaves the model
-as it was.
+    find (adapters: TorchRec sharded modules, ordinary modules with plain/DTensor tensors)
+    -> plan (targets, storages and the read plan, computed once)
+    -> validate (names, shapes, dtypes, coverage, files, a value for every tensor)
+    -> agree -> allocate -> fill (init | load) -> agree -> register
+
+Nothing in the model changes before the second agreement; a failure anywhere before it leaves
+the model as it was on every rank. Tensors that already exist and are loaded are filled in
+shadow copies that the register step copies in (unless ``inplace=True``).
 """
 from __future__ import annotations
 
-import contextlib
+import fnmatch
 import logging
-import signal
-import threading
 import time
 import warnings as _warnings
-from typing import Any, Callable, List, Mapping, Optional, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
 import torch
 from torch import nn
 
+from .allocate import allocate
+from .checkpoint.base import Checkpoint
+from .checkpoint.errors import MissingTensorError, UnexpectedTensorError
+from .checkpoint.view import MODEL_PREFIXES, CheckpointView, Rename, resolve_keys
+from .collective import Agreement, defer_sigint, rank
+from .errors import PartialLoadError
+from .plan import Target
 from .report import Report, make_progress
-from .spec import Dist
+from .rules import check_init_map
 
 __all__ = ["materialize"]
 
 _log = logging.getLogger("metamat")
 
 
-def _default_device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+def _has_meta(model: nn.Module) -> bool:
+    from .models.modules import local_of
+
+    return any(local_of(t).device.type == "meta"
+               for t in list(model.parameters()) + list(model.buffers()))
+
+
+def _resolve_device(model: nn.Module, device, meta: bool) -> torch.device:
+    """The explicit device; else where an eager model lives; else a DTensor mesh's device
+    type; else the current CUDA device when there is one, else the CPU."""
+    if device is None:
+        if not meta:
+            real = next((t for t in list(model.parameters()) + list(model.buffers())), None)
+            if real is not None:
+                from .models.modules import local_of
+                device = local_of(real).device
+        if device is None:
+            from .models.modules import is_dtensor
+            mesh_dev = next((t.device_mesh.device_type for t in model.parameters()
+                             if is_dtensor(t)), None)
+            device = mesh_dev or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device)
+    if device.type == "meta":
+        raise ValueError("materialize: device must be a real device, not meta")
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+class _Load:
+    """The read plan of one call and what it matched (computed once, before allocation)."""
+
+    def __init__(self) -> None:
+        self.plan = None
+        self.loaded: Set[int] = set()  # ids of targets the checkpoint provides
+        self.unexpected: List[str] = []
+        self.prefixes: Dict[str, Optional[str]] = {}
+        self.means: list = []
+        self.manifest = None
+
+
+def _optimizer_hint(unexpected: Sequence[str], has_fused: bool) -> str:
+    opt = [k for k in unexpected
+           if k.startswith(("optim.", "optimizer.", "state.")) or ".state." in k]
+    if opt and not has_fused:
+        return (f" {len(opt)} of them look like optimizer state, and this model has no fused "
+                "optimizer to load it into; ignore them with ignore_unexpected=['optim.*'] "
+                "(or the prefix your checkpoint uses)")
+    return ""
+
+
+def _plan_load(parts, ck: Checkpoint, *, strict: bool, dtype, rename: Rename,
+               ignore: Sequence[str]) -> _Load:
+    """Match every target to the checkpoint and plan the reads (no allocation, no writes)."""
+    from .load import plan_load
+
+    out = _Load()
+    keys = ck.tensors()
+    model_t = [t for p in parts for t in p.targets if not t.optimizer and t.persistent]
+    names: Dict[str, List[str]] = {}
+    for p in parts:  # global names: a rank without a block of a tensor still knows it
+        names.update(p.names())
+    found, prefix, used = resolve_keys(keys, names, prefixes=MODEL_PREFIXES, rename=rename)
+    out.prefixes["model"] = prefix
+    missing = sorted(n for n in names if n not in found)
+    if missing and strict:
+        raise MissingTensorError(
+            f"{len(missing)} tensor(s) missing from checkpoint: {', '.join(missing[:20])}"
+            + (" ..." if len(missing) > 20 else "") + " (pass strict=False to initialise them)",
+            names=missing, file=ck.path)
+    load: List[Target] = [t for t in model_t if t.fqn in found]
+    view_keys = {n: found[n] for n in found}
+    opt_parts = [p for p in parts if hasattr(p, "match_optimizer")]
+    has_fused = any(t.optimizer for p in opt_parts for t in p.targets)
+    for p in opt_parts:
+        m = p.match_optimizer(keys, strict=strict, ckpt_path=ck.path)
+        load += m.load
+        view_keys.update(m.keys)
+        used |= m.used
+        out.loaded |= {id(t) for t in m.loaded}
+        out.means += m.means
+        out.prefixes["optim"] = m.prefix
+    out.unexpected = sorted(k for k in keys if k not in used
+                            and not any(fnmatch.fnmatchcase(k, pat) for pat in ignore))
+    if out.unexpected and strict:
+        u = out.unexpected
+        raise UnexpectedTensorError(
+            f"{len(u)} checkpoint tensor(s) match nothing in the model: {', '.join(u[:20])}"
+            + (" ..." if len(u) > 20 else "") + "." + _optimizer_hint(u, has_fused)
+            + " Pass ignore_unexpected=[patterns] or strict=False to load anyway.",
+            names=u, file=ck.path)
+    shapes: Dict[str, tuple] = {}
+    for p in parts:
+        if hasattr(p, "nd_shapes"):
+            shapes.update(p.nd_shapes())
+    view = CheckpointView(ck, view_keys, shapes)
+    out.plan = plan_load(load, view, strict=True, dtype=dtype, check_destinations=False)
+    out.loaded |= {id(t) for t in load}
+    return out
+
+
+def _shadow(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
+
+
+def _bind_reads(ld: _Load, alloc, inplace: bool) -> List[Tuple[torch.Tensor, torch.Tensor, str]]:
+    """Point the read plan's targets at real memory; tensors of the live model get shadow
+    copies (unless ``inplace``). Returns (live, shadow, fqn) triples."""
+    from .load import validate_destination
+
+    shadows = []
+    dests = list(ld.plan.targets) + [dst for dst, _ in ld.means]
+    for t in dests:
+        x = t.tensor
+        if x.device.type == "meta":
+            t.tensor = alloc.view(x)
+        elif alloc.key_of(x) is None and not inplace:
+            t.tensor = _shadow(x)
+            shadows.append((x, t.tensor, t.fqn))
+    for t in ld.plan.targets:
+        validate_destination(t)
+    return shadows
 
 
 def materialize(
@@ -44,314 +170,216 @@ def materialize(
     staging_bytes: int = 256 << 20,
     progress: Union[None, bool, Callable[[int, int], None]] = None,
     seed: int = 0,
-    init: Optional[Mapping[str, Dist]] = None,
-    rename: Union[None, Mapping[str, str], Callable[[str], str]] = None,
+    init: Optional[Mapping[str, Any]] = None,
+    rename: Rename = None,
     verify: bool = False,
+    ignore_unexpected: Sequence[str] = (),
+    inplace: bool = False,
+    timeout: Optional[float] = None,
+    io: str = "auto",
 ) -> Report:
-    """Allocate and initialise every meta tensor of ``model`` in place, or load ``ckpt``.
+    """Give every meta tensor of ``model`` real memory and its value, or load ``ckpt``.
+
+    Collective when a process group is initialised: every rank must call it.
 
     Args:
-        model: a ``DistributedModelParallel`` from ``metamat.shard_on_meta`` or from
-            ``DistributedModelParallel(..., device=torch.device("meta"),
-            init_parameters=False)``, or any ``nn.Module`` holding meta tensors. With
-            ``ckpt``, also an already-materialized model (e.g. an eager DMP): its tensors
-            are overwritten in place (a fast replacement for ``dcp.load``).
-        ckpt: a checkpoint to load instead of initialising: a path (DCP directory,
-            ``.safetensors`` file, HF index json or directory of shards, torch.save file)
-            or a ``metamat.open_checkpoint`` object. Keys are the model's ``state_dict()``
-            keys, optionally behind ``model.``/``module.``; fused-optimizer state
-            (``state.<param>.<table>.momentum1``) behind ``optim.``/``optimizer.`` or none
-            (see ``metamat.torchrec.load``).
-        device: target device; default the current CUDA device if available, else CPU
-            (TorchRec tables: CPU only). Ignored for an already-materialized model.
-        strict: with ``ckpt``: every model tensor must be in the checkpoint, and all the
-            optimizer state if it holds any (else ``MissingTensorError`` naming them all).
-            ``strict=False``: missing meta tensors are initialised as without ``ckpt``
-            (``Report.initialized``), missing real ones are left (``Report.unchanged``).
-        dtype: checkpoint dtype policy (``metamat.fill_load``): None converts between
-            float32/float16/bfloat16, ``"exact"`` forbids it, a dtype requires it.
-        io_threads: pread threads (default ``min(8, cpu_count)``).
-        staging_bytes: bounce-buffer budget of the reader.
+        model: any ``nn.Module`` holding meta tensors: a TorchRec ``DistributedModelParallel``
+            (from :func:`metamat.shard_on_meta` or ``DistributedModelParallel(...,
+            device=torch.device("meta"), init_parameters=False)``), a tensor-parallel or FSDP2
+            model (DTensor parameters on meta), a plain model built on meta or under
+            :func:`metamat.init_empty_weights`. With ``ckpt``, also an already real model.
+        ckpt: a checkpoint to load: a path (DCP directory, ``.safetensors`` file, Hugging Face
+            index json or directory of shards, torch.save file) or a
+            :func:`metamat.open_checkpoint` object. Each rank reads only its blocks' bytes.
+            Keys are the model's ``state_dict()`` keys, optionally behind ``model.`` or
+            ``module.``; fused-optimizer state (``state.<param>.<table>.momentum1``) behind
+            ``optim.``, ``optimizer.`` or nothing.
+        device: target device; default: where an already real model lives, else the DTensor
+            mesh's device type, else the current CUDA device if there is one, else the CPU
+            (TorchRec tables: CPU only).
+        strict: with ``ckpt``, like ``load_state_dict``: every persistent model tensor must be
+            in the checkpoint (else :class:`MissingTensorError` naming them all) and every
+            checkpoint tensor must match one (else :class:`UnexpectedTensorError`, unless
+            ``ignore_unexpected`` covers it). Fused-optimizer state is optional.
+            ``strict=False``: missing meta tensors are initialised as without ``ckpt``,
+            missing real ones are left; unexpected ones are listed in the Report.
+        dtype: checkpoint dtype policy: None converts between float32/float16/bfloat16,
+            ``"exact"`` forbids it, a dtype requires every saved tensor to have it.
+        io_threads: reader threads (default ``min(8, cpu_count)``).
+        staging_bytes: host memory the load may use for bounce and staging buffers.
         progress: None: a tqdm bar on rank 0 for loads over a second, only on a TTY;
             True/False force it on/off; a callable gets ``(bytes_done, bytes_total)``.
-        seed: RNG seed; values are a pure function of (seed, table name, global row/col).
-        init: fnmatch patterns of table names or parameter fqns -> metamat distributions,
-            overriding the model's own init.
-        rename: model key -> checkpoint key (dict or callable), for DTensor and plain
-            models whose checkpoint names differ (TorchRec models match state_dict keys).
-        verify: with ``ckpt``: check every byte read against the checkpoint's checksum
-            manifest (``python -m metamat checksum CKPT`` writes it) while streaming; a
-            missing manifest raises ``MissingFileError`` naming its expected path before
-            anything is allocated, a mismatch ``ChecksumMismatchError`` (on every rank) and
-            nothing is registered.
-
-    A KeyboardInterrupt during the load propagates between read batches (no reader thread
-    is left running) and leaves the model as it was; one arriving while the tensors are
-    swapped in is held until the swap is complete.
-
-    Models holding DTensors (tensor parallel, FSDP2) go to ``metamat.dtensor``; models with
-    TorchRec sharded modules and plain modules to ``metamat.torchrec``.
+        seed: values are a pure function of (seed, tensor or table name, global position)
+            for every fused distribution, whatever the plan or the world size.
+        init: name or fnmatch pattern -> value for tensors no checkpoint provides: a
+            :class:`metamat.Dist` (fused), a tensor (the global value) or a callable applied
+            to the local tensor. Names are TorchRec table names or ``state_dict()`` keys; an
+            exact name wins, then the first matching pattern.
+        rename: model key -> checkpoint key (dict or callable) when names differ.
+        verify: with ``ckpt``, check every byte read against the checkpoint's checksum
+            manifest (``python -m metamat checksum CKPT`` writes it) while streaming.
+        ignore_unexpected: fnmatch patterns of checkpoint keys that may match nothing.
+        inplace: with ``ckpt``, write already-real tensors in place instead of into shadow
+            copies: no transient memory, but a failure after the first write raises
+            :class:`PartialLoadError` naming what may have changed.
+        io: how checkpoint bytes are read: ``"auto"`` (``O_DIRECT`` for large ranges that
+            are not in the page cache, buffered otherwise), ``"buffered"`` or ``"direct"``.
+        timeout: seconds a rank waits for its peers at each agreement point before raising
+            :class:`PeerFailedError` (a dead peer is noticed at once); default
+            ``METAMAT_TIMEOUT`` or 600.
 
     Returns:
-        A ``Report`` (bytes, seconds per phase, GB/s; with ``ckpt`` also bytes needed and
-        read, read amplification, which tensors were initialised instead of loaded).
+        A :class:`Report` (bytes, seconds per phase, GB/s; with ``ckpt`` bytes needed and
+        read, read amplification, which tensors were loaded, initialised, left unchanged,
+        which checkpoint tensors were unexpected; where each buffer's value came from).
 
     Raises:
-        metamat.CheckpointError: with ``ckpt``: unreadable, damaged or mismatching
-            checkpoint, raised after validating everything and before the first byte of the
-            model is written; in a process group every rank raises if any rank fails.
-        metamat.torchrec.compat.UnsupportedError: unsupported version, kernel or module,
-            raised before anything is allocated.
+        metamat.CheckpointError: unreadable, damaged or mismatching checkpoint, raised after
+            validating everything and before the first byte of the model is written.
+        metamat.MissingValueError: meta tensors with no value source (before allocating).
+        metamat.UnsupportedError: unsupported versions, kernels, modules or placements.
+        metamat.PeerFailedError: another rank failed (a ``CheckpointError`` too when that was
+            a checkpoint problem). In every case the model is unchanged on every rank.
+        metamat.PartialLoadError: only with ``inplace=True``, after writes began.
     """
     if verify and ckpt is None:
         raise ValueError("materialize: verify=True needs a checkpoint")
-    report = _dispatch_dtensor(model, ckpt, device=device, strict=strict, dtype=dtype,
-                               io_threads=io_threads, staging_bytes=staging_bytes,
-                               progress=progress, seed=seed, init=init, rename=rename,
-                               verify=verify)
-    if report is None:
-        report = _materialize_torchrec(model, ckpt, device=device, strict=strict, dtype=dtype,
-                                       io_threads=io_threads, staging_bytes=staging_bytes,
-                                       progress=progress, seed=seed, init=init, verify=verify)
+    from .load.execute import IO_MODES
+    if io not in IO_MODES:
+        raise ValueError(f"materialize: io must be one of {IO_MODES}, got {io!r}")
+    ranks = Agreement(timeout)  # collective: before any rank-specific work
+    loading = ckpt is not None
+    report = Report(source="checkpoint" if loading else "init", seconds={})
+    sec = report.seconds
+    err: Optional[BaseException] = None
+    parts: list = []
+    ld = _Load()
+    dev = torch.device("cpu")
+    t = time.perf_counter()
+    try:
+        if loading:
+            from .checkpoint import open_checkpoint
+            from .load.verify import resolve_manifest
+
+            ck = ckpt if isinstance(ckpt, Checkpoint) else open_checkpoint(ckpt)
+            report.checkpoint = ck.path
+            ld.manifest = resolve_manifest(ck, verify)  # missing: fail before allocating
+            sec["open"] = time.perf_counter() - t
+            t = time.perf_counter()
+        init_map = check_init_map(init)
+        dev = _resolve_device(model, device, _has_meta(model))
+        report.device = str(dev)
+        from .models import find_parts
+
+        parts = find_parts(model, dev, init_map, loading=loading)
+        sec["plan"] = time.perf_counter() - t
+        t = time.perf_counter()
+        if loading:
+            manifest = ld.manifest
+            ld = _plan_load(parts, ck, strict=strict, dtype=dtype, rename=rename,
+                            ignore=tuple(ignore_unexpected))
+            ld.manifest = manifest
+        for p in parts:
+            if hasattr(p, "decide"):
+                p.decide(init_map, ld.loaded, dev)
+        sec["validate"] = time.perf_counter() - t
+    except BaseException as e:  # noqa: BLE001 - told to the other ranks, then re-raised
+        err = e
+    ranks.agree(err, "validation")
+
+    reading = False  # the reads began (with inplace=True: the live model may be written)
+    shadows: list = []
+    executed = None
+    alloc = None
+    try:
+        t = time.perf_counter()
+        alloc = allocate([g for p in parts for g in p.storages], dev)
+        for p in parts:
+            p.bind(alloc, dev)
+        if loading:
+            shadows = _bind_reads(ld, alloc, inplace)
+        sec["allocate"] = time.perf_counter() - t
+        t = time.perf_counter()
+        report.bytes_written = sum(p.fill(alloc, seed, ld.loaded) for p in parts)
+        sec["fill"] = time.perf_counter() - t
+        if loading:
+            t = time.perf_counter()
+            reading = True
+            executed = _read(ld, io_threads, staging_bytes, progress, io)
+            for p in parts:
+                if hasattr(p, "after_load"):
+                    p.after_load()
+            sec["read"] = time.perf_counter() - t
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+    except BaseException as e:  # noqa: BLE001
+        err = e
+    try:
+        ranks.agree(err, "fill")
+    except BaseException as e:  # noqa: BLE001
+        live = sorted({t.fqn for t in ld.plan.targets if _is_live(t, alloc)}) \
+            if reading and inplace else []
+        if live:
+            raise PartialLoadError(
+                "the load failed after writing into the model's own tensors (inplace=True): "
+                f"the model is partly loaded; these may have changed: {', '.join(live[:20])}"
+                + (" ..." if len(live) > 20 else ""), written=live) from e
+        raise
+
+    t = time.perf_counter()
+    with defer_sigint():
+        with torch.no_grad():
+            for live, shadow, _fqn in shadows:
+                live.copy_(shadow)
+        report.num_tensors = sum(p.register(alloc) for p in parts)
+    sec["register"] = time.perf_counter() - t
+    _fill_report(report, parts, ld, executed, alloc, shadows)
+    for w in report.warnings:
+        _warnings.warn(w, stacklevel=2)
     _log.info("metamat.materialize: %s", report.summary())
     _log.debug("materialize phases: %s", report.seconds)
     return report
 
 
-def _has_torchrec_modules(model: nn.Module) -> bool:
-    import sys
-
-    if "torchrec" not in sys.modules:  # nothing of torchrec was ever built
-        return False
-    from torchrec.distributed.types import ShardedModule
-
-    return any(isinstance(m, ShardedModule) for m in model.modules())
+def _is_live(t: Target, alloc) -> bool:
+    return alloc is not None and t.tensor is not None and t.tensor.device.type != "meta" \
+        and alloc.key_of(t.tensor) is None
 
 
-def _dispatch_dtensor(model, ckpt, *, rename, **kw) -> Optional[Report]:
-    """Run the DTensor path for DTensor models (and plain models with ``rename``)."""
-    from .dtensor import has_dtensor, materialize_dtensor
+def _read(ld: _Load, io_threads, staging_bytes, progress, io):
+    from .load import execute
 
-    if has_dtensor(model) or (rename is not None and not _has_torchrec_modules(model)):
-        return materialize_dtensor(model, ckpt, rename=rename, **kw)
-    if rename is not None:
-        raise ValueError("materialize: rename= is not supported for TorchRec models; their "
-                         "checkpoint keys are matched to state_dict() keys (with model./module. "
-                         "prefixes detected)")
-    return None
-
-
-def _materialize_torchrec(model, ckpt, *, device, strict, dtype, io_threads, staging_bytes,
-                          progress, seed, init, verify=False) -> Report:
-    from .torchrec.allocate import allocate
-    from .torchrec.fill import fill_init
-    from .torchrec.register import register
-    from .torchrec.walk import build_plan
-
-    if device is None and ckpt is not None:
-        # loading into an already-materialized model: where its tensors are
-        device = next((p.device for p in model.parameters() if p.device.type != "meta"), None)
-    device = torch.device(device) if device is not None else _default_device()
-    if device.type == "meta":
-        raise ValueError("materialize: device must be a real device, not meta")
-    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
-        device = torch.device("cuda", torch.cuda.current_device())
-    if ckpt is not None:
-        return _materialize_from_checkpoint(
-            model, ckpt, device=device, strict=strict, dtype=dtype, io_threads=io_threads,
-            staging_bytes=staging_bytes, progress=progress, seed=seed, init=init,
-            verify=verify)
-    report = Report(device=str(device), source="init")
-
-    t0 = time.perf_counter()
-    plan = build_plan(model, device, init)
-    t1 = time.perf_counter()
-    alloc = allocate(plan)
-    t2 = time.perf_counter()
-    report.bytes_written = fill_init(plan, alloc, seed)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    t3 = time.perf_counter()
-    with defer_sigint():
-        register(model, plan, alloc)
-    t4 = time.perf_counter()
-
-    report.seconds = {"plan": t1 - t0, "allocate": t2 - t1, "fill": t3 - t2, "register": t4 - t3}
-    report.bytes_allocated = plan.nbytes
-    report.num_targets = len(plan.targets)
-    report.num_tensors = len(alloc.twins)
-    report.warnings = list(plan.warnings)
-    for w in plan.warnings:
-        _warnings.warn(w, stacklevel=2)
-    return report
-
-
-@contextlib.contextmanager
-def defer_sigint():
-    """Hold SIGINT while the real tensors are swapped into the model (a KeyboardInterrupt
-    halfway through would leave it half meta, half real): raised once the block is done.
-    Only in the main thread and while Python's default SIGINT handler is installed."""
-    if (threading.current_thread() is not threading.main_thread()
-            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
-        yield
-        return
-    got = []
-    prev = signal.signal(signal.SIGINT, lambda signum, frame: got.append(signum))
+    cb = make_progress(progress, rank())
     try:
-        yield
+        return execute(ld.plan, io_threads=io_threads, staging_bytes=staging_bytes,
+                       progress=cb, verify=ld.manifest, io=io)
     finally:
-        signal.signal(signal.SIGINT, prev)
-    if got:
-        raise KeyboardInterrupt
+        if hasattr(cb, "close"):
+            cb.close()
 
 
-# ---------------------------------------------------------------------------------------------
-# the load path
-
-
-def _agreement_group():
-    """The group the ranks agree on success over (CPU tensors: the default group when it
-    has a CPU backend, else a gloo group created once), or None without a process group."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return None
-    backend = str(dist.get_backend())
-    if "gloo" in backend or "mpi" in backend:
-        return dist.group.WORLD
-    global _GLOO_GROUP
-    if _GLOO_GROUP is None:
-        _GLOO_GROUP = dist.new_group(backend="gloo")  # collective: every rank is here
-    return _GLOO_GROUP
-
-
-_GLOO_GROUP = None
-
-
-def _agree(group, err: Optional[BaseException], stage: str) -> None:
-    """Every rank says whether ``stage`` succeeded; if any failed, every rank raises (the
-    failing rank its own error, the others a CheckpointError naming it). No rank goes on
-    to write or register while another has failed, and none waits forever for it."""
-    from .checkpoint.errors import CheckpointError
-
-    if group is None:
-        if err is not None:
-            raise err
+def _fill_report(report: Report, parts, ld: _Load, executed, alloc, shadows) -> None:
+    targets = [t for p in parts for t in p.targets]
+    report.bytes_allocated = alloc.nbytes
+    report.bytes_transient = sum(s.untyped_storage().nbytes() for _l, s, _f in shadows)
+    report.num_targets = len(targets)
+    report.warnings = [w for p in parts for w in p.warnings]
+    for p in parts:
+        if hasattr(p, "value_sources"):
+            report.buffers.update(p.value_sources())
+    if ld.plan is None:
         return
-    import torch.distributed as dist
-
-    msg = None if err is None else f"{type(err).__name__}: {err}"
-    flags: List[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(flags, msg, group=group)
-    if err is not None:
-        raise err
-    failed = [(r, m) for r, m in enumerate(flags) if m is not None]
-    if failed:
-        r, m = failed[0]
-        raise CheckpointError(f"materialize failed during {stage} on rank(s) "
-                              f"{[r for r, _ in failed]}; nothing was registered. Rank {r}: {m}")
-
-
-def _materialize_from_checkpoint(model, ckpt, *, device, strict, dtype, io_threads,
-                                 staging_bytes, progress, seed, init, verify=False) -> Report:
-    """The load path of :func:`materialize` (its docstring has the contract)."""
-    from .checkpoint import Checkpoint, open_checkpoint
-    from .fill_load import execute_plan, plan_load, resolve_manifest, validate_destination
-    from .torchrec.allocate import allocate
-    from .torchrec.fill import (_fill_dense, _table_targets, fill_support, fill_targets,
-                                needs_write)
-    from .torchrec.load import finish, inplace_targets, match_keys
-    from .torchrec.register import register
-    from .torchrec.walk import build_plan
-
-    import torch.distributed as dist
-
-    group = _agreement_group()
-    rank = dist.get_rank() if group is not None else 0
-    report = Report(device=str(device), source="checkpoint", seconds={})
-    sec = report.seconds
-
-    # 1. open, plan, match keys, validate: nothing allocated, nothing written.
-    err: Optional[BaseException] = None
-    try:
-        t = time.perf_counter()
-        ck = ckpt if isinstance(ckpt, Checkpoint) else open_checkpoint(ckpt)
-        report.checkpoint = ck.path
-        manifest = resolve_manifest(ck, verify)  # missing manifest: fail before allocating
-        sec["open"] = time.perf_counter() - t
-        t = time.perf_counter()
-        plan = build_plan(model, device, init)
-        extra, extra_opt = inplace_targets(model, plan)
-        sec["plan"] = time.perf_counter() - t
-        t = time.perf_counter()
-        match = match_keys(plan.targets + extra, plan.optimizer_fqns | extra_opt, ck,
-                           strict=strict, inplace=extra)
-        plan_load(match.renamed()[0], ck, strict=True, dtype=dtype, check_destinations=False)
-        for tg in extra:
-            validate_destination(tg)
-        sec["validate"] = time.perf_counter() - t
-    except BaseException as e:  # noqa: BLE001 - shared with the other ranks, then re-raised
-        err = e
-    _agree(group, err, "validation")
-
-    # 2. allocate, fill what is not loaded, read. The model is untouched until register
-    # (except already-real tensors, which are loaded in place).
-    try:
-        t = time.perf_counter()
-        alloc = allocate(plan)
-        sec["allocate"] = time.perf_counter() - t
-        t = time.perf_counter()
-        written = fill_support(plan, alloc)
-        with torch.no_grad():
-            written += _fill_dense(plan, alloc, seed)  # loaded dense tensors are overwritten
-        init_ids = {id(tg) for tg in match.init}
-        written += fill_targets(needs_write([tg for tg in _table_targets(plan, alloc)
-                                             if id(tg) in init_ids], alloc), seed)
-        sec["fill"] = time.perf_counter() - t
-        t = time.perf_counter()
-        load_targets, means = match.renamed()
-        lp = plan_load(load_targets, ck, strict=True, dtype=dtype)
-        cb = make_progress(progress, rank)
-        try:
-            nread = execute_plan(lp, io_threads=io_threads, staging_bytes=staging_bytes,
-                                 progress=cb, verify=manifest)
-        finally:
-            if hasattr(cb, "close"):
-                cb.close()
-        finish(means)
-        sec["read"] = time.perf_counter() - t
-    except BaseException as e:  # noqa: BLE001
-        err = e
-    _agree(group, err, "reading")
-
-    # 3. register: swap the real tensors in.
-    t = time.perf_counter()
-    if alloc.twins or plan.storages:
-        with defer_sigint():
-            register(model, plan, alloc)
-    sec["register"] = time.perf_counter() - t
-
+    lp = ld.plan
     report.bytes_needed = lp.bytes_needed
-    report.bytes_read = nread
-    report.bytes_verified = lp.verified_bytes
-    report.read_amplification = nread / lp.bytes_needed if lp.bytes_needed else 1.0
-    report.bytes_written = written + sum(tg.nbytes for tg in lp.targets)
-    report.warnings = [f"{tg.fqn}: row-wise optimizer state of {c} column shards loaded as "
-                       "their mean" for tg, _ in match.load
-                       for c in [match.remap.get(id(tg), (None, 0, 1))[2]] if c > 1]
-    report.bytes_allocated = plan.nbytes
-    report.num_targets = len(plan.targets) + len(extra)
-    report.num_tensors = len(alloc.twins)
-    report.loaded = sorted({tg.fqn for tg, _ in match.load})
-    report.initialized = sorted({tg.fqn for tg in match.init})
-    report.unchanged = sorted({tg.fqn for tg in match.unchanged})
-    report.key_prefixes = dict(match.prefixes)
-    report.warnings += [w for w in plan.warnings if not _all_loaded_warning(w, report.loaded)]
-    for w in report.warnings:
-        _warnings.warn(w, stacklevel=3)
-    return report
-
-
-def _all_loaded_warning(w: str, loaded: List[str]) -> bool:
-    """A custom-init_fn warning about a table that was loaded, not initialised."""
-    return w.startswith("table ") and any(f".{w.split(chr(39))[1]}.weight" in f for f in loaded)
+    report.bytes_read = executed.bytes_read
+    report.bytes_verified = executed.bytes_verified
+    report.bytes_direct = executed.bytes_direct
+    report.read_amplification = (executed.bytes_read / lp.bytes_needed
+                                 if lp.bytes_needed else 1.0)
+    report.bytes_written += sum(t.nbytes for t in lp.targets)
+    report.loaded = sorted({t.fqn for t in targets if id(t) in ld.loaded})
+    not_loaded = [t for t in targets if id(t) not in ld.loaded and t.persistent]
+    report.initialized = sorted({t.fqn for t in not_loaded if alloc.key_of(t.tensor) is not None})
+    report.unchanged = sorted({t.fqn for t in not_loaded if alloc.key_of(t.tensor) is None})
+    report.unexpected = list(ld.unexpected)
+    report.key_prefixes = dict(ld.prefixes)

@@ -1,19 +1,21 @@
-"""The plan: plain data saying which block of which global tensor each local tensor holds.
+"""The plan: plain data saying which block of which global tensor each local tensor holds,
+which storages must exist and how every byte gets its value.
 
-Planning allocates nothing. A ``Target`` is produced by the model walkers (TorchRec, DTensor,
-plain modules) and consumed by the fill stages (init engine, checkpoint loader).
+Planning allocates nothing. The model adapters (:mod:`metamat.models`) produce
+:class:`Target` s (checkpointable blocks) and :class:`StorageGroup` s (meta storages to
+allocate); the fill stages (:mod:`metamat.init`, :mod:`metamat.load`) consume them.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import torch
 
 from .spec import Dist
 
-__all__ = ["Target", "block_nbytes"]
+__all__ = ["Target", "StorageGroup", "block_nbytes", "storage_key"]
 
 
 @dataclass
@@ -21,17 +23,25 @@ class Target:
     """One local block of one global tensor.
 
     Attributes:
-        fqn: the model's ``state_dict()`` key for the global tensor (checkpoint key).
-        key: RNG key of the table (its name); the init engine hashes it.
-        global_shape: shape of the unsharded tensor (1-D or 2-D).
+        fqn: the model's name for the global tensor (``state_dict()`` key, or the fused
+            optimizer's ``state.<param>.<name>`` path): the checkpoint key.
+        key: RNG key of the tensor (a TorchRec table's name, else the fqn).
+        global_shape: shape of the whole tensor (0-, 1- or 2-D; N-D tensors are planned as
+            row blocks of their ``(rows, cols)`` view, :mod:`metamat.blocks`).
         offsets: offset of this block inside the global tensor, one per dim.
         local_shape: shape of this block.
         dtype: dtype of the destination.
-        dist: how to initialise it when it is not loaded (None: a custom callable or
-            module-driven init decides, see ``init_fn``).
-        tensor: the real destination (set by the allocate stage); a 1-D or 2-D view with
-            unit inner stride, ``local_shape`` elements.
-        init_fn: optional callable applied to ``tensor`` instead of the fused engine.
+        dist: the fused distribution that initialises it when it is not loaded (None: a
+            callable, a value or the owning module decides).
+        tensor: the destination: a meta view until the allocate stage binds the real one
+            (a 1-D or 2-D view with unit inner stride, ``local_shape`` elements); a real tensor
+            for blocks that already exist (loaded into a shadow copy, or in place).
+        init_fn: a callable applied to ``tensor`` instead of the fused engine.
+        aliases: other names of the same tensor (tied parameters); a checkpoint may hold it
+            under any of them.
+        optimizer: fused-optimizer state (its checkpoint keys have their own prefixes and it
+            is optional in a checkpoint).
+        persistent: it belongs in a checkpoint (non-persistent buffers do not).
     """
 
     fqn: str
@@ -43,10 +53,45 @@ class Target:
     dist: Optional[Dist] = None
     tensor: Optional[torch.Tensor] = field(default=None, repr=False)
     init_fn: Optional[object] = field(default=None, repr=False)
+    aliases: Tuple[str, ...] = ()
+    optimizer: bool = False
+    persistent: bool = True
 
     @property
     def nbytes(self) -> int:
         return block_nbytes(self.local_shape, self.dtype)
+
+    @property
+    def names(self) -> Tuple[str, ...]:
+        """Every name of the tensor, canonical first."""
+        return (self.fqn,) + tuple(self.aliases)
+
+
+@dataclass
+class StorageGroup:
+    """One storage the allocate stage creates, and how its bytes get their values.
+
+    Attributes:
+        key: identity of the meta storage it replaces (:func:`storage_key`).
+        nbytes: bytes to allocate.
+        kind: ``"targets"`` (targets cover it; bytes no target covers are zeroed),
+            ``"values"`` (``value`` is its whole content: metadata with known values),
+            ``"zeros"`` (nobody else writes it).
+        value: the content for ``"values"``.
+        where: a readable path to one tensor viewing it (for messages).
+    """
+
+    key: int
+    nbytes: int
+    kind: str = "zeros"
+    value: Optional[torch.Tensor] = field(default=None, repr=False)
+    where: str = ""
+    tensors: List[Any] = field(default_factory=list, repr=False)
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """Identity of a tensor's storage (works on meta)."""
+    return t.untyped_storage()._cdata
 
 
 def block_nbytes(shape: Tuple[int, ...], dtype: torch.dtype) -> int:

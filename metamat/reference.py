@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .fill_init import dist_params
+from .init import dist_params
 from .keys import philox_key
 from .spec import Dist
 

@@ -38,6 +38,15 @@ class Report:
         key_prefixes: the checkpoint key prefix chosen for model and optimizer tensors.
         bytes_verified: checkpoint bytes checked against the checksum manifest
             (``verify=True``; the blocks the reads touched), else 0.
+        unexpected: checkpoint tensors that matched nothing in the model (``strict=False``
+            or ``ignore_unexpected``); like ``load_state_dict``'s ``unexpected_keys``.
+        buffers: buffer fqn -> where its value came from ("checkpoint", "rule",
+            "reset", "init= ...", "recorded", "kept (real)", "moved to ...").
+        bytes_direct: checkpoint bytes read with O_DIRECT (``io="auto"|"direct"``), the rest
+            through the page cache.
+        bytes_transient: host/device bytes of shadow copies the load used to keep the model
+            unchanged until every rank succeeded (already-real tensors; 0 with
+            ``inplace=True``), freed before returning.
     """
 
     bytes_written: int = 0
@@ -57,6 +66,10 @@ class Report:
     unchanged: List[str] = dataclasses.field(default_factory=list)
     key_prefixes: Dict[str, str] = dataclasses.field(default_factory=dict)
     bytes_verified: int = 0
+    unexpected: List[str] = dataclasses.field(default_factory=list)
+    buffers: Dict[str, str] = dataclasses.field(default_factory=dict)
+    bytes_transient: int = 0
+    bytes_direct: int = 0
 
     @property
     def total_seconds(self) -> float:
@@ -85,7 +98,8 @@ class Report:
         """One line: what was done, how much, how fast (the INFO log line)."""
         what = (f"loaded {self.bytes_needed / 1e9:.3f} GB from {self.checkpoint} "
                 f"(read amplification {self.read_amplification:.3f}, "
-                f"{len(self.initialized)} initialised)" if self.source == "checkpoint"
+                f"{len(self.initialized)} initialised, {len(self.unexpected)} unexpected)"
+                if self.source == "checkpoint"
                 else f"initialised {self.bytes_written / 1e9:.3f} GB")
         return f"{what} on {self.device} in {self.total_seconds:.3f} s ({self.gbps:.2f} GB/s)"
 
@@ -95,7 +109,7 @@ class Report:
                     f"{self.bytes_needed / 1e9:.3f} GB needed, {self.bytes_read / 1e9:.3f} GB "
                     f"read (amplification {self.read_amplification:.3f}), "
                     f"{len(self.loaded)} tensors loaded, {len(self.initialized)} initialised, "
-                    f"{len(self.unchanged)} unchanged")
+                    f"{len(self.unchanged)} unchanged, {len(self.unexpected)} unexpected")
         else:
             head = (f"metamat.materialize ({self.source}) on {self.device}: "
                     f"{self.bytes_written / 1e9:.3f} GB written, {self.num_targets} targets, "
@@ -115,6 +129,12 @@ class Report:
             lines.append(f"  ... and {len(self.initialized) - 20} more initialised")
         for name in self.unchanged[:20]:
             lines.append(f"  unchanged (not in checkpoint): {name}")
+        for name in self.unexpected[:20]:
+            lines.append(f"  unexpected (in checkpoint, not in model): {name}")
+        if len(self.unexpected) > 20:
+            lines.append(f"  ... and {len(self.unexpected) - 20} more unexpected")
+        for name, how in list(self.buffers.items())[:20]:
+            lines.append(f"  buffer {name}: {how}")
         for w in self.warnings:
             lines.append(f"  warning: {w}")
         return "\n".join(lines)

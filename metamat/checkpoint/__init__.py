@@ -1,14 +1,15 @@
 """Checkpoint readers: DCP, safetensors (single file and HF shard sets), torch.save.
 
 Each reader reduces a checkpoint to ``fqn -> TensorEntry`` (boxes of the global tensor and the
-file byte ranges holding them) without reading tensor data; ``metamat.fill_load`` plans and
+file byte ranges holding them) without reading tensor data; ``metamat.load`` plans and
 executes the reads.
 """
 from .base import Checkpoint, Chunk, TensorEntry
 from .errors import (CheckpointError, ChecksumMismatchError, CoverageError, DestinationError,
                      DtypeMismatchError, HeaderTooLargeError, InvalidHeaderError,
                      InvalidOffsetError, MissingFileError, MissingTensorError, OverlappingChunksError, ReadError,
-                     ShapeMismatchError, TruncatedFileError, UnsupportedFormatError)
+                     ShapeMismatchError, TruncatedFileError, UnexpectedTensorError,
+                     UnsupportedFormatError)
 from .open import open_checkpoint
 
 __all__ = [
@@ -16,5 +17,5 @@ __all__ = [
     "CheckpointError", "ChecksumMismatchError", "CoverageError", "DestinationError", "DtypeMismatchError",
     "HeaderTooLargeError", "InvalidHeaderError", "InvalidOffsetError", "MissingFileError",
     "MissingTensorError", "OverlappingChunksError", "ReadError", "ShapeMismatchError",
-    "TruncatedFileError", "UnsupportedFormatError",
+    "TruncatedFileError", "UnexpectedTensorError", "UnsupportedFormatError",
 ]

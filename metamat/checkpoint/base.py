@@ -3,7 +3,7 @@
 A checkpoint, whatever its format, is reduced to a dict ``fqn -> TensorEntry``; each entry is
 a list of ``Chunk`` boxes (offsets, sizes inside the global tensor) with the absolute byte
 range in one file holding that box in row-major order. Readers of each format build these;
-the load planner (``metamat.fill_load``) only ever sees this representation.
+the load planner (``metamat.load``) only ever sees this representation.
 """
 from __future__ import annotations
 

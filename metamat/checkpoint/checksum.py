@@ -342,7 +342,7 @@ def _union_len(spans: Sequence[Tuple[int, int]]) -> int:
 
 
 def reads_from_plan(plan) -> List[Tuple[str, int, int]]:
-    """The ``(file, offset, nbytes)`` spans a :class:`metamat.fill_load.LoadPlan` reads
+    """The ``(file, offset, nbytes)`` spans a :class:`metamat.load.LoadPlan` reads
     (a strided op is one span from its first to its last byte)."""
     out = []
     for o in plan.ops:

@@ -96,6 +96,15 @@ class MissingTensorError(CheckpointError):
         self.names = list(names)
 
 
+class UnexpectedTensorError(CheckpointError):
+    """The checkpoint holds tensors the model has no place for (``strict=True``; like
+    ``load_state_dict``'s ``unexpected_keys``). ``names`` lists them all."""
+
+    def __init__(self, message: str, *, names=(), file=None) -> None:
+        super().__init__(message, file=file)
+        self.names = list(names)
+
+
 class ShapeMismatchError(CheckpointError):
     """The checkpoint's global shape (or a chunk's shape) differs from the model's."""
 

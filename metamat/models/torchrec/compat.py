@@ -1,15 +1,13 @@
 """Version and kernel checks: fail before anything is allocated."""
 from __future__ import annotations
 
+from ...errors import UnsupportedError
+
 __all__ = ["UnsupportedError", "check_versions", "SUPPORTED_TORCHREC", "SUPPORTED_FBGEMM"]
 
 # Versions whose internals (TBE attribute names, lookup layout) walk.py was checked against.
 SUPPORTED_TORCHREC = ("1.6", "1.7", "1.8", "1.9")
 SUPPORTED_FBGEMM = ("1.6", "1.7", "1.8", "1.9")
-
-
-class UnsupportedError(RuntimeError):
-    """The model, kernel or library version is outside what metamat handles."""
 
 
 def _minor(version: str) -> str:
@@ -22,7 +20,7 @@ def check_versions() -> None:
         import torchrec
         import fbgemm_gpu
     except ImportError as e:  # pragma: no cover - environment dependent
-        raise UnsupportedError(f"metamat.torchrec needs torchrec and fbgemm_gpu: {e}") from e
+        raise UnsupportedError(f"metamat's TorchRec support needs torchrec and fbgemm_gpu: {e}") from e
     tv = getattr(torchrec, "__version__", "unknown")
     fv = getattr(fbgemm_gpu, "__version__", "unknown")
     if _minor(tv) not in SUPPORTED_TORCHREC:

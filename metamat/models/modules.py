@@ -1,27 +1,27 @@
-"""Plan: find the meta tensors of a model (DTensors and plain ones), one entry per tensor object.
+"""Adapter for ordinary modules: plain and DTensor (TP, FSDP2) parameters and buffers.
 
-Each :class:`Entry` records every place the tensor is registered (tied parameters are one
-object under several names), its global shape and the block of it this rank holds (from the
-DTensor's mesh and placements), how to initialise it, and the FSDP2 parameter managing it.
-Planning allocates nothing.
+*Find*: every tensor object registered as a parameter or buffer of a module outside the
+TorchRec sharded modules becomes one :class:`Entry` (tied parameters are one object under
+several names), with the block of it this rank holds (from the DTensor's mesh and placements)
+as targets: 2-D row blocks of the ``(rows, cols)`` view for N-D tensors.
+
+*Values* (:mod:`.module_values`): decides, fills and reports where each meta tensor's value
+comes from. *Register* (:mod:`.module_register`): swaps the real tensors in.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import nn
 
-from ..plan import Target, block_nbytes
-from ..spec import Constant, Dist
-from .blocks import row_blocks, view_shape
-from .errors import UnsupportedDTensorError
-from .init import RESET, Default, default_init, match_init
+from ..blocks import row_blocks, view_shape
+from ..errors import UnsupportedDTensorError
+from ..plan import StorageGroup, Target, storage_key
 
-__all__ = ["Slot", "Entry", "walk", "has_dtensor", "is_dtensor", "local_of", "check_init"]
-
-_FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+__all__ = ["Slot", "Entry", "find_entries", "is_dtensor", "local_of", "has_dtensor",
+           "entry_targets"]
 
 
 def is_dtensor(t: Any) -> bool:
@@ -38,12 +38,7 @@ def local_of(t: torch.Tensor) -> torch.Tensor:
 
 
 def has_dtensor(model: nn.Module) -> bool:
-    """True if any parameter or buffer of ``model`` is a DTensor (TP, FSDP2, ...).
-
-    This is the predicate ``metamat.materialize`` dispatches on.
-    """
-    if not torch.distributed.is_available():
-        return False
+    """True if any parameter or buffer of ``model`` is a DTensor (TP, FSDP2, ...)."""
     return any(is_dtensor(t) for m in model.modules()
                for t in list(m._parameters.values()) + list(m._buffers.values()))
 
@@ -60,24 +55,28 @@ class Slot:
 
 @dataclass
 class Entry:
-    """One meta tensor object (a parameter, possibly tied, or a buffer) and its plan.
+    """One tensor object (a parameter, possibly tied, or a buffer) and its plan.
 
     Attributes:
         fqn: canonical name (first in ``named_modules`` order): checkpoint key and RNG key.
         slots: every place it is registered.
-        old: the meta tensor (Parameter/DTensor) itself.
+        old: the registered object (Parameter, DTensor or plain tensor).
+        meta: it is on the meta device (else it is real and stays unless loaded or moved).
         global_shape, global_stride: of the whole tensor.
         local_shape, offsets: the block this rank holds.
         mesh, placements: the DTensor layout (None for a plain tensor).
-        default: how it is initialised when not loaded (fused dist, or the module's reset).
         persistent: it is in ``state_dict()`` (non-persistent buffers never load).
         fsdp: the FSDP2 ``FSDPParam`` managing it, if any.
-        storage, local: allocated memory (FSDP: the padded shard) and the local block view.
+        how: where its value comes from (set by the values stage; see module_values).
+        targets: its blocks as loader/engine targets.
+        local: the real local tensor once allocated.
+        new: the object registered in its slots at the register stage.
     """
 
     fqn: str
     slots: List[Slot]
     old: torch.Tensor
+    meta: bool
     dtype: torch.dtype
     requires_grad: bool
     is_param: bool
@@ -87,11 +86,12 @@ class Entry:
     offsets: Tuple[int, ...]
     mesh: Any = None
     placements: Optional[tuple] = None
-    default: Default = RESET
     persistent: bool = True
     fsdp: Any = None
-    storage: Optional[torch.Tensor] = field(default=None, repr=False)
+    how: str = ""
+    targets: List[Target] = field(default_factory=list, repr=False)
     local: Optional[torch.Tensor] = field(default=None, repr=False)
+    new: Any = field(default=None, repr=False)
 
     @property
     def names(self) -> List[str]:
@@ -102,28 +102,26 @@ class Entry:
         return self.slots[0]
 
     @property
-    def nbytes(self) -> int:
-        return block_nbytes(self.local_shape, self.dtype)
+    def old_local(self) -> torch.Tensor:
+        return local_of(self.old)
 
-    def targets(self, tensor: Optional[torch.Tensor] = None) -> List[Target]:
-        """This entry's block as loader/engine targets (1-D/2-D; N-D cut into 2-D row blocks
-        of the ``(rows, cols)`` view), with ``tensor`` (default ``self.local``) viewed to match.
-        """
-        x = self.local if tensor is None else tensor
-        nd = len(self.global_shape)
-        dist = self.default.dist
-        if nd <= 2:
-            return [Target(self.fqn, self.fqn, self.global_shape, self.offsets, self.local_shape,
-                           self.dtype, dist, x)]
-        flat = None if x is None else x.view(-1, self.local_shape[-1]) \
-            if x.numel() else x.new_empty(0, self.local_shape[-1])
-        out = []
-        for b in row_blocks(self.global_shape, self.offsets, self.local_shape):
-            r0 = b.elem_offset // b.cols if b.cols else 0
-            t = None if flat is None else flat[r0:r0 + b.rows]
-            out.append(Target(self.fqn, self.fqn, view_shape(self.global_shape), (b.row, b.col),
-                              (b.rows, b.cols), self.dtype, dist, t))
-        return out
+
+def entry_targets(e: Entry, x: torch.Tensor) -> List[Target]:
+    """The block of ``e`` held in ``x`` (its local tensor) as loader/engine targets: one for
+    0-2-D tensors, 2-D row blocks of the ``(rows, cols)`` view for N-D ones."""
+    nd = len(e.global_shape)
+    aliases = tuple(e.names[1:])
+    if nd <= 2:
+        return [Target(e.fqn, e.fqn, e.global_shape, e.offsets, e.local_shape, e.dtype,
+                       tensor=x, aliases=aliases, persistent=e.persistent)]
+    flat = x.view(-1, e.local_shape[-1]) if x.numel() else x.new_empty(0, e.local_shape[-1])
+    out = []
+    for b in row_blocks(e.global_shape, e.offsets, e.local_shape):
+        r0 = b.elem_offset // b.cols if b.cols else 0
+        out.append(Target(e.fqn, e.fqn, view_shape(e.global_shape), (b.row, b.col),
+                          (b.rows, b.cols), e.dtype, tensor=flat[r0:r0 + b.rows],
+                          aliases=aliases, persistent=e.persistent))
+    return out
 
 
 def _fsdp_params(model: nn.Module) -> Dict[int, Any]:
@@ -175,29 +173,33 @@ def _layout(fqn: str, t: torch.Tensor):
     return shape, tuple(t.stride()), local_shape, offsets, mesh, placements
 
 
-def walk(model: nn.Module, init: Optional[Mapping[str, Dist]] = None) -> List[Entry]:
-    """Plan every meta tensor of ``model``.
+def _skipped(name: str, skip: Sequence[str]) -> bool:
+    return any(s == "" or name == s or name.startswith(s + ".") for s in skip)
+
+
+def find_entries(root: nn.Module, skip: Sequence[str] = ()) -> List[Entry]:
+    """Every parameter/buffer object of ``root``'s modules, outside the ``skip`` subtrees.
 
     Args:
-        model: a module holding meta DTensors and/or plain meta tensors.
-        init: fnmatch pattern -> distribution, matched against every name of a tensor.
+        root: the module to walk (a DMP's wrapped module for TorchRec models).
+        skip: module names whose subtrees another adapter owns (TorchRec sharded modules).
 
     Returns:
-        Entries in ``named_modules`` order.
+        Entries in ``named_modules`` order; tied tensors are one entry with several slots.
 
     Raises:
-        UnsupportedDTensorError: an unsupported placement, a distribution for a non-float
-            tensor, or a parameter with no fused init and no ``reset_parameters()``.
-        TypeError: an ``init`` value that is not a distribution.
+        UnsupportedDTensorError: an unsupported placement or a rank outside the mesh.
     """
     by_id: Dict[int, Entry] = {}
     order: List[Entry] = []
-    fsdp = _fsdp_params(model)
-    for mname, m in model.named_modules(remove_duplicate=False):
+    fsdp = _fsdp_params(root)
+    for mname, m in root.named_modules(remove_duplicate=False):
+        if skip and _skipped(mname, skip):
+            continue
         prefix = f"{mname}." if mname else ""
         for is_param, table in ((True, m._parameters), (False, m._buffers)):
             for k, t in table.items():
-                if t is None or local_of(t).device.type != "meta":
+                if t is None:
                     continue
                 fqn = prefix + k
                 e = by_id.get(id(t))
@@ -205,43 +207,46 @@ def walk(model: nn.Module, init: Optional[Mapping[str, Dist]] = None) -> List[En
                     e.slots.append(Slot(m, k, fqn, is_param))
                     continue
                 shape, stride, lshape, offs, mesh, pl = _layout(fqn, t)
-                e = Entry(fqn, [Slot(m, k, fqn, is_param)], t, t.dtype,
+                e = Entry(fqn, [Slot(m, k, fqn, is_param)], t,
+                          local_of(t).device.type == "meta", t.dtype,
                           bool(getattr(t, "requires_grad", False)) if is_param else False,
                           is_param, shape, stride, lshape, offs, mesh, pl,
                           persistent=is_param or k not in m._non_persistent_buffers_set,
                           fsdp=fsdp.get(id(t)))
                 by_id[id(t)] = e
                 order.append(e)
-    for e in order:
-        e.default = _decide(e, init)
     return order
 
 
-def _decide(e: Entry, init: Optional[Mapping[str, Dist]]) -> Default:
-    m, attr = e.owner.module, e.owner.name
-    dist = match_init(init, e.names)
-    if dist is not None:
-        d = Default(dist=dist)
-    else:
-        has_reset = callable(getattr(m, "reset_parameters", None))
-        d = default_init(m, attr, e.global_shape, e.is_param, has_reset)
-    if d.dist is not None and e.dtype not in _FUSED_DTYPES and not isinstance(d.dist, Constant):
-        raise UnsupportedDTensorError(
-            f"{e.fqn!r}: {type(d.dist).__name__} needs a floating dtype, tensor is {e.dtype}")
-    return d
+def storages_of(entries: Sequence[Entry]) -> List[StorageGroup]:
+    """One storage group per meta storage the meta entries view (FSDP2: the padded shard)."""
+    out: Dict[int, StorageGroup] = {}
+    for e in entries:
+        if not e.meta:
+            continue
+        loc = e.old_local
+        k = storage_key(loc)
+        g = out.get(k)
+        if g is None:
+            g = out[k] = StorageGroup(k, loc.untyped_storage().nbytes(), "targets", where=e.fqn)
+        g.tensors.append(loc)
+        if e.fsdp is not None:  # FSDP's padded shard may extend past the local view
+            pad = e.fsdp._sharded_param_data
+            g.nbytes = max(g.nbytes, pad.untyped_storage().nbytes())
+    return list(out.values())
 
 
-def check_init(entries) -> None:
-    """Raise if an entry that must be initialised has neither a fused distribution nor a
-    module ``reset_parameters()`` (called before anything is written).
+def targets_of(entries: Sequence[Entry], loading: bool) -> List[Target]:
+    """Targets of every meta entry, and of the real persistent ones when ``loading`` (those
+    load into shadows, or in place)."""
+    out: List[Target] = []
+    for e in entries:
+        if e.meta or (loading and e.persistent):
+            e.targets = entry_targets(e, e.old_local)
+            out += e.targets
+    return out
 
-    Raises:
-        UnsupportedDTensorError: naming every such tensor.
-    """
-    bad = [e for e in entries if e.default.reset
-           and not callable(getattr(e.owner.module, "reset_parameters", None))]
-    if bad:
-        raise UnsupportedDTensorError(
-            "no init for " + ", ".join(f"{e.fqn!r} ({type(e.owner.module).__name__} has no "
-                                       "reset_parameters())" for e in bad[:20])
-            + "; name them in init= to give them a distribution, or load them")
+
+def claimed_storages(entries: Sequence[Entry]) -> Set[int]:
+    """Keys of the meta storages these entries own."""
+    return {storage_key(e.old_local) for e in entries if e.meta}

@@ -154,11 +154,29 @@ def _to_meta_inplace(module: nn.Module) -> None:
                 )
 
 
+def _default_plan(module: nn.Module, env: Any, sharders: Optional[List[Any]],
+                  compute_device: str):
+    """TorchRec's planner, as ``DistributedModelParallel(module)`` without a plan runs it, but
+    for the device the tables will be materialized on (its ``Topology`` refuses "meta")."""
+    from torchrec.distributed.comm import get_local_size
+    from torchrec.distributed.model_parallel import get_default_sharders
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+
+    sharders = sharders if sharders is not None else get_default_sharders()
+    planner = EmbeddingShardingPlanner(topology=Topology(
+        local_world_size=get_local_size(env.world_size), world_size=env.world_size,
+        compute_device=compute_device))
+    pg = getattr(env, "process_group", None)
+    return planner.collective_plan(module, sharders, pg) if pg is not None \
+        else planner.plan(module, sharders)
+
+
 def shard_on_meta(
     module: nn.Module,
     env: Any = None,
     plan: Any = None,
     sharders: Optional[List[Any]] = None,
+    compute_device: Optional[str] = None,
     **dmp_kwargs: Any,
 ):
     """Shard ``module`` with TorchRec, keeping every table, optimizer state and dense
@@ -169,8 +187,11 @@ def shard_on_meta(
             (typically built with ``device="meta"``; real tensors are moved to meta, which
             drops their values).
         env: a TorchRec ``ShardingEnv``; defaults to the default process group.
-        plan: a TorchRec ``ShardingPlan``; default: TorchRec's planner (as DMP does).
+        plan: a TorchRec ``ShardingPlan``; default: TorchRec's planner, as DMP runs it
+            (collectively over ``env``), planning for ``compute_device``.
         sharders: TorchRec sharders; default: DMP's defaults.
+        compute_device: the device type the tables will be materialized on, for the planner
+            (default "cuda" when a GPU is visible, else "cpu"; materialize's default too).
         **dmp_kwargs: forwarded to ``DistributedModelParallel`` (``device``,
             ``init_parameters`` and ``init_data_parallel`` are fixed by this function).
 
@@ -179,7 +200,7 @@ def shard_on_meta(
         dense DDP wrap happens in ``materialize``.
 
     Raises:
-        metamat.torchrec.compat.UnsupportedError: unsupported torchrec/fbgemm version.
+        metamat.UnsupportedError: unsupported torchrec/fbgemm version.
         ValueError: ``dmp_kwargs`` names an argument fixed here.
     """
     check_versions()
@@ -193,8 +214,12 @@ def shard_on_meta(
         if not dist.is_initialized():
             raise RuntimeError("shard_on_meta: no env given and no default process group")
         env = ShardingEnv.from_process_group(dist.group.WORLD)
-    if plan is not None:
-        plan = _plan_to_meta(plan)
+    if plan is None:
+        if compute_device is None:
+            compute_device = "cuda" if torch.cuda.is_available() else "cpu"
+        # plan on the module as built (meta tables are fine: only shapes are read)
+        plan = _default_plan(module, env, sharders, str(compute_device))
+    plan = _plan_to_meta(plan)
     import importlib
 
     ddp_users = [importlib.import_module(name) for name in _DDP_USERS]

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from .allocate import Allocation
-from .walk import Plan
+from ...allocate import Allocation
+from .walk import TorchRecPlan as Plan
 
 __all__ = ["register"]
 
@@ -82,10 +82,11 @@ def _fix_process_groups(plan: Plan) -> None:
 
 def register(model: Any, plan: Plan, alloc: Allocation) -> None:
     """Swap every meta tensor of ``plan`` for its twin, fix devices, rebuild DDPs."""
-    for old_id, new in alloc.twins.items():
+    twins = alloc.twins()
+    for old_id, new in twins.items():
         for slot in plan.graph.slots.get(old_id, []):
             holder = slot.holder
-            if isinstance(holder, torch.Tensor) and id(holder) in alloc.twins:
+            if isinstance(holder, torch.Tensor) and id(holder) in twins:
                 continue  # the twin already carries a mapped copy of this attribute
             slot.set(new)
     _fix_devices(plan, plan.device)

@@ -1,76 +1,57 @@
-"""Plan stage: find every meta tensor of a model and say how each byte gets its value.
+"""TorchRec adapter, find: every tensor of the sharded modules and how each byte gets its value.
 
-Nothing is allocated here. The result is a ``Plan``:
+Nothing is allocated here. The result is a ``TorchRecPlan``:
 
-* ``targets``: one ``metamat.plan.Target`` per local block of a checkpointable tensor:
-  embedding table shards (fqn = ``state_dict`` key, global offsets from the sharding),
-  fused-optimizer state (fqn = ``state.<param fqn>.<state name>``, the path in
-  ``dmp.fused_optimizer.state_dict()``), dense parameters/buffers (fqn = state_dict key).
-  ``tensor`` holds a meta view until the allocate stage swaps in the real one.
-* ``storages``: every meta storage reachable from the model, with how it is initialised:
-  ``targets`` (covered by targets, gaps zeroed), ``values`` (TBE/TorchRec metadata with
-  known values), ``dense`` (module ``reset_parameters``), ``zeros``.
+* ``targets``: one :class:`metamat.plan.Target` per local block of a checkpointable tensor of
+  the sharded modules: embedding table shards (fqn = ``state_dict`` key, global offsets from
+  the sharding) and fused-optimizer state (fqn = ``state.<param fqn>.<state name>``, the path in
+  ``dmp.fused_optimizer.state_dict()``). ``tensor`` holds a meta view until the bind stage
+  swaps in the real one; blocks that already exist (an eager model) are real.
+* ``storages``: every meta storage reachable from the model that the ordinary-module adapter
+  does not own, with how it is initialised: ``targets`` (covered by targets, gaps zeroed),
+  ``values`` (TBE/TorchRec metadata with known values), ``zeros``.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Any, Dict, List, Mapping, Optional, Set, Tuple
 
 import torch
 from torch import nn
 
-from ..plan import Target
-from ..spec import Dist, Zeros
-from .compat import UnsupportedError, check_versions
+from ...errors import UnsupportedError
+from ...plan import StorageGroup, Target, storage_key
+from ...rules import default_table_dist, dist_from_init_fn, match_init
+from ...spec import Dist, Zeros
+from .compat import check_versions
 from .graph import Graph, scan
-from .initspec import default_table_dist, dist_from_init_fn, match_init
 
-__all__ = ["Plan", "StorageGroup", "DenseModule", "build_plan", "storage_key", "plan_targets"]
-
-_META = torch.device("meta")
-
-
-def storage_key(t: torch.Tensor) -> int:
-    """Identity of a tensor's storage (works on meta)."""
-    return t.untyped_storage()._cdata
+__all__ = ["TorchRecPlan", "build_plan", "sharded_modules", "root_of"]
 
 
 @dataclasses.dataclass
-class StorageGroup:
-    """One meta storage and the graph tensors that view it."""
+class TorchRecPlan:
+    """What the TorchRec adapter found (module docstring)."""
 
-    key: int
-    nbytes: int
-    tensors: List[torch.Tensor]
-    kind: str = "zeros"  # "targets" | "values" | "dense" | "zeros"
-    value: Optional[torch.Tensor] = None  # for kind == "values": the whole storage's content
-    where: str = ""
-
-
-@dataclasses.dataclass
-class DenseModule:
-    """A plain module with meta parameters/buffers initialised by ``reset_parameters``."""
-
-    fqn: str
-    module: nn.Module
-    names: List[str]  # own parameter/buffer names that are meta
-    reset: bool  # call reset_parameters()
-
-
-@dataclasses.dataclass
-class Plan:
     device: torch.device
     graph: Graph
     targets: List[Target]
     storages: Dict[int, StorageGroup]
-    dense: List[DenseModule]
     warnings: List[str] = dataclasses.field(default_factory=list)
     sharded: List[Tuple[str, nn.Module]] = dataclasses.field(default_factory=list)
-    optimizer_fqns: set = dataclasses.field(default_factory=set)  # fqns of optimizer-state targets
+    refill: Set[int] = dataclasses.field(default_factory=set)  # ids of real targets to refill
+    names: Set[str] = dataclasses.field(default_factory=set)  # every state_dict key, any rank
+    optim_names: Set[str] = dataclasses.field(default_factory=set)  # every optimizer state path
 
     @property
     def nbytes(self) -> int:
         return sum(s.nbytes for s in self.storages.values())
+
+
+def root_of(model: nn.Module) -> nn.Module:
+    """The module whose ``named_modules`` names match ``model.state_dict()`` keys (a DMP's
+    wrapped module, else the model)."""
+    return model.module if hasattr(model, "_dmp_wrapped_module") else model
 
 
 def _unwrap(m: Any) -> Any:
@@ -86,7 +67,7 @@ def _uses_torchrec() -> bool:
     return "torchrec" in sys.modules
 
 
-def _sharded_modules(root: nn.Module) -> List[Tuple[str, nn.Module]]:
+def sharded_modules(root: nn.Module) -> List[Tuple[str, nn.Module]]:
     if not _uses_torchrec():
         return []
     from torchrec.distributed.embedding import ShardedEmbeddingCollection
@@ -171,8 +152,11 @@ def _table_name_from_key(key: str) -> Optional[Tuple[str, str]]:
     return None
 
 
-def _table_targets(model: nn.Module, sharded: List[Tuple[str, nn.Module]],
-                   init: Optional[Mapping[str, Dist]], warnings: List[str]) -> List[Target]:
+def _table_targets(sharded: List[Tuple[str, nn.Module]], init, warnings: List[str],
+                   loading: bool, refill: Set[int], names: Set[str]) -> List[Target]:
+    """Targets of every table shard (meta ones; real ones beside meta ones, which are
+    refilled and recorded in ``refill``; all real ones when ``loading``). ``names`` receives
+    every state_dict key of the sharded modules, with or without a block on this rank."""
     configs: Dict[str, Dict[str, Any]] = {name: _table_configs(sm) for name, sm in sharded}
     targets = []
     for name, sm in sharded:
@@ -184,6 +168,7 @@ def _table_targets(model: nn.Module, sharded: List[Tuple[str, nn.Module]],
         # plan-invariant values.
         any_meta = any(b[0].device.type == "meta" for v in sd.values() if isinstance(v, torch.Tensor)
                        for b in _local_blocks(v))
+        names.update(k for k, v in sd.items() if isinstance(v, torch.Tensor))
         for key, value in sd.items():
             tn = _table_name_from_key(key)
             if tn is None:
@@ -192,9 +177,11 @@ def _table_targets(model: nn.Module, sharded: List[Tuple[str, nn.Module]],
             cfg = configs[name].get(table)
             if cfg is None:
                 continue
-            dist = match_init(init, table, key)
+            dist = match_init(init, (key, table))
             init_fn = None
-            if dist is None:
+            if dist is not None and not isinstance(dist, Dist):
+                init_fn, dist = _init_callable(key, dist), None
+            elif dist is None:
                 if cfg.init_fn is None:
                     dist = default_table_dist(cfg.num_embeddings)
                 else:
@@ -209,19 +196,42 @@ def _table_targets(model: nn.Module, sharded: List[Tuple[str, nn.Module]],
                                 "values depend on the sharding plan)"
                             )
             for local, offsets, gshape in _local_blocks(value):
-                if local.numel() == 0 or (local.device.type != "meta" and not any_meta):
+                if local.numel() == 0 or (local.device.type != "meta" and not any_meta
+                                          and not loading):
                     continue
                 targets.append(Target(
                     fqn=key, key=table, global_shape=gshape, offsets=offsets,
                     local_shape=tuple(local.shape), dtype=local.dtype, dist=dist,
                     tensor=local, init_fn=init_fn,
                 ))
+                if local.device.type != "meta" and any_meta:
+                    refill.add(id(targets[-1]))
+        for key, value in sd.items():  # real non-table tensors of the module (eager loads)
+            if not loading or _table_name_from_key(key) is not None \
+                    or not isinstance(value, torch.Tensor):
+                continue
+            for local, offsets, gshape in _local_blocks(value):
+                if local.device.type != "meta" and local.numel():
+                    targets.append(Target(fqn=key, key=key, global_shape=gshape,
+                                          offsets=offsets, local_shape=tuple(local.shape),
+                                          dtype=local.dtype, tensor=local))
     return targets
 
 
-def _optimizer_targets(model: nn.Module, real: bool = False) -> List[Target]:
-    """Targets of the fused optimizer's state: the meta blocks, or (``real``) the blocks
-    already on a real device (an eager model, loaded in place)."""
+def _init_callable(key: str, value):
+    """An ``init=`` tensor or callable for a table, as a per-block init_fn."""
+    if isinstance(value, torch.Tensor):
+        def copy_block(t: torch.Tensor, offsets, _v=value) -> None:
+            t.copy_(_v[tuple(slice(o, o + n) for o, n in zip(offsets, t.shape))])
+        copy_block.metamat_block = True
+        return copy_block
+    return value
+
+
+def _optimizer_targets(model: nn.Module, loading: bool, names: Set[str]) -> List[Target]:
+    """Targets of the fused optimizer's state: the meta blocks, and when ``loading`` the
+    blocks already on a real device too (an eager model). ``names`` receives every state
+    path, with or without a block on this rank."""
     fo = getattr(model, "fused_optimizer", None)
     if fo is None:
         return []
@@ -234,81 +244,16 @@ def _optimizer_targets(model: nn.Module, real: bool = False) -> List[Target]:
         for sname, value in states.items():
             if not isinstance(value, torch.Tensor):
                 continue
+            names.add(f"state.{pfqn}.{sname}")
             for local, offsets, gshape in _local_blocks(value):
-                if local.numel() == 0 or (local.device.type == "meta") == real:
+                if local.numel() == 0 or (local.device.type != "meta" and not loading):
                     continue
                 targets.append(Target(
                     fqn=f"state.{pfqn}.{sname}", key=sname, global_shape=gshape,
                     offsets=offsets, local_shape=tuple(local.shape), dtype=local.dtype,
-                    dist=Zeros(), tensor=local,
+                    dist=Zeros(), tensor=local, optimizer=True,
                 ))
     return targets
-
-
-def _dense_modules(root: nn.Module, init: Optional[Mapping[str, Dist]],
-                   known: Optional[set] = None) -> Tuple[List[DenseModule], List[Target]]:
-    """Plain modules with meta params/buffers. Buffers whose storage is in ``known`` (values
-    recorded at construction) are left to the values path; an integer buffer with no known
-    value in a module without ``reset_parameters`` is an error (zeros would be wrong)."""
-    check_values = known is not None
-    known = known or set()
-    if _uses_torchrec():
-        from torchrec.distributed.types import ShardedModule
-    else:
-        class ShardedModule:  # noqa: N801 - nothing is an instance
-            pass
-
-    dense, targets = [], []
-    skip: List[str] = []
-    for name, m in root.named_modules():
-        if any(s == "" or name == s or name.startswith(s + ".") for s in skip):
-            continue
-        if isinstance(m, ShardedModule):
-            skip.append(name)
-            continue
-        names = [k for k, v in m._parameters.items() if v is not None and v.device.type == "meta"]
-        names += [k for k, v in m._buffers.items() if v is not None and v.device.type == "meta"
-                  and storage_key(v) not in known]
-        if not names:
-            continue
-        prefix = f"{name}." if name else ""
-        has_reset = callable(getattr(m, "reset_parameters", None))
-        needs_reset = False
-        for k in names:
-            t = m._parameters.get(k)
-            is_param = t is not None
-            if t is None:
-                t = m._buffers[k]
-            dist = match_init(init, prefix + k)
-            if dist is None and not is_param and not has_reset and not t.is_floating_point() \
-                    and t.numel() > 0 and check_values:
-                raise UnsupportedError(
-                    f"buffer {prefix + k!r} ({t.dtype}) is on meta with no known value and "
-                    f"{type(m).__name__} has no reset_parameters(); create it on a real device "
-                    "or build the model inside metamat.shard_on_meta"
-                )
-            if dist is None and (is_param or has_reset):
-                needs_reset = True
-                if not has_reset:
-                    raise UnsupportedError(
-                        f"parameter {prefix + k!r} is on meta and {type(m).__name__} has no "
-                        "reset_parameters(); name it in init= to give it a distribution"
-                    )
-            if t.dim() > 2:
-                if dist is not None:
-                    raise UnsupportedError(
-                        f"{prefix + k!r}: init= distributions need a 1-D or 2-D tensor, "
-                        f"got shape {tuple(t.shape)}"
-                    )
-            if not is_param and k in m._non_persistent_buffers_set and dist is None:
-                continue  # never in a checkpoint; reset_parameters or zeros give its value
-            targets.append(Target(
-                fqn=prefix + k, key=prefix + k, global_shape=tuple(t.shape),
-                offsets=tuple(0 for _ in t.shape), local_shape=tuple(t.shape), dtype=t.dtype,
-                dist=dist, tensor=t,
-            ))
-        dense.append(DenseModule(prefix.rstrip("."), m, names, reset=needs_reset))
-    return dense, targets
 
 
 def _contiguous_range(t: torch.Tensor) -> Optional[Tuple[int, int]]:
@@ -365,18 +310,18 @@ def _own_tensors(m: nn.Module) -> Dict[str, torch.Tensor]:
     return out
 
 
-def plan_targets(model: nn.Module, init: Optional[Mapping[str, Dist]] = None) -> List[Target]:
-    """Targets (fqn, global shape, offsets, local shape, dist) of every meta tensor that a
-    checkpoint holds: embedding table shards, fused optimizer state, dense params/buffers.
-    ``tensor`` fields are meta views. Allocates nothing.
-    """
-    return build_plan(model, torch.device("cpu"), init, with_values=False).targets
+def build_plan(model: nn.Module, device: torch.device, init=None, *, claimed=frozenset(),
+               loading: bool = False) -> TorchRecPlan:
+    """Validate ``model``'s sharded modules and plan their materialization on ``device``.
+    Allocates no model memory (TBE metadata is rebuilt on ``device`` with floating storages
+    kept on meta).
 
-
-def build_plan(model: nn.Module, device: torch.device, init: Optional[Mapping[str, Dist]] = None,
-               *, with_values: bool = True) -> Plan:
-    """Validate ``model`` and plan its materialization on ``device``. Allocates no model
-    memory (TBE metadata is rebuilt on ``device`` with floating storages kept on meta).
+    Args:
+        model: a DMP (or any module holding TorchRec sharded modules).
+        device: where the tables will live.
+        init: the validated ``init=`` mapping (table names or fqns -> values).
+        claimed: keys of meta storages another adapter owns (ordinary modules' tensors).
+        loading: a checkpoint will be loaded: real blocks become targets too.
 
     Raises:
         UnsupportedError: unsupported versions, kernels, module types, or a meta tensor
@@ -384,10 +329,10 @@ def build_plan(model: nn.Module, device: torch.device, init: Optional[Mapping[st
     """
     if _uses_torchrec():
         check_versions()
-    root = model.module if hasattr(model, "_dmp_wrapped_module") else model
+    root = root_of(model)
     graph = scan(model)
-    sharded = _sharded_modules(root)
-    if sharded and device.type != "cpu" and with_values:
+    sharded = sharded_modules(root)
+    if sharded and device.type != "cpu":
         # A TBE sharded on meta was laid out for fbgemm's CPU kernels (HOST placement);
         # moving that layout to another device would give wrong lookups.
         raise UnsupportedError(
@@ -395,12 +340,12 @@ def build_plan(model: nn.Module, device: torch.device, init: Optional[Mapping[st
             "(tables sharded on meta use fbgemm's CPU layout); pass device='cpu'"
         )
     warnings: List[str] = []
-    targets = _table_targets(root, sharded, init, warnings)
-    opt_targets = _optimizer_targets(model)
-    targets += opt_targets
-    values = _known_values(graph, sharded, device) if with_values else {}
-    dense, dense_targets = _dense_modules(root, init, set(values) if with_values else None)
-    targets += dense_targets
+    refill: Set[int] = set()
+    names: Set[str] = set()
+    optim_names: Set[str] = set()
+    targets = _table_targets(sharded, init, warnings, loading, refill, names)
+    targets += _optimizer_targets(model, loading, optim_names)
+    values = _known_values(graph, sharded, device)
 
     for p in graph.meta_tensors():
         for slot in graph.slots[id(p)]:
@@ -413,42 +358,35 @@ def build_plan(model: nn.Module, device: torch.device, init: Optional[Mapping[st
     storages: Dict[int, StorageGroup] = {}
     for t in graph.meta_tensors():
         k = storage_key(t)
+        if k in claimed:
+            continue
         g = storages.get(k)
         if g is None:
-            g = storages[k] = StorageGroup(k, t.untyped_storage().nbytes(), [], where=graph.path(t))
+            g = storages[k] = StorageGroup(k, t.untyped_storage().nbytes(), where=graph.path(t))
         g.tensors.append(t)
         g.nbytes = max(g.nbytes, _extent(t))
     for tg in targets:
         if tg.tensor.device.type != "meta":
-            continue  # a real table refilled in place
+            continue  # a real block: loaded (or a DATA_PARALLEL table DMP built, refilled)
         k = storage_key(tg.tensor)
         if k not in storages:  # reachable only through a state_dict view: still needs memory
-            storages[k] = StorageGroup(k, tg.tensor.untyped_storage().nbytes(), [], where=tg.fqn)
-    dense_keys = {storage_key(m._parameters.get(n) if m._parameters.get(n) is not None else m._buffers[n])
-                  for d in dense for m in [d.module] for n in d.names}
-    for tg in targets:
-        k = storage_key(tg.tensor)
-        if k in dense_keys or tg.tensor.device.type != "meta":
-            continue
+            storages[k] = StorageGroup(k, tg.tensor.untyped_storage().nbytes(), where=tg.fqn)
         if _contiguous_range(tg.tensor) is None:
             raise UnsupportedError(f"{tg.fqn}: local block is not contiguous in its storage")
         storages[k].kind = "targets"
-    for k in dense_keys:
-        storages[k].kind = "dense"
 
-    if with_values:
-        for k, v in values.items():
-            g = storages.get(k)
-            if g is not None and g.kind == "zeros":
-                g.kind, g.value = "values", v
-        for g in storages.values():
-            if g.kind != "zeros" or g.nbytes == 0:
-                continue
-            if any(not t.is_floating_point() for t in g.tensors):
-                raise UnsupportedError(
-                    f"meta tensor {g.where} ({g.tensors[0].dtype}, shape "
-                    f"{tuple(g.tensors[0].shape)}) holds metadata metamat cannot compute; "
-                    "build the model with metamat.shard_on_meta"
-                )
-    return Plan(device, graph, targets, storages, dense, warnings, sharded,
-                {t.fqn for t in opt_targets})
+    for k, v in values.items():
+        g = storages.get(k)
+        if g is not None and g.kind == "zeros":
+            g.kind, g.value = "values", v
+    for g in storages.values():
+        if g.kind != "zeros" or g.nbytes == 0:
+            continue
+        if any(not t.is_floating_point() for t in g.tensors):
+            raise UnsupportedError(
+                f"meta tensor {g.where} ({g.tensors[0].dtype}, shape "
+                f"{tuple(g.tensors[0].shape)}) holds metadata metamat cannot compute; "
+                "build the model with metamat.shard_on_meta"
+            )
+    return TorchRecPlan(device, graph, targets, storages, warnings, sharded, refill, names,
+                        optim_names)

@@ -1,0 +1,175 @@
+"""The load stage: fill allocated targets from a checkpoint, reading only the bytes they need.
+
+Layers, lowest first (each imports only those before it):
+
+* :mod:`.ops`: ``ReadOp``, packing for the C++ reader, cutting and batching;
+* :mod:`.plan`: :func:`plan_load` matches targets to checkpoint chunks and validates
+  everything before the first byte is read (pure, allocates nothing);
+* :mod:`.verify`: checksum manifests checked while streaming;
+* :mod:`.execute` (host destinations, read in place) and :mod:`.staged` (device
+  destinations, through a ring of pinned staging buffers);
+* this module: :func:`execute`, the one entry every model kind calls, and
+  :func:`load_targets` (plan + execute, for callers holding bare targets).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional, Sequence, Union
+
+import torch
+
+from ..budget import StagingBudget
+from ..checkpoint.base import Checkpoint
+from ..plan import Target
+from .execute import Executed, execute_plan
+from .ops import ReadOp, default_io_threads
+from .plan import LoadPlan, plan_load, validate_destination
+from .verify import resolve_manifest
+
+__all__ = ["ReadOp", "LoadPlan", "LoadStats", "plan_load", "execute", "load_targets",
+           "validate_destination", "resolve_manifest", "default_io_threads"]
+
+
+@dataclass
+class LoadStats:
+    """What a load did.
+
+    Attributes:
+        bytes_needed: checkpoint bytes the targets need (source dtype).
+        bytes_read: bytes actually read from files (gaps of coalesced strided reads included).
+        read_amplification: ``bytes_read / bytes_needed`` (1.0 when nothing was needed).
+        seconds: wall time of planning plus reading.
+        missing: targets not in the checkpoint (non-strict); the caller initialises them.
+        loaded: number of targets filled.
+        ops: number of read ops executed.
+        bytes_verified: checkpoint bytes checked against the checksum manifest
+            (``verify=True``: the blocks the reads touched).
+        bytes_reread: of those, bytes read again from the files (block ends beyond what was
+            needed, strided or converted reads).
+    """
+
+    bytes_needed: int = 0
+    bytes_read: int = 0
+    read_amplification: float = 1.0
+    seconds: float = 0.0
+    missing: List[Target] = field(default_factory=list)
+    loaded: int = 0
+    ops: int = 0
+    bytes_verified: int = 0
+    bytes_reread: int = 0
+
+    @property
+    def gbps(self) -> float:
+        """Needed bytes per second, in GB/s (1e9)."""
+        return self.bytes_needed / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+def _subplan(plan: LoadPlan, keep: Sequence[int]) -> LoadPlan:
+    """The part of ``plan`` writing the targets at indices ``keep`` (renumbered)."""
+    index = {old: new for new, old in enumerate(keep)}
+    ops = [ReadOp(o.file_index, o.file_offset, o.row_bytes, o.rows, o.src_stride,
+                  index[o.dst_index], o.dst_offset, o.dst_stride, o.src_dtype, o.dst_dtype)
+           for o in plan.ops if o.dst_index in index]
+    return LoadPlan(plan.files, [plan.targets[i] for i in keep], ops,
+                    identities=plan.identities)
+
+
+def execute(plan: LoadPlan, *, io_threads: Optional[int] = None,
+            staging_bytes: int = 256 << 20,
+            progress: Optional[Callable[[int, int], None]] = None,
+            verify=None, staged: bool = False, io: str = "auto") -> Executed:
+    """Run a validated plan whose targets hold allocated tensors, on any devices.
+
+    Host destinations are read in place (:mod:`.execute`); device ones go through the
+    staging ring (:mod:`.staged`). The host memory used is ``staging_bytes`` at most
+    (:class:`metamat.budget.StagingBudget`).
+
+    Args:
+        plan: from :func:`plan_load`, with every target's ``tensor`` real.
+        io_threads: reader threads (default ``min(8, cpu_count)``).
+        staging_bytes: host memory budget for bounce and staging buffers.
+        progress: ``progress(bytes_done, bytes_total)`` between batches.
+        verify: None or a checksum ``Manifest`` (:func:`resolve_manifest`).
+        staged: send host destinations through the staging ring too (tests).
+        io: ``"auto"`` (O_DIRECT for large reads not in the page cache), ``"buffered"``,
+            ``"direct"``.
+
+    Returns:
+        :class:`~metamat.load.execute.Executed`.
+
+    Raises:
+        ReadError, ChecksumMismatchError: destinations may be partly written.
+        ValueError: a bad ``io_threads``/``staging_bytes``.
+    """
+    threads = default_io_threads() if io_threads is None else io_threads
+    on_device = [i for i, t in enumerate(plan.targets) if staged or t.tensor.device.type != "cpu"]
+    on_host = [i for i, t in enumerate(plan.targets)
+               if not (staged or t.tensor.device.type != "cpu")]
+    out = Executed()
+    total = plan.src_bytes
+    done = 0
+
+    def part(cb_base: int):
+        if progress is None:
+            return None
+        return lambda d, _t: progress(cb_base + d, total)
+
+    for keep, use_ring in ((on_host, False), (on_device, True)):
+        if not keep:
+            continue
+        sub = plan if len(keep) == len(plan.targets) else _subplan(plan, keep)
+        budget = StagingBudget.split(int(staging_bytes), threads, staged=use_ring)
+        if use_ring:
+            from .staged import execute_plan_staged
+            r = execute_plan_staged(sub, budget, progress=part(done), verify=verify, io=io)
+        else:
+            r = execute_plan(sub, budget, progress=part(done), verify=verify, io=io)
+        out.bytes_read += r.bytes_read
+        out.bytes_verified += r.bytes_verified
+        out.bytes_reread += r.bytes_reread
+        out.bytes_direct += r.bytes_direct
+        done += sub.src_bytes
+    return out
+
+
+def load_targets(targets: Sequence[Target], ckpt: Checkpoint, *, strict: bool = True,
+                 dtype: Union[None, str, torch.dtype] = None, io_threads: Optional[int] = None,
+                 staging_bytes: int = 256 << 20,
+                 progress: Optional[Callable[[int, int], None]] = None,
+                 staged: bool = False, verify=False, io: str = "auto") -> LoadStats:
+    """Fill each target's ``tensor`` with its block of the checkpoint tensor ``target.fqn``.
+
+    Everything is validated (see :func:`plan_load`) before the first byte is written, so a
+    failed validation leaves every destination as it was.
+
+    Args:
+        targets: allocated targets (``tensor`` set, CPU or CUDA).
+        ckpt: an opened checkpoint (:func:`metamat.open_checkpoint`).
+        strict: missing fqns raise :class:`MissingTensorError`; else they are returned in
+            ``LoadStats.missing`` for the caller to initialise.
+        dtype: conversion policy (:mod:`.plan`).
+        io_threads, staging_bytes, progress, staged, io: see :func:`execute`.
+        verify: False; True to check every byte read against the checkpoint's checksum
+            manifest while streaming; or an already read ``Manifest``.
+
+    Returns:
+        :class:`LoadStats`.
+
+    Raises:
+        CheckpointError subclasses (validation, or ReadError during the reads).
+        MissingFileError: ``verify=True`` and no manifest (named), before any read.
+        ChecksumMismatchError: ``verify`` and bytes differ from the manifest (destinations
+            may be partly written).
+    """
+    t0 = time.perf_counter()
+    manifest = resolve_manifest(ckpt, verify)
+    plan = plan_load(targets, ckpt, strict=strict, dtype=dtype)
+    r = execute(plan, io_threads=io_threads, staging_bytes=staging_bytes, progress=progress,
+                verify=manifest, staged=staged, io=io)
+    return LoadStats(bytes_needed=plan.bytes_needed, bytes_read=r.bytes_read,
+                     read_amplification=(r.bytes_read / plan.bytes_needed
+                                         if plan.bytes_needed else 1.0),
+                     seconds=time.perf_counter() - t0, missing=plan.missing,
+                     loaded=len(plan.targets), ops=len(plan.ops),
+                     bytes_verified=r.bytes_verified, bytes_reread=r.bytes_reread)

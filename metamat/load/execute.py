@@ -1,0 +1,127 @@
+"""Execute a load plan: the C++ reader fills host destinations in place, batch by batch.
+
+The ops of a :class:`~metamat.load.plan.LoadPlan` whose destinations are host memory go to
+``metamat._C.read_plan`` (a thread pool writing straight into the destination memory,
+converting fp32 <-> fp16/bf16 in the copy loop, buffered or ``O_DIRECT`` reads, checking each
+file's identity against what the checkpoint recorded when it was opened) in batches of
+:data:`~metamat.load.ops.BATCH_BYTES`, so a KeyboardInterrupt lands between batches with no
+reader thread left. With a checksum manifest every block the reads touch is hashed by the
+reader as it streams (:mod:`metamat.load.verify`).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+from .._ext import core
+from ..budget import StagingBudget
+from ..checkpoint.errors import ReadError
+from . import ops as _ops
+from .ops import ReadOp, batches, op_array
+from .plan import LoadPlan
+
+__all__ = ["Executed", "execute_plan", "run_reader", "IO_MODES"]
+
+#: ``io=`` values: ``"auto"`` reads large ranges that are not in the page cache with O_DIRECT
+#: and the rest buffered; ``"buffered"`` always uses the page cache; ``"direct"`` always
+#: O_DIRECT (falling back to buffered per file where the file system refuses it).
+IO_MODES = ("auto", "buffered", "direct")
+#: Work is cut into reader tasks of about this many bytes so threads balance.
+TASK_BYTES = 8 << 20
+
+
+@dataclass
+class Executed:
+    """What an executor did.
+
+    Attributes:
+        bytes_read: bytes read from files (gaps of coalesced strided reads included).
+        bytes_verified: checkpoint bytes hashed against the checksum manifest.
+        bytes_reread: of those, block bytes no op needed, read only to complete a hash.
+        bytes_direct: bytes read with O_DIRECT (the rest through the page cache).
+    """
+
+    bytes_read: int = 0
+    bytes_verified: int = 0
+    bytes_reread: int = 0
+    bytes_direct: int = 0
+
+    def add(self, r: dict) -> None:
+        self.bytes_read += r["bytes_read"]
+        self.bytes_verified += r.get("bytes_hashed", 0)
+        self.bytes_reread += r.get("bytes_reread", 0)
+        self.bytes_direct += sum(f.get("bytes_direct", 0) for f in r.get("files", ()))
+
+
+def run_reader(plan: LoadPlan, ops: Sequence[ReadOp], ptrs: Sequence[int],
+               budget: StagingBudget, name_of: Callable[[int], str], *, io: str = "auto",
+               coalesce_gap: Optional[int] = None, blocks=None) -> dict:
+    """Run ``ops`` on the C++ reader; ``ptrs[op.dst_index]`` is each destination's base
+    address. Returns the reader's result dict (bytes read, hashed, per-file modes).
+
+    Args:
+        blocks: None, or a :class:`~metamat.load.verify.BlockIndex` to verify against.
+
+    Raises:
+        ReadError: an I/O error, a short read, or a file that changed since the checkpoint
+            was opened, naming the file and ``name_of(i)`` for the failing op ``i``.
+        ChecksumMismatchError: ``blocks`` and a block's digest differs.
+    """
+    if io not in IO_MODES:
+        raise ValueError(f"io must be one of {IO_MODES}, got {io!r}")
+    arr = op_array(ops, ptrs)
+    kw = {}
+    if blocks is not None:
+        vb = blocks.blocks(ops)
+        kw = {"verify_addr": vb.ctypes.data, "verify_count": len(vb)}
+    r = core().read_plan(list(plan.files), arr.ctypes.data, len(arr), threads=budget.threads,
+                         task_bytes=TASK_BYTES, bounce_bytes=budget.bounce_bytes,
+                         coalesce_gap=coalesce_gap, identities=plan.identities, io=io, **kw)
+    if not r["ok"]:
+        if r.get("mismatch") is not None and blocks is not None:
+            raise blocks.mismatch_error(r["mismatch"])
+        failed = r["failed_op"]
+        raise ReadError(r["error"], tensor=name_of(failed) if failed >= 0 else None)
+    return r
+
+
+def execute_plan(plan: LoadPlan, budget: StagingBudget, *,
+                 progress: Optional[Callable[[int, int], None]] = None,
+                 verify=None, io: str = "auto", coalesce_gap: Optional[int] = None) -> Executed:
+    """Run ``plan``'s reads into its targets' (host) tensors.
+
+    Args:
+        plan: a validated plan whose targets hold allocated host tensors.
+        budget: reader threads and their bounce buffers.
+        progress: called as ``progress(bytes_done, bytes_total)`` (source bytes) between
+            batches.
+        verify: None, or a :class:`metamat.checkpoint.checksum.Manifest` every block the
+            reads touch is checked against while streaming.
+        io: ``"auto"``, ``"buffered"`` or ``"direct"`` (:data:`IO_MODES`).
+        coalesce_gap: None: the reader's measured rule for reading strided rows as one span;
+            an int: rows at most this many bytes apart are (``< 0``: never).
+
+    Returns:
+        :class:`Executed`.
+
+    Raises:
+        ReadError: an I/O error or short read (destinations may be partly written).
+        ChecksumMismatchError: ``verify`` and a block differs.
+        KeyboardInterrupt: between batches; no reader thread is left running.
+    """
+    ptrs = [t.tensor.data_ptr() for t in plan.targets]
+    index = None
+    if verify is not None:
+        from .verify import BlockIndex
+        index = BlockIndex(verify, plan.files)
+    total = plan.src_bytes
+    done = 0
+    out = Executed()
+    for ops in batches(plan.ops, _ops.BATCH_BYTES):  # read at call time (tests patch it)
+        out.add(run_reader(plan, ops, ptrs, budget,
+                           lambda i, ops=ops: plan.targets[ops[i].dst_index].fqn,
+                           io=io, coalesce_gap=coalesce_gap, blocks=index))
+        done += sum(o.src_bytes for o in ops)
+        if progress is not None:
+            progress(done, total)
+    return out

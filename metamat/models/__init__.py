@@ -1,0 +1,120 @@
+"""Model adapters: each finds the tensors of one kind of module and registers real ones back.
+
+* :class:`~metamat.models.torchrec.part.TorchRecPart`: TorchRec sharded modules (tables,
+  fused-optimizer state, fbgemm/TorchRec metadata);
+* :class:`ModulesPart`: every other module, with plain or DTensor (TP, FSDP2) tensors.
+
+An adapter exposes ``targets`` (checkpointable blocks), ``storages`` (meta storages to
+allocate), ``warnings``, and ``bind`` (after allocation), ``fill`` (what no checkpoint
+provides), ``register`` (after every rank agreed). The orchestration is
+:func:`metamat.materialize`; whatever is the same for every kind lives there.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Mapping, Sequence, Set
+
+import torch
+from torch import nn
+
+from ..allocate import Allocation
+from ..plan import Target
+from ..support import fill_support
+from .aliases import find_aliases
+from .module_register import bind, register
+from .module_values import Decision, decide, fill_values
+from .modules import (Entry, claimed_storages, find_entries, has_dtensor, storages_of,
+                      targets_of)
+
+__all__ = ["ModulesPart", "find_parts", "has_dtensor"]
+
+
+class ModulesPart:
+    """The ordinary modules of a model (outside ``skip``), found."""
+
+    kind = "modules"
+
+    def __init__(self, root: nn.Module, *, skip: Sequence[str], loading: bool,
+                 aliases: bool) -> None:
+        self.root = root
+        self.entries: List[Entry] = find_entries(root, skip)
+        self.targets: List[Target] = targets_of(self.entries, loading)
+        self.storages = storages_of(self.entries)
+        self.warnings: List[str] = []
+        self.decisions: Dict[int, Decision] = {}
+        self.resets: list = []
+        # Other references to the meta tensors (plain attributes, views kept by a module):
+        # found on the object graph and swapped too. With TorchRec present its adapter walks
+        # the whole graph already.
+        self.aliases = find_aliases(root, self.entries, self.warnings) if aliases else None
+
+    def claimed(self) -> Set[int]:
+        """Keys of the meta storages this part owns."""
+        return claimed_storages(self.entries)
+
+    def names(self) -> Dict[str, List[str]]:
+        """Every persistent tensor's canonical name -> all its names (tied aliases)."""
+        return {e.fqn: e.names for e in self.entries if e.persistent}
+
+    def nd_shapes(self) -> Dict[str, tuple]:
+        """fqn -> global shape of the tensors above 2-D (planned as 2-D views)."""
+        return {e.fqn: e.global_shape for e in self.entries if len(e.global_shape) > 2}
+
+    def decide(self, init: Mapping, loaded: Set[int], device: torch.device) -> None:
+        """Decide every entry's value source; raises MissingValueError before allocation."""
+        loaded_entries = {id(e) for e in self.entries if e.targets
+                          and id(e.targets[0]) in loaded}
+        self.decisions, self.resets = decide(self.entries, init, loaded_entries, self.root,
+                                             device)
+        # A module's own reset of a whole tensor is deterministic (seeded per module); of a
+        # DTensor shard it depends on the placement: only that deserves a warning.
+        sharded = {id(e.owner.module) for e in self.entries
+                   if e.mesh is not None and self.decisions.get(id(e)) is not None
+                   and self.decisions[id(e)].kind == "reset"}
+        shown = [(n, m) for n, m, _ in self.resets if id(m) in sharded]
+        if shown:
+            self.warnings.append(
+                "no fused init for these modules; called their reset_parameters() on each shard (values "
+                "depend on the placement and torch's RNG): "
+                + ", ".join(f"{n or '<root>'} ({type(m).__name__})" for n, m in shown))
+
+    def bind(self, alloc: Allocation, device: torch.device) -> None:
+        bind(self.entries, self.decisions, alloc, device)
+        if self.aliases is not None:
+            for t in self.aliases.tensors:
+                alloc.twin(t)
+
+    def fill(self, alloc: Allocation, seed: int, loaded: Set[int]) -> int:
+        return (fill_support(self.storages, self.targets, alloc)
+                + fill_values(self.entries, self.decisions, self.resets, seed))
+
+    def register(self, alloc: Allocation) -> int:
+        n = register(self.entries, alloc)
+        if self.aliases is not None:
+            self.aliases.swap(alloc)
+        return n
+
+    def value_sources(self) -> Dict[str, str]:
+        """Buffer fqn -> where its value came from (for the Report)."""
+        return {e.fqn: self.decisions[id(e)].kind for e in self.entries
+                if not e.is_param and id(e) in self.decisions}
+
+
+def find_parts(model: nn.Module, device: torch.device, init: Mapping, *, loading: bool) -> list:
+    """The adapters for ``model``: TorchRec's sharded modules (if any) and ordinary modules.
+
+    Raises:
+        UnsupportedError: (and subclasses) anything an adapter cannot handle, before
+            anything is allocated.
+    """
+    from .torchrec.part import TorchRecPart, has_sharded_modules
+    from .torchrec.walk import root_of
+
+    skip = TorchRecPart.module_names(model) if has_sharded_modules(model) else []
+    modules = ModulesPart(root_of(model) if skip else model, skip=skip, loading=loading,
+                          aliases=not skip)
+    parts: list = []
+    if skip:
+        parts.append(TorchRecPart(model, device, init, claimed=modules.claimed(),
+                                  loading=loading))
+    parts.append(modules)
+    return parts

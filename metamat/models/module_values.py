@@ -1,0 +1,243 @@
+"""Where each tensor of an ordinary module gets its value, and the fills that give it.
+
+A meta tensor that the checkpoint does not provide takes, in this order (:func:`decide`):
+
+1. an ``init=`` entry naming it: a distribution (fused, plan-invariant), a tensor (its global
+   value) or a callable applied to the local tensor;
+2. a value recorded while the model was built (``metamat.shard_on_meta``);
+3. the closed-form rule of its module (nn.Linear, convolutions, nn.Embedding, norm layers);
+4. its module's own ``reset_parameters()`` / ``_reset_parameters()`` (or a Hugging Face
+   model's ``_init_weights``), run under a per-module seed on the new memory before anything
+   is registered; floating tensors are poisoned with NaN first, so a reset that leaves one
+   unset is caught instead of leaving garbage.
+
+Anything else (typically a non-persistent buffer such as a rotary ``inv_freq`` on meta) is a
+:class:`~metamat.errors.MissingValueError` raised before anything is allocated: a floating
+tensor is never zero-filled silently. Real tensors keep their values (moved to the target
+device if needed) unless the checkpoint provides them.
+"""
+from __future__ import annotations
+
+import functools
+import warnings
+import zlib
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
+
+import torch
+from torch import nn
+
+from ..dtypes import FILL_DTYPES
+from ..errors import MissingValueError, UnsupportedError
+from ..init import fill_many_
+from ..rules import RESET, Default, InitValue, default_init, fix_zero_row, match_init, reset_method
+from ..spec import Constant, Dist
+from .modules import Entry
+
+__all__ = ["Decision", "decide", "fill_values", "module_seed"]
+
+
+class Decision:
+    """The value source of one entry (``kind`` is what the Report shows)."""
+
+    __slots__ = ("kind", "dist", "zero_row", "value", "fn")
+
+    def __init__(self, kind: str, dist: Optional[Dist] = None, zero_row: Optional[int] = None,
+                 value: Optional[torch.Tensor] = None, fn: Optional[Callable] = None) -> None:
+        self.kind, self.dist, self.zero_row, self.value, self.fn = kind, dist, zero_row, value, fn
+
+
+def module_seed(seed: int, fqn: str) -> int:
+    """The torch seed a module's own reset runs under (stable across runs and ranks)."""
+    return (seed * 1_000_003 + zlib.crc32(fqn.encode())) & 0x7FFF_FFFF_FFFF_FFFF
+
+
+def _hf_init_weights(root: nn.Module) -> Optional[Callable[[nn.Module], Any]]:
+    fn = getattr(root, "_init_weights", None)
+    return fn if callable(fn) else None
+
+
+def _reset_fn(m: nn.Module, root: nn.Module) -> Optional[Callable[[], Any]]:
+    fn = reset_method(m)
+    if fn is not None:
+        return fn
+    hf = _hf_init_weights(root)
+    return functools.partial(hf, m) if hf is not None else None
+
+
+def _from_init(e: Entry, v: InitValue) -> Decision:
+    if isinstance(v, Dist):
+        if e.dtype not in FILL_DTYPES and not isinstance(v, Constant):
+            raise UnsupportedError(f"{e.fqn!r}: init= {type(v).__name__} needs a floating "
+                                   f"dtype, the tensor is {e.dtype}")
+        return Decision("init= distribution", dist=v)
+    if isinstance(v, torch.Tensor):
+        if tuple(v.shape) != tuple(e.global_shape):
+            raise UnsupportedError(f"{e.fqn!r}: init= tensor has shape {tuple(v.shape)}, the "
+                                   f"tensor's global shape is {tuple(e.global_shape)}")
+        if v.device.type == "meta":
+            raise UnsupportedError(f"{e.fqn!r}: init= tensor is on the meta device")
+        return Decision("init= tensor", value=v)
+    return Decision("init= callable", fn=v)
+
+
+def decide(entries: Sequence[Entry], init: Mapping[str, InitValue], loaded: Set[int],
+           root: nn.Module, device: torch.device
+           ) -> Tuple[Dict[int, Decision], List[Tuple[str, nn.Module, Callable]]]:
+    """Decide every entry's value source (see the module docstring).
+
+    Args:
+        entries: from :func:`metamat.models.modules.find_entries`.
+        init: the validated ``init=`` mapping.
+        loaded: ids of the entries the checkpoint provides.
+        root: the model (its ``_init_weights`` is a Hugging Face fallback).
+        device: the target device (real tensors elsewhere are moved).
+
+    Returns:
+        (id(entry) -> Decision, the module resets to run: [(module fqn, module, reset fn)]).
+
+    Raises:
+        MissingValueError: naming every meta tensor without a value source.
+        UnsupportedError: an ``init=`` value that does not fit its tensor.
+    """
+    out: Dict[int, Decision] = {}
+    resets: Dict[int, Tuple[str, nn.Module, Callable]] = {}
+    missing: List[str] = []
+    for e in entries:
+        if id(e) in loaded:
+            out[id(e)] = Decision("checkpoint")
+            continue
+        if not e.meta:
+            moved = e.mesh is None and e.old.device != device
+            out[id(e)] = Decision(f"moved to {device}" if moved else "kept (real)")
+            continue
+        v = match_init(init, e.names)
+        if v is not None:
+            out[id(e)] = _from_init(e, v)
+            continue
+        rec = getattr(e.old_local, "__dict__", {}).get("_metamat_value")
+        if isinstance(rec, torch.Tensor):
+            out[id(e)] = Decision("recorded", value=rec)
+            continue
+        m, attr = e.owner.module, e.owner.name
+        d: Optional[Default] = default_init(m, attr, e.global_shape)
+        if d is not None and d.dist is not None:
+            if e.dtype not in FILL_DTYPES and not isinstance(d.dist, Constant):
+                d = RESET
+            else:
+                out[id(e)] = Decision("rule", dist=d.dist, zero_row=d.zero_row)
+                continue
+        fn = _reset_fn(m, root)
+        if fn is None:
+            missing.append(e.fqn)
+            continue
+        mname = e.owner.fqn.rsplit(".", 1)[0] if "." in e.owner.fqn else ""
+        resets.setdefault(id(m), (mname, m, fn))
+        out[id(e)] = Decision("reset")
+    if missing:
+        raise MissingValueError(
+            f"{len(missing)} meta tensor(s) have no value: {', '.join(map(repr, missing[:20]))}"
+            + (" ..." if len(missing) > 20 else "")
+            + ". They are not in the checkpoint, and their modules have no known init and no "
+            "reset_parameters(). Build the model with metamat.init_empty_weights() (buffers "
+            "stay real), or give each a value with init={name: tensor | distribution | "
+            "callable}.", names=missing)
+    return out, list(resets.values())
+
+
+def _swapped_in(m: nn.Module, new_of: Dict[int, Any]):
+    """Context: ``m``'s own tensors replaced by their new objects (clones for real ones that
+    are not being replaced, so a reset cannot touch the live model)."""
+    class _Ctx:
+        def __enter__(self):
+            self.p, self.b = dict(m._parameters), dict(m._buffers)
+            for table, is_param in ((m._parameters, True), (m._buffers, False)):
+                for k, t in list(table.items()):
+                    if t is None:
+                        continue
+                    new = new_of.get(id(t))
+                    if new is None:
+                        c = t.detach().clone()
+                        new = nn.Parameter(c, t.requires_grad) if is_param else c
+                    table[k] = new
+            return self
+
+        def __exit__(self, *exc):
+            m._parameters.clear()
+            m._parameters.update(self.p)
+            m._buffers.clear()
+            m._buffers.update(self.b)
+            return False
+    return _Ctx()
+
+
+def _run_resets(entries: Sequence[Entry], dec: Dict[int, Decision],
+                resets: Sequence[Tuple[str, nn.Module, Callable]], seed: int) -> None:
+    new_of = {id(e.old): e.new for e in entries if e.new is not None}
+    by_module: Dict[int, List[Entry]] = {}
+    for e in entries:
+        if dec[id(e)].kind == "reset":
+            by_module.setdefault(id(e.owner.module), []).append(e)
+    unset: List[str] = []
+    with torch.no_grad():
+        for mname, m, fn in resets:
+            mine = by_module.get(id(m), [])
+            for e in mine:
+                if e.local.is_floating_point():
+                    e.local.fill_(float("nan"))
+            devs = sorted({e.local.device.index for e in mine
+                           if e.local.device.type == "cuda" and e.local.device.index is not None})
+            with torch.random.fork_rng(devices=devs), _swapped_in(m, new_of):
+                torch.manual_seed(module_seed(seed, mname))
+                fn()
+            for e in mine:
+                if e.local.is_floating_point() and bool(torch.isnan(e.local).any()):
+                    unset.append(f"{e.fqn} ({type(m).__name__})")
+    if unset:
+        raise MissingValueError(
+            "reset_parameters() left these meta tensors (partly) unset: " + ", ".join(unset[:20])
+            + ". Give them a value with init={name: ...}, or load them from a checkpoint.",
+            names=[u.split(" ")[0] for u in unset])
+
+
+def fill_values(entries: Sequence[Entry], dec: Dict[int, Decision],
+                resets: Sequence[Tuple[str, nn.Module, Callable]], seed: int) -> int:
+    """Write every meta entry the checkpoint does not provide (resets first, then fused
+    distributions, values and callables, which therefore win). Returns bytes written.
+
+    Raises:
+        MissingValueError: a reset left a tensor unset.
+    """
+    _run_resets(entries, dec, resets, seed)
+    items, consts, written = [], [], 0
+    with torch.no_grad():
+        for e in entries:
+            d = dec[id(e)]
+            if not e.meta or d.kind in ("checkpoint", "reset") or e.local.numel() == 0:
+                continue
+            written += e.local.numel() * e.local.element_size()
+            if d.dist is not None:
+                if e.dtype not in FILL_DTYPES:
+                    consts.append((e, d))
+                    continue
+                for t in e.targets:
+                    x = t.tensor.view(1) if t.tensor.dim() == 0 else t.tensor
+                    off = tuple(t.offsets) + (0, 0)
+                    items.append((x, d.dist, t.key, int(off[0]), int(off[1])))
+            elif d.value is not None:
+                block = d.value[tuple(slice(o, o + n) for o, n in zip(e.offsets, e.local_shape))]
+                e.local.copy_(block)
+            elif d.fn is not None:
+                if e.mesh is not None:
+                    warnings.warn(f"init= callable for sharded {e.fqn!r}: applied to each "
+                                  "local shard (values depend on the placement)", stacklevel=4)
+                with torch.random.fork_rng(devices=[]):
+                    torch.manual_seed(module_seed(seed, e.fqn))
+                    d.fn(e.local)
+        fill_many_(items, seed=seed)
+        for e, d in consts:
+            e.local.fill_(d.dist.value)
+        for e in entries:
+            d = dec[id(e)]
+            if e.meta and d.zero_row is not None and d.dist is not None:
+                fix_zero_row(e.local, d.zero_row, e.offsets[0] if e.offsets else 0)
+    return written

@@ -1,0 +1,127 @@
+"""The TorchRec adapter: tables, optimizer state and TorchRec/fbgemm metadata of sharded modules.
+
+It only *finds* (:mod:`.walk`) and *registers* (:mod:`.register`); the orchestration
+(:func:`metamat.materialize`) plans, validates, allocates, fills and agrees for it.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Mapping, Optional, Sequence, Set
+
+import torch
+from torch import nn
+
+from ...allocate import Allocation
+from ...plan import Target
+from ...support import fill_support
+from .optim_keys import OptimMatch, finish_means, match_optimizer
+from .register import register
+from .tables import fill_targets, needs_write
+from .walk import build_plan, root_of, sharded_modules
+
+__all__ = ["TorchRecPart", "has_sharded_modules"]
+
+
+def has_sharded_modules(model: nn.Module) -> bool:
+    """True if ``model`` holds TorchRec sharded modules (torchrec was imported at all)."""
+    import sys
+
+    if "torchrec" not in sys.modules:
+        return False
+    from torchrec.distributed.types import ShardedModule
+
+    return any(isinstance(m, ShardedModule) for m in model.modules())
+
+
+def _copy_tensor_state(graph_meta: Sequence[torch.Tensor], alloc: Allocation) -> None:
+    """Copy the python-side state (``__dict__``, slots) of tensor subclasses to their twins,
+    mapping tensors to twins (TableBatchedEmbeddingSlice keeps ``_original_tensor``)."""
+    twins = alloc.twins()
+    for t in graph_meta:
+        new = twins[id(t)]
+        d = getattr(t, "__dict__", None)
+        if d:
+            for k, v in d.items():
+                if k != "_metamat_value":
+                    new.__dict__[k] = twins.get(id(v), v)
+        for cls in type(t).__mro__:
+            for name in getattr(cls, "__slots__", ()):
+                if not isinstance(name, str) or name in ("__dict__", "__weakref__"):
+                    continue
+                try:
+                    v = object.__getattribute__(t, name)
+                except AttributeError:
+                    continue
+                object.__setattr__(new, name, twins.get(id(v), v))
+
+
+class TorchRecPart:
+    """The sharded modules of one model, found and planned on ``device``."""
+
+    kind = "torchrec"
+
+    def __init__(self, model: nn.Module, device: torch.device, init, *, claimed: Set[int],
+                 loading: bool) -> None:
+        self.model = model
+        self.plan = build_plan(model, device, init, claimed=claimed, loading=loading)
+        self.targets: List[Target] = self.plan.targets
+        self.storages = list(self.plan.storages.values())
+        self.warnings: List[str] = list(self.plan.warnings)
+        self.optim: Optional[OptimMatch] = None
+
+    @staticmethod
+    def module_names(model: nn.Module) -> List[str]:
+        """Names (in the DMP's wrapped module) of the sharded modules: the subtrees the
+        ordinary-module adapter must leave alone."""
+        return [n for n, _ in sharded_modules(root_of(model))] if has_sharded_modules(model) else []
+
+    def names(self) -> Dict[str, List[str]]:
+        """Every checkpointable name of the sharded modules (global: with or without a block
+        on this rank) -> its names."""
+        return {n: [n] for n in self.plan.names}
+
+    def match_optimizer(self, keys: Mapping[str, object], *, strict: bool,
+                        ckpt_path: str) -> OptimMatch:
+        """Match the fused-optimizer state to the checkpoint (:mod:`.optim_keys`)."""
+        rows = {t.fqn: int(t.global_shape[0]) for t in self.targets
+                if not t.optimizer and t.global_shape}
+        tables = {n for n in self.plan.names if n.endswith(".weight")}
+        self.optim = match_optimizer([t for t in self.targets if t.optimizer], keys, rows,
+                                     names=self.plan.optim_names, tables=tables,
+                                     strict=strict, ckpt_path=ckpt_path)
+        self.warnings += self.optim.warnings
+        return self.optim
+
+    def bind(self, alloc: Allocation, device: Optional[torch.device] = None) -> None:
+        """Twins of every meta tensor of the graph; targets point into the new storages."""
+        meta = self.plan.graph.meta_tensors()
+        for t in meta:
+            alloc.twin(t)
+        _copy_tensor_state(meta, alloc)
+        twins = alloc.twins()
+        for tg in self.targets:
+            if tg.tensor.device.type == "meta":
+                tg.tensor = twins.get(id(tg.tensor)) if id(tg.tensor) in twins \
+                    else alloc.view(tg.tensor)
+        if self.optim is not None:
+            for _dst, parts in self.optim.means:  # scratch blocks to average
+                for p in parts:
+                    p.tensor = torch.empty(p.local_shape, dtype=p.dtype, device=alloc.device)
+
+    def fill(self, alloc: Allocation, seed: int, loaded: Set[int]) -> int:
+        """Write every byte the checkpoint does not provide. Returns bytes written."""
+        written = fill_support(self.storages, self.targets, alloc)
+        # DMP(device=meta) still builds DATA_PARALLEL tables on CPU with torch's RNG: those
+        # real targets (plan.refill) get plan-invariant values in place too.
+        todo = [tg for tg in self.targets if id(tg) not in loaded
+                and (alloc.key_of(tg.tensor) is not None or id(tg) in self.plan.refill)]
+        return written + fill_targets(needs_write(todo, alloc), seed)
+
+    def after_load(self) -> None:
+        """Store averaged row-wise optimizer state (after the read)."""
+        if self.optim is not None:
+            finish_means(self.optim.means)
+
+    def register(self, alloc: Allocation) -> int:
+        """Swap every twin in everywhere, fix devices, rebuild DDPs."""
+        register(self.model, self.plan, alloc)
+        return len(self.plan.graph.meta_tensors())

@@ -1,0 +1,58 @@
+"""TorchRec adapter, fill: table shards and optimizer state that no checkpoint provides.
+
+* table shards and optimizer state: ``metamat.fill_many_`` (fused engine, plan-invariant);
+* tables whose ``init_fn`` is not a known distribution (or an ``init=`` callable/tensor):
+  the callable on each local shard, seeded per block;
+* zero state whose storage was born zero needs no write at all.
+"""
+from __future__ import annotations
+
+from typing import List
+
+import torch
+
+from ...allocate import Allocation, is_zero_dist
+from ...init import fill_many_
+from ...plan import Target
+from ..module_values import module_seed
+
+__all__ = ["fill_targets", "needs_write"]
+
+
+def _as_2d(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(1) if t.dim() == 0 else t
+
+
+def fill_targets(targets: List[Target], seed: int) -> int:
+    """Initialise table/optimizer-state targets: the fused engine for distributions, the
+    callable (seeded per block) otherwise. Returns bytes written."""
+    items, written = [], 0
+    with torch.no_grad():
+        for tg in targets:
+            if tg.init_fn is not None:
+                with torch.random.fork_rng(devices=[]):
+                    torch.manual_seed(module_seed(seed, f"{tg.fqn}@{tg.offsets}"))
+                    if getattr(tg.init_fn, "metamat_block", False):
+                        tg.init_fn(tg.tensor, tg.offsets)
+                    else:
+                        tg.init_fn(tg.tensor)
+                written += tg.nbytes
+            else:
+                off = tuple(tg.offsets) + (0, 0)
+                items.append((_as_2d(tg.tensor), tg.dist, tg.key, int(off[0]), int(off[1])))
+        if items:
+            fill_many_(items, seed=seed)
+            written += sum(t.numel() * t.element_size() for t, *_ in items)
+    return written
+
+
+def needs_write(targets: List[Target], alloc: Allocation) -> List[Target]:
+    """Drop the targets whose value is zero and whose storage was born zero."""
+    out = []
+    for tg in targets:
+        if tg.init_fn is None and is_zero_dist(tg.dist):
+            k = alloc.key_of(tg.tensor)
+            if k is not None and k in alloc.zeroed:
+                continue
+        out.append(tg)
+    return out

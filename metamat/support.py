@@ -1,0 +1,72 @@
+"""Fill stage, support bytes: every allocated byte no target owns gets its value once.
+
+* ``values`` storages (metadata whose content the plan computed): copied in;
+* ``zeros`` storages and the bytes of ``targets`` storages that no target covers (gaps
+  between tables, FSDP2's shard padding): zeroed, except storages born zero
+  (:mod:`metamat.allocate`), which need no write at all.
+"""
+from __future__ import annotations
+
+from typing import Dict, Iterable, List, Tuple
+
+import torch
+
+from .allocate import Allocation
+from .plan import StorageGroup, Target
+
+__all__ = ["fill_support"]
+
+
+def _zero_gaps(full: torch.Tensor, covered: List[Tuple[int, int]]) -> int:
+    n, pos, written = full.numel(), 0, 0
+    for lo, hi in sorted(covered):
+        if lo > pos:
+            full[pos:lo].zero_()
+            written += lo - pos
+        pos = max(pos, hi)
+    if pos < n:
+        full[pos:n].zero_()
+        written += n - pos
+    return written
+
+
+def fill_support(groups: Iterable[StorageGroup], targets: Iterable[Target],
+                 alloc: Allocation) -> int:
+    """Write the bytes of ``groups`` that ``targets`` (bound to the new storages) do not
+    cover. Returns bytes written.
+
+    Args:
+        groups: the storage groups of one adapter.
+        targets: every target whose tensor views one of those storages.
+        alloc: the allocation (new storages, which were born zero).
+    """
+    covered: Dict[int, List[Tuple[int, int]]] = {}
+    for tg in targets:
+        x = tg.tensor
+        if x is None or x.device.type == "meta":
+            continue
+        k = alloc.key_of(x)
+        if k is None:
+            continue
+        isz = x.element_size()
+        lo = x.storage_offset() * isz
+        covered.setdefault(k, []).append((lo, lo + x.numel() * isz))
+    written = 0
+    with torch.no_grad():
+        for g in groups:
+            if g.kind in ("targets", "zeros") and g.key in alloc.zeroed:
+                continue  # born zero: gaps and zero storages need no write
+            if g.kind == "targets":
+                written += _zero_gaps(alloc.full(g.key), covered.get(g.key, []))
+            elif g.kind == "zeros":
+                alloc.full(g.key).zero_()
+                written += g.nbytes
+            elif g.kind == "values":
+                dst = alloc.full(g.key)
+                src = g.value.contiguous().view(-1).view(torch.uint8)
+                dst[: src.numel()].copy_(src)
+                if src.numel() < dst.numel():
+                    dst[src.numel():].zero_()
+                written += g.nbytes
+    return written
+
