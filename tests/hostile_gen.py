@@ -2,7 +2,7 @@
 
 Each :class:`Variant` copies a valid checkpoint (written by torch / safetensors) and damages it
 in one way. :func:`check_variant` then drives it through ``metamat.open_checkpoint`` and
-``metamat.fill_load.load_targets`` into poisoned CPU destinations and asserts the contract:
+``metamat.load.load_targets`` into poisoned CPU destinations and asserts the contract:
 
 * only :class:`metamat.CheckpointError` (or a subclass) comes out, never another exception,
   a crash or a hang;
@@ -775,7 +775,7 @@ def check_variant(v: Variant, bases: Dict[str, str], work: str) -> str:
     """
     from metamat import CheckpointError, open_checkpoint
     from metamat.checkpoint import ReadError
-    from metamat.fill_load import load_targets
+    from metamat.load import load_targets
 
     os.makedirs(work, exist_ok=True)
     path = _copy_base(bases, v.base, work)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from metamat.checkpoint import open_checkpoint
-from metamat.fill_load import load_targets
+from metamat.load import load_targets
 from metamat.plan import Target
 
 from _dist import run_dist

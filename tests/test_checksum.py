@@ -15,7 +15,7 @@ from metamat.checkpoint import (ChecksumMismatchError, InvalidHeaderError, Missi
 from metamat.checkpoint.checksum import (Manifest, build_manifest, read_manifest,
                                          reads_from_plan, sidecar_path, verify_manifest,
                                          verify_ranges, write_manifest)
-from metamat.fill_load import plan_load
+from metamat.load import plan_load
 from metamat.plan import Target
 
 import hostile_gen

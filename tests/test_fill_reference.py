@@ -99,35 +99,34 @@ def test_empty_tensors_are_fine():
                         (torch.empty(3, 0), metamat.Normal(), "e", 0, 0)])
 
 
-def _runnable_isas():
-    from metamat._ext import core
-
-    best = core().cpu_kernel()
-    return {"avx512": ["avx512", "avx2", "x86-64"], "avx2": ["avx2", "x86-64"]}.get(best, ["x86-64"])
-
-
 @pytest.mark.parametrize("isa", ["avx512", "avx2", "x86-64"])
 @pytest.mark.parametrize("dist", DISTS[:4], ids=lambda d: type(d).__name__)
 def test_every_cpu_kernel_matches_reference(isa, dist):
-    """Each instruction-set build of the CPU kernel (forced) equals the reference."""
+    """Each instruction-set build of the CPU kernel (forced) equals the reference, on blocks
+    whose ends straddle the 8-column word runs, the 32-column blocks and the 64-column passes."""
     from metamat._ext import core
-    from metamat.fill_init import _pack
+    from metamat.init import _pack
 
-    if isa not in _runnable_isas():
+    if isa not in core().cpu_kernels():
         pytest.skip(f"this CPU cannot run the {isa} kernel")
-    for dtype in DTYPES:
-        t = poisoned((5, 203), dtype)
-        segs = _pack([(t[:, 3:200], dist, "isa", 77, 45)], 2)
-        core().fill_cpu(segs.ctypes.data, len(segs), 2, isa)
-        ref = reference_block((5, 197), dist, seed=2, key="isa", row_offset=77, col_offset=45,
-                              dtype=dtype)
-        assert torch.equal(bits(t[:, 3:200]), bits(ref)), dtype
-        assert torch.isnan(t[:, :3].float()).all() and torch.isnan(t[:, 200:].float()).all()
+    # The last case crosses column counter 2^32 (column 2^34) and row 2^32 (high words).
+    for cols, col_offset, row_offset in [(1, 0, 77), (5, 59, 77), (63, 1, 77), (64, 0, 77),
+                                         (64, 32, 77), (65, 63, 77), (129, 64, 77),
+                                         (197, 45, 77), (140, 2**34 - 70, 2**32 - 2)]:
+        for dtype in DTYPES:
+            t = poisoned((5, cols + 6), dtype)
+            segs = _pack([(t[:, 3:3 + cols], dist, "isa", row_offset, col_offset)], 2)
+            core().fill_cpu(segs.ctypes.data, len(segs), 2, isa)
+            ref = reference_block((5, cols), dist, seed=2, key="isa", row_offset=row_offset,
+                                  col_offset=col_offset, dtype=dtype)
+            assert torch.equal(bits(t[:, 3:3 + cols]), bits(ref)), (cols, col_offset, dtype)
+            assert torch.isnan(t[:, :3].float()).all()
+            assert torch.isnan(t[:, 3 + cols:].float()).all()
 
 
 def test_unknown_kernel_name_is_an_error():
     from metamat._ext import core
-    from metamat.fill_init import _pack
+    from metamat.init import _pack
 
     segs = _pack([(torch.zeros(2, 2), metamat.Uniform(), "k", 0, 0)], 0)
     with pytest.raises(RuntimeError, match="unknown CPU kernel"):

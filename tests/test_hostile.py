@@ -86,8 +86,10 @@ def test_fuzz_harness_short_run(harness, corpus, tmp_path, reader):
 @pytest.mark.slow
 def test_fuzz_read_ops_short_run(tmp_path):
     """The libFuzzer harness of the C++ reader (clang), else its g++ standalone driver."""
-    src = [os.path.join(ROOT, "fuzz", "fuzz_read_ops.cpp"), os.path.join(ROOT, "csrc",
-                                                                         "io_reader.cpp")]
+    import glob
+    src = [os.path.join(ROOT, "fuzz", "fuzz_read_ops.cpp")] + sorted(
+        glob.glob(os.path.join(ROOT, "csrc", "io_*.cpp")) +
+        glob.glob(os.path.join(ROOT, "csrc", "xxh3*.cpp")))  # as the Makefile's FUZZ_IO_SRC
     exe = str(tmp_path / "fuzz_read_ops")
     san = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined"]
     clang = shutil.which("clang++")

@@ -2,7 +2,7 @@
 running, and a meta model is still entirely on meta (nothing half swapped in).
 
 The C++ reader releases the GIL and joins its pool before returning, and ``execute_plan``
-runs the reads in batches (``fill_load.BATCH_BYTES``), so Python raises KeyboardInterrupt
+runs the reads in batches (``metamat.load.ops.BATCH_BYTES``), so Python raises KeyboardInterrupt
 when the batch in flight returns. The signal is sent by a helper thread once the reader's
 pool threads are seen in ``/proc/self/task`` (so it lands while C++ is reading).
 """
@@ -20,8 +20,8 @@ from torch import nn
 
 import metamat
 from metamat.checkpoint import open_checkpoint
-from metamat.fill_load import load_targets
-from metamat.materialize import defer_sigint
+from metamat.load import load_targets
+from metamat.collective import defer_sigint
 from metamat.plan import Target
 
 ROWS, DIM = 600_000, 128  # 307 MB of float32

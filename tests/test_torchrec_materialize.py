@@ -15,7 +15,7 @@ pytest.importorskip("torchrec")
 pytest.importorskip("fbgemm_gpu")
 
 import metamat  # noqa: E402
-from metamat.torchrec.initspec import default_table_dist  # noqa: E402
+from metamat.rules import default_table_dist  # noqa: E402
 
 from _dist import run_dist  # noqa: E402
 NUM_FEATURES_EBC = 5
@@ -110,7 +110,7 @@ def kjt_batch(num_features: int, batch: int, rows: int, seed: int):
 
 def meta_bytes_of(model) -> Tuple[int, int]:
     """(bytes in meta storages, bytes in real storages of floating tensors) reachable."""
-    from metamat.torchrec.graph import scan
+    from metamat.models.torchrec.graph import scan
 
     g = scan(model)
     meta, real, seen = 0, 0, set()
@@ -127,7 +127,7 @@ def meta_bytes_of(model) -> Tuple[int, int]:
 
 
 def no_meta_left(model) -> List[str]:
-    from metamat.torchrec.graph import scan
+    from metamat.models.torchrec.graph import scan
 
     g = scan(model)
     left = [g.path(t) for t in g.meta_tensors()]
@@ -343,7 +343,7 @@ def worker_error(rank, world_size):
     """A meta parameter nobody can initialise: clear error, model left as it was."""
     from torchrec import EmbeddingBagCollection
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-    from metamat.torchrec.compat import UnsupportedError
+    from metamat import UnsupportedError
 
     ebc = EmbeddingBagCollection(tables=ebc_tables(n=2), device=torch.device("meta"))
     sharder = EmbeddingBagCollectionSharder(fused_params=fused_params())
@@ -366,13 +366,13 @@ def worker_error(rank, world_size):
 
 
 def metamat_shard_on_meta(*a, **k):
-    from metamat.torchrec import shard_on_meta
+    from metamat import shard_on_meta
 
     return shard_on_meta(*a, **k)
 
 
 def metamat_materialize(*a, **k):
-    from metamat.materialize import materialize
+    from metamat import materialize
 
     return materialize(*a, **k)
 
@@ -543,24 +543,28 @@ def test_table_init_fns_and_overrides_world2():
 def test_unsupported_versions_raise_before_allocating(monkeypatch):
     import torchrec
 
-    from metamat.materialize import materialize
-    from metamat.torchrec import shard_on_meta
-    from metamat.torchrec.compat import UnsupportedError
+    from metamat import materialize
+    from metamat import shard_on_meta
+    from metamat import UnsupportedError
 
     monkeypatch.setattr(torchrec, "__version__", "0.3.0", raising=False)
     lin = torch.nn.Linear(2, 2, device="meta")
     with pytest.raises(UnsupportedError, match="torchrec 0.3.0"):
-        materialize(lin, device="cpu")
-    assert lin.weight.device.type == "meta"
-    with pytest.raises(UnsupportedError, match="torchrec 0.3.0"):
         shard_on_meta(lin, env=object())
+    # a model without TorchRec modules does not depend on torchrec's version
+    materialize(lin, device="cpu")
+    assert lin.weight.device.type == "cpu"
+    # the TorchRec adapter checks before anything is planned or allocated
+    from metamat.models.torchrec.walk import build_plan
+    with pytest.raises(UnsupportedError, match="torchrec 0.3.0"):
+        build_plan(lin, torch.device("cpu"))
 
 
 def test_dist_from_init_fn():
     import functools
 
     from metamat.spec import Constant, Normal, TruncatedNormal, Uniform, Zeros
-    from metamat.torchrec.initspec import dist_from_init_fn
+    from metamat.rules import dist_from_init_fn
 
     P = functools.partial
     assert dist_from_init_fn(P(torch.nn.init.uniform_, a=-1.0, b=2.0)) == Uniform(-1.0, 2.0)
@@ -576,7 +580,7 @@ def test_dist_from_init_fn():
 
 
 def worker_cuda_refused(rank, world_size):
-    from metamat.torchrec.compat import UnsupportedError
+    from metamat import UnsupportedError
 
     dmp, *_ = _build_sharded(rank, world_size, "ebc", "fused", {"t0": "tw", "t1": "rw"})
     try:
@@ -591,3 +595,31 @@ def test_non_cpu_device_for_tbes_is_refused_before_allocating():
     (r,) = run_dist(worker_cuda_refused, 1)
     assert r["msg"] is not None and "device='cpu'" in r["msg"]
     assert r["meta_bytes"][1] < 1024  # nothing real allocated
+
+
+def worker_no_plan(rank, world_size):
+    """shard_on_meta without a plan runs TorchRec's planner (for the CPU here), as
+    DistributedModelParallel(model) does."""
+    from torchrec import EmbeddingBagCollection
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.types import ShardingEnv
+
+    tables = ebc_tables(n=4, rows=64)
+    dmp = metamat_shard_on_meta(EmbeddingBagCollection(tables=tables, device=torch.device("meta")))
+    metamat_materialize(dmp, device="cpu", seed=SEED)
+    env = ShardingEnv.from_process_group(dist.group.WORLD)
+    eager = DistributedModelParallel(EmbeddingBagCollection(tables=tables,
+                                                            device=torch.device("meta")),
+                                     env, device=torch.device("cpu"))
+    return {"left": no_meta_left(dmp), "blocks": local_blocks(dmp.state_dict()),
+            "same_plan": str(dmp.plan) == str(eager.plan)}
+
+
+@pytest.mark.multiprocess
+def test_shard_on_meta_without_a_plan_world2():
+    res = run_dist(worker_no_plan, 2)
+    assert all(not r["left"] and r["same_plan"] for r in res), res
+    for i in range(4):
+        key, rows = f"embedding_bags.t{i}.weight", 64 + 3 * i
+        assert torch.equal(assemble([r["blocks"] for r in res], key, (rows, 8)),
+                           reference_table(f"t{i}", rows, 8, SEED)), key

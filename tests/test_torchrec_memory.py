@@ -44,7 +44,7 @@ def worker_memory(rank, world_size):
     from torchrec.distributed.types import ShardingPlan
 
     from metamat import materialize
-    from metamat.torchrec import shard_on_meta
+    from metamat import shard_on_meta
 
     tables = [EmbeddingBagConfig(name=f"big{i}", embedding_dim=DIM, num_embeddings=ROWS,
                                  feature_names=[f"f{i}"]) for i in range(TABLES)]

@@ -18,7 +18,7 @@ from metamat.checkpoint import (CheckpointError, CoverageError, DestinationError
                                 DtypeMismatchError, MissingTensorError, ShapeMismatchError,
                                 TruncatedFileError, open_checkpoint)
 from metamat.checkpoint.base import Checkpoint, Chunk, TensorEntry
-from metamat.fill_load import load_targets, plan_load
+from metamat.load import load_targets, plan_load
 from metamat.plan import Target
 
 POISON = {torch.float32: float("nan"), torch.float16: float("nan"),
@@ -372,11 +372,12 @@ def chunking_and_block(draw):
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=chunking_and_block())
 def test_any_chunking_any_block_same_slice(tmp_path_factory, reader, case):
-    from metamat.fill_load import execute_plan
+    from metamat.budget import StagingBudget
+    from metamat.load.execute import execute_plan
     shape, rc, cc, offs, bshape, dtype, pad, threads, gap = case
     d = tmp_path_factory.mktemp("prop")
     ck, full = _synthetic(str(d / "c.bin"), shape, rc, cc)
     t = target("w", full, offs, bshape, dtype=dtype, row_pad=pad)
     plan = plan_load([t], ck)
-    execute_plan(plan, io_threads=threads, coalesce_gap=gap)
+    execute_plan(plan, StagingBudget.split(256 << 20, threads, staged=False), coalesce_gap=gap)
     assert same_bits(t.tensor, expect(full, offs, bshape).to(dtype))

@@ -109,7 +109,7 @@ def _scenarios(rank, world, d):
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
     import metamat
-    from metamat.dtensor import PeerCheckpointError, materialize_dtensor
+    from metamat import PeerCheckpointError, materialize as materialize_dtensor
 
     mesh = init_device_mesh("cpu", (world,))
     torch.manual_seed(0)

@@ -9,9 +9,9 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import save_file
 
 from metamat.checkpoint import open_checkpoint
-from metamat.fill_load import load_targets, plan_load
-from metamat.fill_load_staged import split_ops
-from test_fill_load import expect, same_bits, target
+from metamat.load import load_targets, plan_load
+from metamat.load.ops import split_ops
+from test_load import expect, same_bits, target
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +36,7 @@ def blocks(sd, dtype_of=lambda n, t: t.dtype, device="cpu"):
     return out
 
 
-@pytest.mark.parametrize("staging", [1 << 16, 1 << 20, 256 << 20])
+@pytest.mark.parametrize("staging", [1 << 18, 1 << 20, 256 << 20])
 def test_staged_equals_the_checkpoint(ckpts, staging):
     sd, paths = ckpts
     for path in paths:
@@ -47,7 +47,7 @@ def test_staged_equals_the_checkpoint(ckpts, staging):
                 assert same_bits(t.tensor, expect(sd[t.fqn], t.offsets, t.local_shape)), (path, t)
             # conversions happen in the reader's copy loop, before staging
             tg16 = blocks(sd, lambda n, x: torch.float16)
-            load_targets(tg16, ck, staging_bytes=staging, staged=True)
+            load_targets(tg16, ck, staging_bytes=staging, staged=True, io_threads=2)
             for t in tg16:
                 ref = expect(sd[t.fqn], t.offsets, t.local_shape).to(torch.float16)
                 assert same_bits(t.tensor, ref), (path, t.fqn)

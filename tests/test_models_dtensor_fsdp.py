@@ -71,7 +71,7 @@ def _fsdp(rank, world, d):
     from safetensors.torch import save_file
 
     import metamat
-    from metamat.dtensor import materialize_dtensor
+    from metamat import materialize as materialize_dtensor
 
     x = torch.randn(3, 5, generator=torch.Generator().manual_seed(1))
     out = {}

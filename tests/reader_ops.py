@@ -1,0 +1,25 @@
+"""Helpers for the tests that drive the C++ reader (metamat._C) directly with op arrays."""
+from __future__ import annotations
+
+import numpy as np
+
+RAW, F32, F16, BF16 = 0, 1, 2, 3
+POISON = 0xA5
+
+
+def ops(*rows) -> np.ndarray:
+    """An (n, 9) int64 op array: file_index, file_offset, row_bytes, rows, src_stride,
+    dst_stride, dst, src_dtype, dst_dtype per row."""
+    return np.array(rows, dtype=np.int64).reshape(-1, 9)
+
+
+def poisoned(nbytes: int) -> np.ndarray:
+    return np.full(max(1, nbytes), POISON, dtype=np.uint8)
+
+
+def addr(a: np.ndarray, off: int = 0) -> int:
+    return a.ctypes.data + off
+
+
+def expected_rows(data: bytes, off: int, row_bytes: int, rows: int, stride: int) -> bytes:
+    return b"".join(data[off + r * stride: off + r * stride + row_bytes] for r in range(rows))

@@ -1,0 +1,43 @@
+"""The staging budget never hands out more than it was given, and fails clearly when short."""
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from metamat.budget import MAX_BOUNCE, MIN_BOUNCE, MIN_RING_BUFFER, StagingBudget
+
+
+@settings(max_examples=300, deadline=None)
+@given(total=st.integers(1, 1 << 34), threads=st.integers(1, 64), staged=st.booleans(),
+       ring=st.integers(1, 4))
+def test_split_never_exceeds_the_budget(total, threads, staged, ring):
+    try:
+        b = StagingBudget.split(total, threads, staged=staged, ring=ring)
+    except ValueError as e:
+        assert "too small" in str(e)
+        assert total < threads * MIN_BOUNCE + (ring * MIN_RING_BUFFER if staged else 0)
+        return
+    assert b.used <= total
+    assert MIN_BOUNCE <= b.bounce_bytes <= MAX_BOUNCE
+    assert b.bounce_bytes % 4096 == 0 and b.ring_bytes % 4096 == 0
+    if staged:
+        assert b.ring == ring and b.ring_bytes >= MIN_RING_BUFFER
+    else:
+        assert b.ring == 0 and b.ring_bytes == 0
+
+
+def test_default_budget_splits():
+    b = StagingBudget.split(256 << 20, 8, staged=True)
+    assert (b.bounce_bytes, b.ring, b.ring_bytes) == (MAX_BOUNCE, 2, (256 - 64) << 19)
+    c = StagingBudget.split(256 << 20, 8, staged=False)
+    assert (c.bounce_bytes, c.ring) == (MAX_BOUNCE, 0)
+    assert StagingBudget.split(1 << 20, 2, staged=False).bounce_bytes == 512 << 10
+
+
+@pytest.mark.parametrize("args", [(0, 1), (-5, 1), (1 << 20, 0), (True, 1), (1.5, 1)])
+def test_bad_arguments(args):
+    with pytest.raises(ValueError):
+        StagingBudget.split(*args, staged=False)
+
+
+def test_too_small_says_what_is_needed():
+    with pytest.raises(ValueError, match=f"at least {2 * MIN_BOUNCE + 2 * MIN_RING_BUFFER}"):
+        StagingBudget.split(100_000, 2, staged=True)
