@@ -1,28 +1,45 @@
 # Two commands for a fresh machine: `make bench` and `make test`.
 # Both create .venv if missing, install the pinned stack, build metamat._C, then run.
+# On a machine whose python3 already imports a CUDA torch (a GPU box, maybe offline) they use
+# that interpreter as it is instead: no venv, no pip, no network (GPU machines, below).
 PY        ?= python3
 VENV      := .venv
 VPY       := $(VENV)/bin/python
 STAMP     := $(VENV)/.metamat-deps
 TORCH_VER := 2.13.0
-# Where a CUDA torch is already installed (a GPU machine), the venv sees it instead of
-# installing the CPU wheel.
 HAS_CUDA_TORCH := $(shell $(PY) -c "import torch,sys; sys.exit(0 if torch.version.cuda else 1)" 2>/dev/null && echo 1)
 
 .PHONY: setup build test bench sanitize clean
 
-$(STAMP): requirements-dev.txt constraints.txt Makefile
 ifeq ($(HAS_CUDA_TORCH),1)
-	test -x $(VPY) || $(PY) -m venv --system-site-packages $(VENV)
-	$(VPY) -m pip install -q -r requirements-dev.txt
+# ---- GPU machines: $(PY) has CUDA torch, pybind11, cmake, pytest (nothing is installed) ----
+# The extension is built in place by CMake (scripts/build_ext.py) for this GPU's architecture
+# (both 80 and 90 when none is visible); tests and bench run from the tree with $(PY).
+CUDA_ARCHS  ?= $(shell $(PY) -c "import torch; c = torch.cuda.get_device_capability() if torch.cuda.is_available() else None; print(f'{c[0]}{c[1]}' if c else '80;90')" 2>/dev/null)
+# a test module whose optional package is missing here is reported, the others still run
+PYTEST_ARGS ?= --continue-on-collection-errors
+BENCH_ARGS  ?=
+
+setup:
+	@$(PY) -c "import sys, torch, pybind11, numpy, pytest; print('using', sys.executable, 'torch', torch.__version__, 'CUDA', torch.version.cuda)"
+
+build: setup
+	METAMAT_CUDA_ARCHS="$(CUDA_ARCHS)" $(PY) scripts/build_ext.py
+
+test: build
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+bench: build
+	PYTHONPATH=$(CURDIR) $(PY) bench/materialize.py $(BENCH_ARGS)
 else
+# ---- a fresh machine: .venv with the pinned CPU stack ----------------------------------------
+$(STAMP): requirements-dev.txt constraints.txt Makefile
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip setuptools wheel
 	$(VPY) -m pip install -q torch==$(TORCH_VER) -c constraints.txt
 	$(VPY) -m pip install -q -c constraints.txt fbgemm-gpu-cpu==1.8.0 tensordict torchmetrics==1.0.3 pyre-extensions iopath
 	$(VPY) -m pip install -q --no-deps torchrec==1.8.0
 	$(VPY) -m pip install -q -c constraints.txt -r requirements-dev.txt cmake ninja
-endif
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -35,11 +52,12 @@ test: build
 
 bench: build
 	$(VPY) bench/materialize.py
+endif
 
 clean:
 	rm -rf build metamat/_C*.so *.egg-info
 
-# ---- reliability: sanitizers and fuzzing ------------------------------------------------------
+# ---- reliability: sanitizers and fuzzing (fresh machines: they need .venv) --------------------
 .PHONY: fuzz
 # `make sanitize`: builds the C++ core with ASan + UBSan into build/sanitize (CUDA off) and runs
 # the tests that execute it against a copy of the package in build/sanitize/tree, so the
@@ -47,7 +65,7 @@ clean:
 SAN_DIR   := build/sanitize
 SAN_TREE  := $(SAN_DIR)/tree
 SAN_TESTS ?= tests/test_fill_reference.py tests/test_fill_invariance.py tests/test_fill_errors.py \
-             tests/test_checkpoint_reader.py tests/test_fill_load.py tests/test_reader_faults.py \
+             tests/test_checkpoint_reader.py tests/test_load.py tests/test_reader_faults.py \
              tests/test_checkpoint_dcp.py tests/test_hostile.py
 SAN_ENV   := LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
              ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:halt_on_error=1:detect_odr_violation=0 \
@@ -73,6 +91,8 @@ sanitize: setup
 FUZZ_TIME ?= 300
 FUZZ_DIR  := build/fuzz
 CLANGXX   ?= $(shell command -v clang++ 2>/dev/null)
+# The reader: every io_* source and what it uses (no pybind11).
+FUZZ_IO_SRC = $(wildcard csrc/io_*.cpp csrc/xxh3*.cpp)
 
 fuzz: build
 	mkdir -p $(FUZZ_DIR)/corpus/read_ops
@@ -83,14 +103,14 @@ fuzz: build
 	    -artifact_prefix=$(FUZZ_DIR)/$$h- $(FUZZ_DIR)/corpus/$$h || exit 1; done
 ifneq ($(CLANGXX),)
 	$(CLANGXX) -std=c++17 -g -O1 -fsanitize=fuzzer,address,undefined \
-	  -fno-sanitize-recover=undefined -Icsrc fuzz/fuzz_read_ops.cpp csrc/io_reader.cpp \
+	  -fno-sanitize-recover=undefined -Icsrc fuzz/fuzz_read_ops.cpp $(FUZZ_IO_SRC) \
 	  -o $(FUZZ_DIR)/fuzz_read_ops -lpthread
 	$(FUZZ_DIR)/fuzz_read_ops -max_total_time=$(FUZZ_TIME) -print_final_stats=1 \
 	  -artifact_prefix=$(FUZZ_DIR)/read_ops- $(FUZZ_DIR)/corpus/read_ops
 else
 	@echo "clang++ not found: running the C++ reader harness unguided (g++, ASan+UBSan)"
 	g++ -std=c++17 -g -O1 -DMETAMAT_FUZZ_STANDALONE -fsanitize=address,undefined \
-	  -fno-sanitize-recover=undefined -Icsrc fuzz/fuzz_read_ops.cpp csrc/io_reader.cpp \
+	  -fno-sanitize-recover=undefined -Icsrc fuzz/fuzz_read_ops.cpp $(FUZZ_IO_SRC) \
 	  -o $(FUZZ_DIR)/fuzz_read_ops -lpthread
 	$(FUZZ_DIR)/fuzz_read_ops $$(( $(FUZZ_TIME) * 2000 ))
 endif

@@ -74,7 +74,7 @@ def _write(rank, world, d, layers, dtype_name, out):
     from safetensors.torch import save_file
     from torch.distributed.device_mesh import init_device_mesh
 
-    from metamat.dtensor import materialize_dtensor
+    from metamat import materialize as materialize_dtensor
 
     mesh = init_device_mesh("cpu", (world,))
     m = build(d, layers, getattr(torch, dtype_name), mesh)
@@ -93,7 +93,7 @@ def _load_once(method, m, mesh, world, out, floor_src):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.tensor import distribute_tensor
 
-    from metamat.dtensor import materialize_dtensor
+    from metamat import materialize as materialize_dtensor
 
     amp = float("nan")
     if method == "dcp":

@@ -44,7 +44,7 @@ def check(path: str) -> None:
     """Open ``path`` and load all it holds, asserting the contract (see module docstring)."""
     from metamat import CheckpointError, open_checkpoint
     from metamat.checkpoint import ReadError
-    from metamat.fill_load import load_targets
+    from metamat.load import load_targets
     from metamat.plan import Target
     try:
         ck = open_checkpoint(path)

@@ -21,7 +21,7 @@ import _harness as H
 with atheris.instrument_imports(include=["metamat"]):
     import metamat.checkpoint.dcp  # noqa: F401
     import metamat.checkpoint.open  # noqa: F401
-    import metamat.fill_load  # noqa: F401
+    import metamat.load  # noqa: F401
 
 _BASES = {}
 

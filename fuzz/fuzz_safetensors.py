@@ -14,7 +14,7 @@ import _harness as H
 with atheris.instrument_imports(include=["metamat"]):
     import metamat.checkpoint.safetensors  # noqa: F401
     import metamat.checkpoint.open  # noqa: F401
-    import metamat.fill_load  # noqa: F401
+    import metamat.load  # noqa: F401
 
 _DIR = H.workdir()
 _FILE = f"{_DIR}/x.safetensors"

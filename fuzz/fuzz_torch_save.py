@@ -15,7 +15,7 @@ import _harness as H
 with atheris.instrument_imports(include=["metamat"]):
     import metamat.checkpoint.torch_save  # noqa: F401
     import metamat.checkpoint.open  # noqa: F401
-    import metamat.fill_load  # noqa: F401
+    import metamat.load  # noqa: F401
 
 _FILE = f"{H.workdir()}/x.pt"
 
