@@ -351,3 +351,18 @@ def test_cuda_sharded_tbe_layout_matches_fbgemm_on_gpu():
     for name, v in cl.initial_values(lay).items():
         assert torch.equal(getattr(tbe, name).cpu(), v), name
     assert torch.ops.fbgemm.is_uvm_tensor(tbe.weights_uvm)
+
+
+def worker_materialize_refused(rank, world_size):
+    module, sharder, plan, _ = _model_and_plan(KERNELS)
+    dmp = metamat.shard_on_meta(module, plan=plan, sharders=[sharder], compute_device="cuda")
+    try:
+        metamat.materialize(dmp, device="cpu", seed=SEED)
+    except UnsupportedError as e:
+        return str(e)
+    return None
+
+
+def test_materialize_of_cuda_layout_is_refused_for_now():
+    msg = run_dist(worker_materialize_refused, 1)[0]
+    assert msg is not None and "laid out for cuda" in msg, msg
