@@ -97,11 +97,14 @@ def test_layout_equals_fbgemm_on_meta_and_on_cpu(case):
 
 
 def test_cache_state_matches_fbgemm_function():
-    from fbgemm_gpu.split_table_batched_embeddings_ops_common import CacheState, EmbeddingLocation
+    # the free function exists in fbgemm 1.6 and (as a shim over CacheState.construct) 1.8
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import (
+        EmbeddingLocation, construct_cache_state,
+    )
 
     rows, locs, ftm = [10, 7, 5, 9], ["MANAGED_CACHING", "DEVICE", "MANAGED_CACHING",
                                       "MANAGED_CACHING"], [0, 1, 2, 0, 3, 2]
-    want = CacheState.construct(rows, [EmbeddingLocation[x] for x in locs], ftm)
+    want = construct_cache_state(rows, [EmbeddingLocation[x] for x in locs], ftm)
     got = cl.cache_state(rows, locs, ftm)
     assert got == (want.cache_hash_size_cumsum, want.cache_index_table_map,
                    want.total_cache_hash_size)
