@@ -9,6 +9,8 @@
 #              caching allocator off (PYTORCH_NO_CUDA_MEMORY_CACHING=1) so bad accesses are seen
 #   racecheck  compute-sanitizer racecheck, same tests
 #   bench_init bench/materialize.py --mode init --device cuda (GPU goals table at the end)
+#   torchrec_cuda tests/test_torchrec_cuda_layout.py (CUDA TorchRec layout), when torchrec and
+#              fbgemm_gpu are importable (its cuda tests also run in the pytest step)
 #   bench_load bench/materialize.py --mode load, when torchrec and fbgemm_gpu are importable
 # Each step logs to OUTDIR/<step>.log and reports; a failing step does not stop the others;
 # the exit status is non-zero if any step failed.
@@ -82,6 +84,13 @@ fi
 step bench_init 150 env PYTHONPATH="$PWD" "$py" bench/materialize.py --mode init --device cuda \
   --size-gib "$size_gib" --reps 5 --sweep 1 --out "$out/bench_init"
 grep -A8 "GPU goals" "$out/bench_init.log"
+if "$py" -c "import torchrec, fbgemm_gpu" 2>/dev/null; then
+  # TorchRec tables laid out for CUDA (docs/TORCHREC_GPU.md): the CPU layout checks against
+  # this machine's fbgemm build plus the cuda-marked UVM allocation / one-launch fill tests
+  step torchrec_cuda 150 "$py" -m pytest -q -p no:cacheprovider -rs tests/test_torchrec_cuda_layout.py
+else
+  echo "== torchrec_cuda: skipped (torchrec / fbgemm_gpu not importable)"
+fi
 if "$py" -c "import torchrec, fbgemm_gpu" 2>/dev/null; then
   step bench_load 120 env PYTHONPATH="$PWD" "$py" bench/materialize.py --mode load --device cuda \
     --quick --out "$out/bench_load"

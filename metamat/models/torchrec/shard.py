@@ -17,6 +17,7 @@ modules' ``device`` attributes, and defers DMP's own DDP wrap to ``materialize``
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Any, Dict, List, Optional
 
@@ -59,10 +60,26 @@ class MetaFactoryMode(TorchFunctionMode):
     _RECORD = {torch.tensor, torch.as_tensor, torch.arange}
     _RECORD_MAX_NUMEL = 1 << 20
 
+    def __init__(self, cuda: bool = False) -> None:
+        """``cuda``: also send floating factories aimed at a CUDA device, and fbgemm's UVM
+        factories (``torch.ops.fbgemm.new_unified_tensor`` / ``new_managed_tensor``), to meta
+        (the CUDA compute-device path of ``shard_on_meta``)."""
+        super().__init__()
+        self.cuda = cuda
+
+    def _aimed_here(self, device: Any) -> bool:
+        if _is_cpu(device):
+            return True
+        return self.cuda and _is_cuda(device)
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
+        if self.cuda:
+            uvm = uvm_factory_on_meta(func, args, kwargs)
+            if uvm is not None:
+                return uvm
         redirected = False
-        if _is_cpu(kwargs.get("device")) and floating_factory_call(func, args, kwargs):
+        if self._aimed_here(kwargs.get("device")) and floating_factory_call(func, args, kwargs):
             kwargs["device"] = _META
             redirected = True
         out = func(*args, **kwargs)
@@ -82,6 +99,50 @@ class MetaFactoryMode(TorchFunctionMode):
             except Exception:  # noqa: BLE001 - value unknown; materialize reports it
                 pass
         return out
+
+
+def _is_cuda(device: Any) -> bool:
+    if isinstance(device, int) and not isinstance(device, bool):
+        return True  # a bare index means a CUDA device to torch's factories
+    if isinstance(device, str):
+        return device == "cuda" or device.startswith("cuda:")
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    return False
+
+
+def _uvm_ops() -> Dict[Any, str]:
+    """fbgemm's UVM factory ops (packets and default overloads) -> name; empty without fbgemm."""
+    out: Dict[Any, str] = {}
+    ns = getattr(torch.ops, "fbgemm", None)
+    for name in ("new_unified_tensor", "new_managed_tensor", "new_host_mapped_tensor",
+                 "new_managed_tensor_meta"):
+        try:
+            op = getattr(ns, name)
+        except (AttributeError, RuntimeError):
+            continue
+        out[op] = name
+        default = getattr(op, "default", None)
+        if default is not None:
+            out[default] = name
+    return out
+
+
+def uvm_factory_on_meta(func, args, kwargs) -> Optional[torch.Tensor]:
+    """A meta tensor for a call of fbgemm's UVM factories (``new_unified_tensor(self, sizes,
+    is_host_mapped)``, ``new_managed_tensor(self, sizes)``: a tensor of ``sizes`` with
+    ``self``'s dtype), else None (not such a call)."""
+    try:
+        ops = _uvm_ops()
+    except Exception:  # noqa: BLE001 - torch.ops lookups may raise without the library
+        return None
+    if func not in ops:
+        return None
+    proto = args[0] if args else kwargs.get("self")
+    sizes = args[1] if len(args) > 1 else kwargs.get("sizes")
+    if not isinstance(proto, torch.Tensor) or sizes is None:
+        return None
+    return torch.empty(tuple(int(s) for s in sizes), dtype=proto.dtype, device=_META)
 
 
 class MetaDDP(DistributedDataParallel):
@@ -190,8 +251,13 @@ def shard_on_meta(
         plan: a TorchRec ``ShardingPlan``; default: TorchRec's planner, as DMP runs it
             (collectively over ``env``), planning for ``compute_device``.
         sharders: TorchRec sharders; default: DMP's defaults.
-        compute_device: the device type the tables will be materialized on, for the planner
+        compute_device: the device the tables will be materialized on, for the planner
             (default "cuda" when a GPU is visible, else "cpu"; materialize's default too).
+            Given explicitly as "cuda" (or "cuda:N"), the tables are laid out for fbgemm's
+            CUDA kernels (``EmbeddingLocation`` DEVICE / MANAGED / MANAGED_CACHING from each
+            table's compute kernel ``fused`` / ``fused_uvm`` / ``fused_uvm_caching``, see
+            ``cuda_kernels``), still all on meta; left at None, the CPU layout (HOST) is
+            built as before, whatever the planner chose.
         **dmp_kwargs: forwarded to ``DistributedModelParallel`` (``device``,
             ``init_parameters`` and ``init_data_parallel`` are fixed by this function).
 
@@ -200,7 +266,9 @@ def shard_on_meta(
         dense DDP wrap happens in ``materialize``.
 
     Raises:
-        metamat.UnsupportedError: unsupported torchrec/fbgemm version.
+        metamat.UnsupportedError: unsupported torchrec/fbgemm version; with a CUDA
+            compute device, a table whose compute kernel is not fused / fused_uvm /
+            fused_uvm_caching (raised before anything is built).
         ValueError: ``dmp_kwargs`` names an argument fixed here.
     """
     check_versions()
@@ -214,11 +282,16 @@ def shard_on_meta(
         if not dist.is_initialized():
             raise RuntimeError("shard_on_meta: no env given and no default process group")
         env = ShardingEnv.from_process_group(dist.group.WORLD)
+    cuda_layout = compute_device is not None and torch.device(compute_device).type == "cuda"
     if plan is None:
         if compute_device is None:
             compute_device = "cuda" if torch.cuda.is_available() else "cpu"
         # plan on the module as built (meta tables are fine: only shapes are read)
-        plan = _default_plan(module, env, sharders, str(compute_device))
+        plan = _default_plan(module, env, sharders, torch.device(compute_device).type)
+    if cuda_layout:
+        from .cuda_kernels import check_cuda_plan
+
+        check_cuda_plan(plan)
     plan = _plan_to_meta(plan)
     import importlib
 
@@ -229,7 +302,19 @@ def shard_on_meta(
         _to_meta_inplace(module)
         for mod in ddp_users:
             mod.DistributedDataParallel = MetaDDP
-        with MetaFactoryMode():
+        with contextlib.ExitStack() as stack:
+            records = None
+            if cuda_layout:
+                from .cuda_kernels import cuda_fused_kernels, register_meta_flush
+
+                register_meta_flush()
+
+                records = stack.enter_context(
+                    cuda_fused_kernels(torch.device(compute_device).index
+                                       if torch.device(compute_device).index is not None
+                                       else (torch.cuda.current_device()
+                                             if torch.cuda.is_available() else None)))
+            stack.enter_context(MetaFactoryMode(cuda=cuda_layout))
             dmp = DistributedModelParallel(
                 module,
                 env=env,
@@ -248,4 +333,8 @@ def shard_on_meta(
         for mod, val in zip(ddp_users, saved_ddp):
             mod.DistributedDataParallel = val
     dmp._metamat_defer_ddp = True
+    if cuda_layout:
+        # The layout is fbgemm's CUDA one: materialize must put it on a CUDA device.
+        dmp._metamat_compute_device = torch.device(compute_device)
+        dmp._metamat_cuda_tbes = records
     return dmp

@@ -332,6 +332,16 @@ def build_plan(model: nn.Module, device: torch.device, init=None, *, claimed=fro
     root = root_of(model)
     graph = scan(model)
     sharded = sharded_modules(root)
+    laid_out_for = getattr(model, "_metamat_compute_device", None)
+    if sharded and laid_out_for is not None:
+        # shard_on_meta(compute_device="cuda"): fbgemm's CUDA layout (weights_dev/uvm, LXU
+        # cache). Its allocation and fill pieces are in cuda_layout; materialize does not
+        # drive them yet (docs/TORCHREC_GPU.md), and the CPU kernels cannot use this layout.
+        raise UnsupportedError(
+            f"this model's TorchRec tables are laid out for {laid_out_for} (shard_on_meta "
+            f"with compute_device={str(laid_out_for)!r}); materializing them on {device} is not "
+            "supported yet"
+        )
     if sharded and device.type != "cpu":
         # A TBE sharded on meta was laid out for fbgemm's CPU kernels (HOST placement);
         # moving that layout to another device would give wrong lookups.
