@@ -9,7 +9,11 @@
 #              caching allocator off (PYTORCH_NO_CUDA_MEMORY_CACHING=1) so bad accesses are seen
 #   racecheck  compute-sanitizer racecheck, same tests
 #   bench_init bench/materialize.py --mode init --device cuda (GPU goals table at the end)
-#   bench_load bench/materialize.py --mode load, when torchrec and fbgemm_gpu are importable
+#   bench_stage bench/bench_stage.py --device cuda: checkpoint -> CUDA tensors through the C++
+#              staging pipeline (pinned ring, copy stream) vs the pinned-copy ceiling and
+#              safetensors' loader; fp32, fp32->bf16 (host conversion), strided, small ring
+#   bench_load bench/materialize.py --mode load --device cuda, when torchrec and fbgemm_gpu are
+#              importable (TorchRec tables still load on CPU: the bench says so and measures CPU)
 # Each step logs to OUTDIR/<step>.log and reports; a failing step does not stop the others;
 # the exit status is non-zero if any step failed.
 # Usage: bash scripts/gpu_check.sh [OUTDIR]   (default gpu_out/; PYTHON, SIZE_GIB, BUDGET_S)
@@ -82,6 +86,9 @@ fi
 step bench_init 150 env PYTHONPATH="$PWD" "$py" bench/materialize.py --mode init --device cuda \
   --size-gib "$size_gib" --reps 5 --sweep 1 --out "$out/bench_init"
 grep -A8 "GPU goals" "$out/bench_init.log"
+step bench_stage 90 env PYTHONPATH="$PWD" "$py" bench/bench_stage.py --device cuda --size-gib 1 \
+  --reps 3
+cat "$out/bench_stage.log" 2>/dev/null || true
 if "$py" -c "import torchrec, fbgemm_gpu" 2>/dev/null; then
   step bench_load 120 env PYTHONPATH="$PWD" "$py" bench/materialize.py --mode load --device cuda \
     --quick --out "$out/bench_load"

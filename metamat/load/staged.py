@@ -94,8 +94,11 @@ def execute_plan_staged(plan: LoadPlan, budget: StagingBudget, *,
     total = plan.src_bytes
     done = 0
     out = Executed()
-    pipe = C.StagePipeline(budget.ring, budget.ring_bytes,
-                           [_sink(d, _host_sink) for d in devices])
+    # A load smaller than the ring allocates (and, on CUDA, page-locks) only what it stages.
+    need = sum(o.dst_row_bytes * o.rows + 64 for o in plan.ops)
+    ring_bytes = max(64, min(budget.ring_bytes, need))
+    ring = budget.ring if need > ring_bytes else 1
+    pipe = C.StagePipeline(ring, ring_bytes, [_sink(d, _host_sink) for d in devices])
     try:
         for ops in batches(plan.ops, _ops.BATCH_BYTES):  # read at call time (tests patch it)
             arr = op_array(ops, ptrs)
