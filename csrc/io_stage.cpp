@@ -214,14 +214,21 @@ StagePipeline::StagePipeline(int ring, int64_t buffer_bytes, const std::vector<S
   MM_CHECK(ring >= 1, "staging ring needs at least one buffer");
   MM_CHECK(buffer_bytes >= kAlign, "staging buffers must hold at least 64 bytes");
   MM_CHECK(!sinks.empty(), "staging pipeline needs at least one sink");
-  for (const SinkSpec& s : sinks) pinned_ = pinned_ || s.kind == SinkSpec::kCuda;
+  int pin_device = -1;  // the first CUDA sink's device
+  for (const SinkSpec& s : sinks) {
+    MM_CHECK(s.kind != SinkSpec::kCuda || s.device >= 0, "CUDA sink needs a device index");
+    if (s.kind == SinkSpec::kCuda && !pinned_) {
+      pinned_ = true;
+      pin_device = s.device;
+    }
+  }
   const int64_t alloc = (buffer_bytes + 4095) & ~int64_t(4095);
   buffers_.reserve(size_t(ring));
   for (int k = 0; k < ring; ++k) {
     Buffer b;
     b.pinned = pinned_;
     if (pinned_) {
-      b.p = static_cast<unsigned char*>(pinned_alloc(alloc));  // throws on failure
+      b.p = static_cast<unsigned char*>(pinned_alloc(alloc, pin_device));  // throws on failure
     } else {
       void* p = nullptr;
       if (posix_memalign(&p, 4096, size_t(alloc)) != 0 || p == nullptr)

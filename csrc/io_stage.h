@@ -86,8 +86,9 @@ struct SinkSpec {
 std::unique_ptr<CopySink> make_host_sink(const SinkSpec& spec, int ring);
 // io_stage_cuda.cu (io_stage_cuda_stub.cpp throws: built without CUDA).
 std::unique_ptr<CopySink> make_cuda_sink(const SinkSpec& spec, int ring);
-// Page-locked host memory (cudaHostAlloc / cudaFreeHost); the stub throws / does nothing.
-void* pinned_alloc(int64_t bytes);
+// Page-locked host memory (cudaHostAlloc / cudaFreeHost), allocated with `device` current (so
+// no context is created on another device); the stub throws / does nothing.
+void* pinned_alloc(int64_t bytes, int device);
 void pinned_free(void* p) noexcept;
 
 // Live staging buffers and sink threads in the process (tests: nothing leaks).

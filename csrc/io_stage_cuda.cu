@@ -22,12 +22,6 @@
 namespace metamat {
 namespace io {
 
-void* pinned_alloc(int64_t bytes) {
-  void* p = nullptr;
-  MM_STAGE_CUDA(cudaHostAlloc(&p, size_t(bytes), cudaHostAllocDefault));
-  return p;
-}
-
 void pinned_free(void* p) noexcept {
   if (p != nullptr) cudaFreeHost(p);
 }
@@ -157,6 +151,14 @@ class CudaCopySink final : public CopySink {
 };
 
 }  // namespace
+
+void* pinned_alloc(int64_t bytes, int device) {
+  DeviceGuard g(device);
+  void* p = nullptr;
+  // Under unified addressing page-locked memory is usable by every device (portable).
+  MM_STAGE_CUDA(cudaHostAlloc(&p, size_t(bytes), cudaHostAllocDefault));
+  return p;
+}
 
 std::unique_ptr<CopySink> make_cuda_sink(const SinkSpec& spec, int ring) {
   MM_CHECK(spec.device >= 0, "CUDA sink needs a device index");

@@ -5,7 +5,7 @@
 namespace metamat {
 namespace io {
 
-void* pinned_alloc(int64_t) {
+void* pinned_alloc(int64_t, int) {
   MM_CHECK(false, "metamat was built without its CUDA backend: no pinned staging buffers "
                   "(rebuild with METAMAT_CUDA=1)");
   return nullptr;
