@@ -32,16 +32,20 @@ def _tasks() -> int:
 
 
 @pytest.fixture
-def no_leaks():
+def no_leaks(request):
     """Nothing the pipeline starts or allocates outlives the test."""
     torch.randn(1 << 20).to(torch.bfloat16).sum()  # torch's own thread pools start now, not inside
+    # CUDA tests: the driver and runtime start threads of their own on first use, so only the
+    # C++ counters are compared there, not the process's thread count.
+    os_threads = request.node.get_closest_marker("cuda") is None
     t0, py0 = _tasks(), threading.active_count()
     b0, s0 = C.stage_live_buffers(), C.stage_live_threads()
     yield
     assert C.stage_live_buffers() == b0, "staging buffers leaked"
     assert C.stage_live_threads() == s0, "copy-sink threads left running"
     assert threading.active_count() == py0
-    assert _tasks() == t0, "an OS thread was left running"
+    if os_threads:
+        assert _tasks() == t0, "an OS thread was left running"
 
 
 @pytest.fixture(scope="module")
