@@ -176,6 +176,29 @@ def test_chunks_pack_small_ops_and_reuse_waits(raw_file, no_leaks):
     assert st["waits"] == 5 and st["reuse_violations"] == 0  # chunks 2..6 reuse a buffer
 
 
+def test_two_sinks_route_ops_and_keep_their_own_events(raw_file, no_leaks):
+    """Two destination "devices": each op goes to its own sink; a buffer is reused only when
+    both sinks' copies out of it are done."""
+    path, data = raw_file
+    dst = np.zeros(64 * 60, dtype=np.uint8)
+    ops = np.array([_op(i * 333, 64, 1, 64, dst.ctypes.data + i * 64, 64) for i in range(60)],
+                   dtype=np.int64)
+    sinks = np.array([i % 2 for i in range(60)], dtype=np.int64)
+    p = C.StagePipeline(2, 256, [{"kind": "host", "delay_us": 80}, {"kind": "host"}])
+    try:
+        r = p.run([path], ops.ctypes.data, sinks.ctypes.data, len(ops), threads=2)
+    finally:
+        p.close()
+    assert r["ok"] and r["chunks"] == 15
+    for i in range(60):
+        assert np.array_equal(dst[i * 64:(i + 1) * 64], data[i * 333:i * 333 + 64]), i
+    a, b = p.stats()
+    assert a["copies"] == b["copies"] == 30
+    assert a["records"] == b["records"] == 15
+    assert a["reuse_violations"] == b["reuse_violations"] == 0
+    assert a["finished"] and b["finished"]
+
+
 def test_io_error_mid_pipeline(raw_file, monkeypatch, no_leaks):
     path, data = raw_file
     dst = np.zeros(1 << 16, dtype=np.uint8)
