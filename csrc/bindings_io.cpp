@@ -10,6 +10,7 @@
 #include "io_direct.h"
 #include "io_file.h"
 #include "io_reader.h"
+#include "io_stage.h"
 #include "xxh3.h"
 
 #include <unistd.h>
@@ -49,6 +50,40 @@ const char* mode_name(const mio::FileReport& f) {
   if (f.bytes_direct > 0) return "direct";
   if (f.bytes_buffered > 0) return "buffered";
   return "unused";
+}
+
+py::dict report(const mio::ReadResult& r) {
+  py::list per_file;
+  for (const auto& f : r.files) {
+    py::dict d;
+    d["mode"] = mode_name(f);
+    d["bytes_buffered"] = f.bytes_buffered;
+    d["bytes_direct"] = f.bytes_direct;
+    d["direct_refused"] = f.direct_refused;
+    d["refuse_reason"] = f.refuse_reason;
+    per_file.append(d);
+  }
+  py::dict out;
+  out["ok"] = r.ok;
+  out["error"] = r.error;
+  out["failed_op"] = r.failed_op;
+  out["wrote"] = r.wrote;
+  out["bytes_read"] = r.bytes_read;
+  out["files"] = per_file;
+  out["bytes_hashed"] = r.bytes_hashed;
+  out["bytes_reread"] = r.bytes_reread;
+  if (r.mismatch) {
+    py::dict mm;
+    mm["file_index"] = r.mismatch_file;
+    mm["offset"] = r.mismatch_offset;
+    mm["length"] = r.mismatch_length;
+    mm["expected"] = r.mismatch_expected;
+    mm["got"] = r.mismatch_got;
+    out["mismatch"] = mm;
+  } else {
+    out["mismatch"] = py::none();
+  }
+  return out;
 }
 
 }  // namespace
@@ -97,37 +132,7 @@ void metamat_bind_io(py::module_& m) {
                                  opt, reinterpret_cast<const mio::VerifyBlock*>(verify_addr),
                                  verify_count);
         }
-        py::list per_file;
-        for (const auto& f : r.files) {
-          py::dict d;
-          d["mode"] = mode_name(f);
-          d["bytes_buffered"] = f.bytes_buffered;
-          d["bytes_direct"] = f.bytes_direct;
-          d["direct_refused"] = f.direct_refused;
-          d["refuse_reason"] = f.refuse_reason;
-          per_file.append(d);
-        }
-        py::dict out;
-        out["ok"] = r.ok;
-        out["error"] = r.error;
-        out["failed_op"] = r.failed_op;
-        out["wrote"] = r.wrote;
-        out["bytes_read"] = r.bytes_read;
-        out["files"] = per_file;
-        out["bytes_hashed"] = r.bytes_hashed;
-        out["bytes_reread"] = r.bytes_reread;
-        if (r.mismatch) {
-          py::dict mm;
-          mm["file_index"] = r.mismatch_file;
-          mm["offset"] = r.mismatch_offset;
-          mm["length"] = r.mismatch_length;
-          mm["expected"] = r.mismatch_expected;
-          mm["got"] = r.mismatch_got;
-          out["mismatch"] = mm;
-        } else {
-          out["mismatch"] = py::none();
-        }
-        return out;
+        return report(r);
       },
       py::arg("files"), py::arg("ops_addr"), py::arg("count"), py::kw_only(),
       py::arg("threads") = 4, py::arg("task_bytes") = int64_t(8) << 20,
@@ -142,6 +147,96 @@ void metamat_bind_io(py::module_& m) {
       "verify_count >= 0: verified read against `verify_count` blocks at `verify_addr` (4 int64\n"
       "each: file_index, offset, length, xxh3_64 digest bits); mismatch is None or a dict\n"
       "(file_index, offset, length, expected, got) for the first block that differed.");
+  py::class_<mio::StagePipeline>(m, "StagePipeline",
+      "The staging pipeline (csrc/io_stage.h): a ring of host buffers (page-locked when a sink\n"
+      "is CUDA) read into by the reader and copied out by one sink per destination device.\n"
+      "Use close() (metamat/load/staged.py does, on every path); the destructor also releases.")
+      .def(py::init([](int ring, int64_t buffer_bytes, const std::vector<py::dict>& sinks) {
+             std::vector<mio::SinkSpec> specs;
+             for (const py::dict& d : sinks) {
+               mio::SinkSpec s;
+               const std::string kind = d.contains("kind") ? py::cast<std::string>(d["kind"]) : "host";
+               if (kind == "cuda") s.kind = mio::SinkSpec::kCuda;
+               else if (kind == "host") s.kind = mio::SinkSpec::kHost;
+               else throw py::value_error("sink kind must be 'host' or 'cuda', not '" + kind + "'");
+               if (d.contains("device")) s.device = py::cast<int>(d["device"]);
+               if (d.contains("stream")) s.stream = py::cast<uintptr_t>(d["stream"]);
+               if (d.contains("delay_us")) s.delay_us = py::cast<int64_t>(d["delay_us"]);
+               if (d.contains("fail_copy_at")) s.fail_copy_at = py::cast<int64_t>(d["fail_copy_at"]);
+               specs.push_back(s);
+             }
+             py::gil_scoped_release nogil;
+             return new mio::StagePipeline(ring, buffer_bytes, specs);
+           }),
+           py::arg("ring"), py::arg("buffer_bytes"), py::arg("sinks"),
+           "sinks: one dict per destination device: {'kind': 'cuda', 'device': i, 'stream':\n"
+           "torch.cuda.current_stream(i).cuda_stream} or {'kind': 'host'} (memcpy on a sink\n"
+           "thread; tests: 'delay_us' per copy, 'fail_copy_at' n-th copy throws).")
+      .def(
+          "run",
+          [](mio::StagePipeline& self, const std::vector<std::string>& files, uintptr_t ops_addr,
+             uintptr_t sinks_addr, int64_t count, int threads, int64_t task_bytes,
+             int64_t bounce_bytes, std::optional<int64_t> coalesce_gap,
+             const Identities& identities, int64_t max_open_files, const std::string& io,
+             int64_t auto_direct_min, uintptr_t verify_addr, int64_t verify_count) {
+            const mio::ReadOptions opt = options(threads, task_bytes, bounce_bytes, coalesce_gap,
+                                                 identities, max_open_files, io, auto_direct_min);
+            mio::ReadResult r;
+            mio::StageReport rep;
+            {
+              py::gil_scoped_release nogil;
+              r = self.run(files, reinterpret_cast<const mio::ReadOp*>(ops_addr),
+                           reinterpret_cast<const int64_t*>(sinks_addr), count, opt,
+                           reinterpret_cast<const mio::VerifyBlock*>(verify_addr), verify_count,
+                           &rep);
+            }
+            py::dict out = report(r);
+            out["chunks"] = rep.chunks;
+            out["pieces"] = rep.pieces;
+            return out;
+          },
+          py::arg("files"), py::arg("ops_addr"), py::arg("sinks_addr"), py::arg("count"),
+          py::kw_only(), py::arg("threads") = 4, py::arg("task_bytes") = int64_t(8) << 20,
+          py::arg("bounce_bytes") = int64_t(8) << 20, py::arg("coalesce_gap") = py::none(),
+          py::arg("identities") = Identities(), py::arg("max_open_files") = 0,
+          py::arg("io") = "buffered", py::arg("auto_direct_min") = int64_t(1) << 20,
+          py::arg("verify_addr") = 0, py::arg("verify_count") = -1,
+          "Stage `count` packed ReadOps (destinations: where each op's sink writes) whose sink\n"
+          "indices are `count` int64 at `sinks_addr`. Options and result as read_plan, plus\n"
+          "chunks (reader calls) and pieces (ops after cutting to the buffer size); failed_op\n"
+          "indexes the ops given. Sink (copy) failures raise CoreError.")
+      .def("close", [](mio::StagePipeline& self) {
+             py::gil_scoped_release nogil;
+             self.close();
+           },
+           "Drain the copies, order the callers' streams after them, free the buffers and join\n"
+           "the sink threads (idempotent; raises the first sink error after releasing all).")
+      .def_property_readonly("closed", &mio::StagePipeline::closed)
+      .def_property_readonly("ring", &mio::StagePipeline::ring)
+      .def_property_readonly("buffer_bytes", &mio::StagePipeline::buffer_bytes)
+      .def_property_readonly("pinned", &mio::StagePipeline::pinned)
+      .def("stats", [](const mio::StagePipeline& self) {
+             py::list out;
+             for (const mio::SinkStats& s : self.stats()) {
+               py::dict d;
+               d["copies"] = s.copies;
+               d["bytes"] = s.bytes;
+               d["records"] = s.records;
+               d["waits"] = s.waits;
+               d["reuse_violations"] = s.reuse_violations;
+               d["max_pending"] = s.max_pending;
+               d["began"] = s.began;
+               d["finished"] = s.finished;
+               out.append(d);
+             }
+             return out;
+           },
+           "Per sink counters: copies, bytes, records, waits, reuse_violations, max_pending,\n"
+           "began, finished (kept after close()).");
+  m.def("stage_live_buffers", &mio::stage_live_buffers,
+        "Staging buffers allocated and not yet freed in this process (tests).");
+  m.def("stage_live_threads", &mio::stage_live_threads,
+        "Copy-sink threads running in this process (tests).");
   m.def(
       "xxh3_64",
       [](uintptr_t addr, int64_t len, const std::vector<int64_t>& splits) {

@@ -5,10 +5,10 @@
 // duration of the call, and validates the plan; execute_reads() re-validates what it can see
 // (files, byte ranges, dtypes) before the first byte is written, so a bad plan writes nothing.
 //
-// Destinations are host memory only. CUDA destinations are filled by a staging pipeline built
-// on the per-op read primitive (io_piece.h: OpReader::read / read_to / read_view, one per
-// thread, any io mode): it points ops at pinned host buffers and copies those to the device on
-// the caller's stream. ReadOp keeps a plain destination address so a stage can re-target it.
+// Destinations are host memory only. CUDA destinations are filled by the staging pipeline
+// (io_stage.h): it re-targets each chunk's ops at a pinned ring buffer, runs execute_reads on
+// them, and copies the buffer to the device on its own stream ordered after the caller's.
+// ReadOp keeps a plain destination address so a stage can re-target it.
 #pragma once
 #include <cstddef>
 #include <climits>

@@ -11,7 +11,11 @@
 #   bench_init bench/materialize.py --mode init --device cuda (GPU goals table at the end)
 #   torchrec_cuda tests/test_torchrec_cuda_layout.py (CUDA TorchRec layout), when torchrec and
 #              fbgemm_gpu are importable (its cuda tests also run in the pytest step)
-#   bench_load bench/materialize.py --mode load, when torchrec and fbgemm_gpu are importable
+#   bench_stage bench/bench_stage.py --device cuda: checkpoint -> CUDA tensors through the C++
+#              staging pipeline (pinned ring, copy stream) vs the pinned-copy ceiling and
+#              safetensors' loader; fp32, fp32->bf16 (host conversion), strided, small ring
+#   bench_load bench/materialize.py --mode load --device cuda, when torchrec and fbgemm_gpu are
+#              importable (TorchRec tables still load on CPU: the bench says so and measures CPU)
 # Each step logs to OUTDIR/<step>.log and reports; a failing step does not stop the others;
 # the exit status is non-zero if any step failed.
 # Usage: bash scripts/gpu_check.sh [OUTDIR]   (default gpu_out/; PYTHON, SIZE_GIB, BUDGET_S)
@@ -84,6 +88,9 @@ fi
 step bench_init 150 env PYTHONPATH="$PWD" "$py" bench/materialize.py --mode init --device cuda \
   --size-gib "$size_gib" --reps 5 --sweep 1 --out "$out/bench_init"
 grep -A8 "GPU goals" "$out/bench_init.log"
+step bench_stage 90 env PYTHONPATH="$PWD" "$py" bench/bench_stage.py --device cuda --size-gib 1 \
+  --reps 3
+cat "$out/bench_stage.log" 2>/dev/null || true
 if "$py" -c "import torchrec, fbgemm_gpu" 2>/dev/null; then
   # TorchRec tables laid out for CUDA (docs/TORCHREC_GPU.md): the CPU layout checks against
   # this machine's fbgemm build plus the cuda-marked UVM allocation / one-launch fill tests

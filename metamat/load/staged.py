@@ -1,99 +1,67 @@
-"""Execute a load plan for device destinations: read into a ring of staging buffers, copy on.
+"""Execute a load plan for device destinations through the C++ staging pipeline.
 
-The C++ reader writes each chunk of reads into one of ``budget.ring`` host buffers (pinned
-when the destinations are on CUDA), then the chunk is copied to its destinations
-asynchronously on a copy stream of the destination's device; an event per buffer says when it
-may be reused, so reading chunk k+1 overlaps copying chunk k. dtype conversion happens in the
-reader's copy loop on the host. Buffers are allocated once per call, reused, and released on
-every exit path (only the caller's tensors are written).
+``metamat._C.StagePipeline`` (``csrc/io_stage.h``) owns ``budget.ring`` host buffers of
+``budget.ring_bytes`` (page-locked with ``cudaHostAlloc`` when a destination is on CUDA) and one
+copy sink per destination device. For each chunk of reads it waits for the buffer's previous
+copies (an event per buffer), reads the chunk into it with the ordinary C++ reader (threads,
+direct or buffered I/O, XXH3 verification, fp32 -> fp16/bf16 conversion in the host copy loop,
+so the conversion halves the bytes crossing PCIe), then queues one ``cudaMemcpyAsync`` (or
+``cudaMemcpy2DAsync`` for strided rows) per op on its device's copy stream and records the
+buffer's event: reading chunk k+1 overlaps copying chunk k. No per-op Python work.
 
-Stream order: the copy stream first waits for the destination device's current stream (the
-caller may still be using the memory being overwritten), and the current stream waits for the
-copy stream at the end (work queued after the load sees the loaded bytes).
+Stream order: each CUDA sink's copy stream first waits for the destination device's current
+stream (the caller may still be using the memory being overwritten), and that stream waits for
+the copy stream when the pipeline is closed (work queued after the load sees the loaded bytes).
+Every CUDA call runs with the destination's device current (restored after).
 
-On host destinations the same pipeline runs with ordinary buffers (the tests use it to check
-the chunking; plain host loads read straight into place, :mod:`.execute`).
+Host destinations (the tests force them through here to check the pipeline on CPU) use the host
+sink: the same pipeline with memcpy on a sink thread and sequence-number events. Buffers and
+sink threads are released on every exit path (``close()`` in a ``finally``).
 """
 from __future__ import annotations
 
-import contextlib
-from dataclasses import replace
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional
 
+import numpy as np
 import torch
 
+from .._ext import core
 from ..budget import StagingBudget
-from .execute import Executed, run_reader
-from .ops import ReadOp, split_ops
+from ..checkpoint.errors import ReadError
+from .execute import IO_MODES, TASK_BYTES, Executed
+from . import ops as _ops
+from .ops import batches, op_array
 from .plan import LoadPlan
 
 __all__ = ["execute_plan_staged"]
 
 
-def _chunks(ops: Sequence[ReadOp], cap: int) -> List[List[Tuple[ReadOp, int]]]:
-    """Group ops into chunks of at most ``cap`` staged bytes: [(op, offset in buffer)]."""
-    chunks, cur, used = [], [], 0
-    for op in ops:
-        n = op.dst_row_bytes * op.rows
-        if cur and used + n > cap:
-            chunks.append(cur)
-            cur, used = [], 0
-        cur.append((op, used))
-        used += (n + 63) & ~63  # keep each op's staging 64-byte aligned
-    if cur:
-        chunks.append(cur)
-    return chunks
-
-
-def _dst_view(t: torch.Tensor, op: ReadOp) -> torch.Tensor:
-    """The bytes of ``t`` that ``op`` writes, as a (rows, row bytes) uint8 view."""
-    st = t.untyped_storage()
-    base = t.storage_offset() * t.element_size() + op.dst_offset
-    u8 = torch.empty(0, dtype=torch.uint8, device=t.device).set_(st, 0, (st.nbytes(),), (1,))
-    return u8.as_strided((op.rows, op.dst_row_bytes), (op.dst_stride, 1), base)
-
-
-class _Copier:
-    """Async copies to one CUDA device on its own stream, ordered after the caller's work
-    on that device's current stream (or synchronous copies for host destinations)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self.device = device
-        self.stream = None
-        if self.cuda:
-            with torch.cuda.device(device):
-                self.stream = torch.cuda.Stream(device)
-                self.stream.wait_stream(torch.cuda.current_stream(device))
-
-    def context(self):
-        return torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext()
-
-    def event(self) -> Optional["torch.cuda.Event"]:
-        if not self.cuda:
-            return None
-        e = torch.cuda.Event()
-        e.record(self.stream)
-        return e
-
-    def finish(self) -> None:
-        if self.cuda:
-            torch.cuda.current_stream(self.device).wait_stream(self.stream)
+def _sink(device: torch.device, options: Optional[dict]) -> dict:
+    if device.type == "cuda":
+        idx = device.index if device.index is not None else torch.cuda.current_device()
+        return {"kind": "cuda", "device": idx,
+                "stream": torch.cuda.current_stream(idx).cuda_stream}
+    if device.type != "cpu":
+        raise ValueError(f"staged loads copy to CPU or CUDA tensors, not {device.type}")
+    return {"kind": "host", **(options or {})}
 
 
 def execute_plan_staged(plan: LoadPlan, budget: StagingBudget, *,
                         progress: Optional[Callable[[int, int], None]] = None,
-                        verify=None, io: str = "auto") -> Executed:
+                        verify=None, io: str = "auto",
+                        _host_sink: Optional[dict] = None) -> Executed:
     """Run ``plan`` through ``budget.ring`` staging buffers of ``budget.ring_bytes``.
 
     Args:
-        plan: a validated plan whose targets hold allocated tensors (any device).
+        plan: a validated plan whose targets hold allocated tensors (CPU or CUDA).
         budget: a staged split (``StagingBudget.split(..., staged=True)``).
-        progress: called as ``progress(bytes_done, bytes_total)`` after each chunk.
+        progress: called as ``progress(bytes_done, bytes_total)`` after each batch of
+            :data:`~metamat.load.ops.BATCH_BYTES`.
         verify: None or a checksum ``Manifest``: the reader hashes each staged chunk's
             blocks as it reads them (block ends no op needs are read only for the hash),
             before the chunk is copied to the destinations.
         io: ``"auto"``, ``"buffered"`` or ``"direct"``.
+        _host_sink: tests: extra options of the host sink (``delay_us``, ``fail_copy_at``).
 
     Returns:
         :class:`~metamat.load.execute.Executed`.
@@ -101,57 +69,66 @@ def execute_plan_staged(plan: LoadPlan, budget: StagingBudget, *,
     Raises:
         ReadError: an I/O error (destinations may be partly written).
         ChecksumMismatchError: ``verify`` and a block differs.
+        RuntimeError: CUDA destinations and a build without the CUDA backend, or a copy
+            failed (``metamat._C.CoreError``).
     """
     if budget.ring < 1:
         raise ValueError("execute_plan_staged needs a staged budget (ring >= 1)")
-    cap = budget.ring_bytes
-    ops = split_ops(plan.ops, cap)
-    devices = {t.tensor.device for t in plan.targets}
-    pin = any(d.type == "cuda" for d in devices) and torch.cuda.is_available()
-    total = sum(o.src_bytes for o in ops)
-    buffers = [torch.empty(cap, dtype=torch.uint8, pin_memory=pin) for _ in range(budget.ring)]
-    copiers: Dict[torch.device, _Copier] = {d: _Copier(d) for d in devices}
-    events: List[List] = [[] for _ in range(budget.ring)]
-    out = Executed()
-    done = 0
+    if io not in IO_MODES:
+        raise ValueError(f"io must be one of {IO_MODES}, got {io!r}")
+    C = core()
+    devices: List[torch.device] = []
+    for t in plan.targets:
+        if t.tensor.device not in devices:
+            devices.append(t.tensor.device)
+    if any(d.type == "cuda" for d in devices) and not C.cuda_compiled():
+        raise RuntimeError("metamat was built without its CUDA backend; CUDA destinations "
+                           "need it (rebuild with METAMAT_CUDA=1 on a machine with nvcc)")
+    sink_index: Dict[torch.device, int] = {d: i for i, d in enumerate(devices)}
+    sink_of_target = [sink_index[t.tensor.device] for t in plan.targets]
+    ptrs = [t.tensor.data_ptr() for t in plan.targets]
     index = None
     if verify is not None:
         from .verify import BlockIndex
         index = BlockIndex(verify, plan.files)
+    total = plan.src_bytes
+    done = 0
+    out = Executed()
+    # A load smaller than the ring allocates (and, on CUDA, page-locks) only what it stages.
+    need = sum(o.dst_row_bytes * o.rows + 64 for o in plan.ops)
+    ring_bytes = max(64, min(budget.ring_bytes, need))
+    ring = budget.ring if need > ring_bytes else 1
+    pipe = C.StagePipeline(ring, ring_bytes, [_sink(d, _host_sink) for d in devices])
     try:
-        for k, chunk in enumerate(_chunks(ops, cap)):
-            b = k % budget.ring
-            for e in events[b]:
-                e.synchronize()  # the buffer's previous copies have left it
-            events[b] = []
-            buf = buffers[b]
-            staged = [replace(op, dst_index=0, dst_offset=off, dst_stride=op.dst_row_bytes)
-                      for op, off in chunk]
-            out.add(run_reader(plan, staged, [buf.data_ptr()], budget,
-                               lambda i, chunk=chunk: plan.targets[chunk[i][0].dst_index].fqn,
-                               io=io, blocks=index))
-            by_dev: Dict[torch.device, List[Tuple[ReadOp, int]]] = {}
-            for op, off in chunk:
-                by_dev.setdefault(plan.targets[op.dst_index].tensor.device, []).append((op, off))
-            for dev, items in by_dev.items():
-                cp = copiers[dev]
-                with cp.context():
-                    for op, off in items:
-                        n = op.dst_row_bytes * op.rows
-                        src = buf[off:off + n].view(op.rows, op.dst_row_bytes)
-                        _dst_view(plan.targets[op.dst_index].tensor, op).copy_(
-                            src, non_blocking=cp.cuda)
-                    ev = cp.event()
-                    if ev is not None:
-                        events[b].append(ev)
-            done += sum(op.src_bytes for op, _ in chunk)
+        for ops in batches(plan.ops, _ops.BATCH_BYTES):  # read at call time (tests patch it)
+            arr = op_array(ops, ptrs)
+            sinks = np.array([sink_of_target[o.dst_index] for o in ops], dtype=np.int64)
+            kw = {}
+            if index is not None:
+                vb = index.blocks(ops)
+                kw = {"verify_addr": vb.ctypes.data, "verify_count": len(vb)}
+            r = pipe.run(list(plan.files), arr.ctypes.data, sinks.ctypes.data, len(arr),
+                         threads=budget.threads, task_bytes=TASK_BYTES,
+                         bounce_bytes=budget.bounce_bytes, identities=plan.identities, io=io,
+                         **kw)
+            if not r["ok"]:
+                if r.get("mismatch") is not None and index is not None:
+                    raise index.mismatch_error(r["mismatch"])
+                failed = r["failed_op"]
+                raise ReadError(r["error"],
+                                tensor=plan.targets[ops[failed].dst_index].fqn
+                                if failed >= 0 else None)
+            out.add(r)
+            done += sum(o.src_bytes for o in ops)
             if progress is not None:
                 progress(done, total)
-    finally:
-        # every copy has finished before the buffers go back to the allocator
-        for evs in events:
-            for e in evs:
-                e.synchronize()
-        for cp in copiers.values():
-            cp.finish()
+    except BaseException:
+        # every copy has left the buffers before they are freed and the callers' streams
+        # wait for the copies; a copy error here does not replace the one propagating
+        try:
+            pipe.close()
+        except Exception:
+            pass
+        raise
+    pipe.close()
     return out

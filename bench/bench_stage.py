@@ -1,0 +1,120 @@
+"""Staged loads (issue 12): a safetensors checkpoint into device tensors through the C++
+staging pipeline (metamat/load/staged.py -> metamat._C.StagePipeline), against the copy
+ceiling and safetensors' own loader, in the same run.
+
+Rows (GB/s of destination bytes, median of --reps, page cache warm after the first read):
+* pinned host -> device copy of the same bytes (one ``copy_(non_blocking)``: the PCIe ceiling);
+* ``safetensors.torch.load_file(device=...)`` (the baseline);
+* metamat ``load_targets`` fp32 -> fp32 (whole tensors: contiguous copies);
+* metamat fp32 -> bf16 (converted in the reader's host copy loop: half the bytes cross PCIe);
+* metamat, column slices (strided rows: cudaMemcpy2DAsync);
+* metamat with ``staging_bytes`` small enough that the ring turns over many times.
+
+On a CPU-only machine ``--device cpu`` runs the same pipeline with the host copy sink (a check
+of this script, not a GPU number).
+
+    python bench/bench_stage.py --device cuda [--size-gib 2] [--reps 3]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from metamat.checkpoint import open_checkpoint  # noqa: E402
+from metamat.load import load_targets  # noqa: E402
+from metamat.plan import Target  # noqa: E402
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _time(fn, reps: int, dev: torch.device) -> float:
+    fn()  # warm: page cache, allocator, CUDA context
+    _sync(dev)
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        _sync(dev)
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--size-gib", type=float, default=2.0)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--tensors", type=int, default=16)
+    p.add_argument("--staging-mib", type=int, default=256)
+    a = p.parse_args(argv)
+    dev = torch.device(a.device)
+    cols = 4096
+    rows = max(1, int(a.size_gib * 2**30 / 4 / cols / a.tensors))
+    g = torch.Generator().manual_seed(0)
+    sd = {f"t{i}": torch.randn(rows, cols, generator=g) for i in range(a.tensors)}
+    nbytes = sum(t.numel() * 4 for t in sd.values())
+    tmp = tempfile.mkdtemp(prefix="metamat-bench-stage-")
+    path = os.path.join(tmp, "m.safetensors")
+    from safetensors.torch import load_file, save_file
+    save_file(sd, path)
+    del sd
+    print(f"device {dev}, {a.tensors} tensors of {rows}x{cols} fp32 = {nbytes / 2**30:.2f} GiB, "
+          f"staging {a.staging_mib} MiB, reps {a.reps}")
+    out = []
+
+    def row(name, s, nb=nbytes):
+        out.append((name, s, nb / s / 1e9))
+        print(f"{name:52s} {s:8.3f} s {nb / s / 1e9:7.2f} GB/s", flush=True)
+
+    if dev.type == "cuda":
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        devb = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+        row("pinned host -> device copy_ (ceiling)",
+            _time(lambda: devb.copy_(host, non_blocking=True), a.reps, dev))
+        del host, devb
+    row("safetensors load_file(device=...)",
+        _time(lambda: load_file(path, device=str(dev)), a.reps, dev))
+
+    def targets(dtype, cslice=None):
+        with open_checkpoint(path) as ck:
+            names = sorted(ck.tensors())
+        out_t = []
+        for n in names:
+            c0, c1 = cslice or (0, cols)
+            t = torch.empty(rows, c1 - c0, dtype=dtype, device=dev)
+            out_t.append(Target(n, n, (rows, cols), (0, c0), (rows, c1 - c0), dtype, tensor=t))
+        return out_t
+
+    ck = open_checkpoint(path)
+    for name, dtype, cs, staging in (
+            ("metamat staged fp32", torch.float32, None, a.staging_mib << 20),
+            ("metamat staged fp32 -> bf16 (host conversion)", torch.bfloat16, None,
+             a.staging_mib << 20),
+            ("metamat staged column slice [1024:3072) (2D copies)", torch.float32, (1024, 3072),
+             a.staging_mib << 20),
+            ("metamat staged fp32, 16 MiB staging (ring turns over)", torch.float32, None,
+             16 << 20)):
+        tg = targets(dtype, cs)
+        nb = sum(t.tensor.numel() * t.tensor.element_size() for t in tg)
+        row(name, _time(lambda: load_targets(tg, ck, staging_bytes=staging, staged=True,
+                                             io="buffered"), a.reps, dev), nb)
+        del tg
+    ck.close()
+    os.remove(path)
+    os.rmdir(tmp)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

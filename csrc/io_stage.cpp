@@ -1,0 +1,427 @@
+// The staging pipeline (io_stage.h): chunking, ring reuse, the host copy sink, buffers.
+#include "io_stage.h"
+
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <thread>
+
+#include "check.h"
+
+namespace metamat {
+namespace io {
+
+namespace {
+
+std::atomic<int64_t> g_live_buffers{0};
+std::atomic<int64_t> g_live_threads{0};
+
+constexpr int64_t kAlign = 64;  // each op's staging starts 64-byte aligned
+
+}  // namespace
+
+int64_t stage_live_buffers() { return g_live_buffers.load(); }
+int64_t stage_live_threads() { return g_live_threads.load(); }
+void stage_thread_started() { g_live_threads.fetch_add(1); }
+void stage_thread_ended() { g_live_threads.fetch_sub(1); }
+
+int64_t dst_row_bytes(const ReadOp& o) {
+  const DType s = DType(o.src_dtype), d = DType(o.dst_dtype);
+  if (s == d || dtype_size(s) == 0 || dtype_size(d) == 0) return o.row_bytes;
+  return o.row_bytes / dtype_size(s) * dtype_size(d);
+}
+
+void split_op(const ReadOp& o, int64_t max_dst_bytes, std::vector<ReadOp>* out) {
+  MM_CHECK(max_dst_bytes > 0, "split_op: buffer size must be positive");
+  const int64_t row = dst_row_bytes(o);
+  if (row * o.rows <= max_dst_bytes) {
+    out->push_back(o);
+    return;
+  }
+  auto rows_of = [&](int64_t per, auto&& emit) {
+    for (int64_t r0 = 0; r0 < o.rows; r0 += per) {
+      ReadOp p = o;
+      p.file_offset = o.file_offset + r0 * o.src_stride;
+      p.rows = std::min(per, o.rows - r0);
+      p.dst = o.dst + r0 * o.dst_stride;
+      emit(p);
+    }
+  };
+  if (row <= max_dst_bytes) {
+    rows_of(max_dst_bytes / row, [&](const ReadOp& p) { out->push_back(p); });
+    return;
+  }
+  // One row at a time, each cut at element boundaries so its converted bytes fit.
+  const DType s = DType(o.src_dtype), d = DType(o.dst_dtype);
+  const bool conv = s != d && dtype_size(s) > 0 && dtype_size(d) > 0;
+  const int64_t si = conv ? dtype_size(s) : 1, di = conv ? dtype_size(d) : 1;
+  rows_of(1, [&](const ReadOp& r) {
+    const int64_t elems = r.row_bytes / si;
+    const int64_t per = std::max<int64_t>(1, max_dst_bytes / di);
+    for (int64_t e0 = 0; e0 < elems; e0 += per) {
+      const int64_t k = std::min(per, elems - e0);
+      ReadOp p = r;
+      p.file_offset = r.file_offset + e0 * si;
+      p.row_bytes = k * si;
+      p.rows = 1;
+      p.src_stride = k * si;
+      p.dst = r.dst + e0 * di;
+      p.dst_stride = k * di;
+      out->push_back(p);
+    }
+  });
+}
+
+// ---- the host ("fake copy") sink ------------------------------------------------------------
+// Copies run on one worker thread in queue order, like a stream; an "event" is the queue
+// sequence number at record(); wait() blocks until the worker has passed it.
+namespace {
+
+class HostCopySink final : public CopySink {
+ public:
+  HostCopySink(const SinkSpec& spec, int ring)
+      : delay_us_(spec.delay_us), fail_at_(spec.fail_copy_at),
+        event_(size_t(ring), 0), pending_(size_t(ring), 0) {
+    stats_.began = true;  // a host "stream" has nothing before it
+    stage_thread_started();  // counted from here (the worker's exit uncounts it)
+    try {
+      worker_ = std::thread([this] { loop(); });
+    } catch (...) {  // std::system_error: nothing started
+      stage_thread_ended();
+      throw;
+    }
+  }
+  ~HostCopySink() override {
+    drain();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_all();
+    if (worker_.joinable()) worker_.join();
+  }
+
+  void copy(const CopyItem& item, int buffer) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (fail_at_ >= 0 && stats_.copies == fail_at_)
+      fail(__FILE__, __LINE__, "injected copy failure at copy " + std::to_string(fail_at_));
+    if (!error_.empty()) fail(__FILE__, __LINE__, "host copy sink: " + error_);
+    jobs_.push_back({item, buffer});
+    ++queued_;
+    ++pending_[size_t(buffer)];
+    ++stats_.copies;
+    stats_.bytes += item.rows * item.row_bytes;
+    stats_.max_pending = std::max<int64_t>(stats_.max_pending, int64_t(jobs_.size()));
+    cv_.notify_all();
+  }
+  void record(int buffer) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    event_[size_t(buffer)] = queued_;
+    ++stats_.records;
+  }
+  void wait(int buffer) override {
+    std::unique_lock<std::mutex> lock(mu_);
+    const int64_t target = event_[size_t(buffer)];
+    if (target == 0) return;
+    ++stats_.waits;
+    done_cv_.wait(lock, [&] { return done_ >= target; });
+  }
+  void filling(int buffer) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (pending_[size_t(buffer)] != 0) ++stats_.reuse_violations;
+  }
+  void finish() override {
+    drain();
+    std::lock_guard<std::mutex> lock(mu_);
+    stats_.finished = true;
+    if (!error_.empty()) fail(__FILE__, __LINE__, "host copy sink: " + error_);
+  }
+  void drain() noexcept override {
+    std::unique_lock<std::mutex> lock(mu_);
+    done_cv_.wait(lock, [&] { return done_ >= queued_; });
+  }
+  SinkStats stats() const override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return stats_;
+  }
+
+ private:
+  struct Job {
+    CopyItem item;
+    int buffer;
+  };
+  void loop() noexcept {
+    std::unique_lock<std::mutex> lock(mu_);
+    for (;;) {
+      cv_.wait(lock, [&] { return stop_ || !jobs_.empty(); });
+      if (jobs_.empty()) break;  // stop_ and nothing left
+      const Job j = jobs_.front();
+      lock.unlock();
+      if (delay_us_ > 0) std::this_thread::sleep_for(std::chrono::microseconds(delay_us_));
+      const CopyItem& c = j.item;
+      auto* dst = reinterpret_cast<unsigned char*>(c.dst);
+      if (c.rows == 1 || c.dst_stride == c.row_bytes) {
+        std::memcpy(dst, c.src, size_t(c.rows * c.row_bytes));
+      } else {
+        for (int64_t r = 0; r < c.rows; ++r)
+          std::memcpy(dst + r * c.dst_stride, c.src + r * c.row_bytes, size_t(c.row_bytes));
+      }
+      lock.lock();
+      jobs_.pop_front();
+      --pending_[size_t(j.buffer)];
+      ++done_;
+      done_cv_.notify_all();
+    }
+    lock.unlock();
+    stage_thread_ended();
+  }
+
+  const int64_t delay_us_, fail_at_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_, done_cv_;
+  std::deque<Job> jobs_;
+  int64_t queued_ = 0, done_ = 0;
+  std::vector<int64_t> event_;    // per buffer: queued_ at its last record()
+  std::vector<int64_t> pending_;  // per buffer: copies queued, not done
+  std::string error_;
+  bool stop_ = false;
+  SinkStats stats_;
+  std::thread worker_;  // last: started after everything it uses exists
+};
+
+}  // namespace
+
+std::unique_ptr<CopySink> make_host_sink(const SinkSpec& spec, int ring) {
+  return std::unique_ptr<CopySink>(new HostCopySink(spec, ring));
+}
+
+// ---- the pipeline ---------------------------------------------------------------------------
+
+StagePipeline::Buffer::~Buffer() {
+  if (p == nullptr) return;
+  if (pinned)
+    pinned_free(p);
+  else
+    std::free(p);
+  g_live_buffers.fetch_sub(1);
+}
+
+StagePipeline::StagePipeline(int ring, int64_t buffer_bytes, const std::vector<SinkSpec>& sinks)
+    : bytes_(buffer_bytes) {
+  MM_CHECK(ring >= 1, "staging ring needs at least one buffer");
+  MM_CHECK(buffer_bytes >= kAlign, "staging buffers must hold at least 64 bytes");
+  MM_CHECK(!sinks.empty(), "staging pipeline needs at least one sink");
+  int pin_device = -1;  // the first CUDA sink's device
+  for (const SinkSpec& s : sinks) {
+    MM_CHECK(s.kind != SinkSpec::kCuda || s.device >= 0, "CUDA sink needs a device index");
+    if (s.kind == SinkSpec::kCuda && !pinned_) {
+      pinned_ = true;
+      pin_device = s.device;
+    }
+  }
+  const int64_t alloc = (buffer_bytes + 4095) & ~int64_t(4095);
+  buffers_.reserve(size_t(ring));
+  for (int k = 0; k < ring; ++k) {
+    Buffer b;
+    b.pinned = pinned_;
+    if (pinned_) {
+      b.p = static_cast<unsigned char*>(pinned_alloc(alloc, pin_device));  // throws on failure
+    } else {
+      void* p = nullptr;
+      if (posix_memalign(&p, 4096, size_t(alloc)) != 0 || p == nullptr)
+        fail(__FILE__, __LINE__, "cannot allocate a " + std::to_string(alloc) +
+                                     " B staging buffer");
+      b.p = static_cast<unsigned char*>(p);
+    }
+    g_live_buffers.fetch_add(1);
+    buffers_.push_back(std::move(b));
+  }
+  // A throw from here unwinds sinks_ (drained, threads joined) then buffers_ (freed).
+  for (const SinkSpec& s : sinks)
+    sinks_.push_back(s.kind == SinkSpec::kCuda ? make_cuda_sink(s, ring) : make_host_sink(s, ring));
+}
+
+StagePipeline::~StagePipeline() { release(); }
+
+void StagePipeline::release() noexcept {
+  for (auto& s : sinks_) s->drain();
+  if (final_stats_.empty())
+    for (auto& s : sinks_) final_stats_.push_back(s->stats());
+  sinks_.clear();
+  buffers_.clear();
+  closed_ = true;
+}
+
+void StagePipeline::close() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (closed_) return;
+  std::string first;
+  for (auto& s : sinks_) {
+    try {
+      s->finish();
+    } catch (const std::exception& e) {
+      if (first.empty()) first = e.what();
+    }
+  }
+  release();
+  if (!first.empty()) throw CoreError(first);
+}
+
+std::vector<SinkStats> StagePipeline::stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (closed_) return final_stats_;
+  std::vector<SinkStats> out;
+  for (const auto& s : sinks_) out.push_back(s->stats());
+  return out;
+}
+
+namespace {
+
+// The blocks (sorted by file, offset; non-overlapping) that ops' spans touch, each once.
+void select_blocks(const VerifyBlock* blocks, int64_t nblocks, const std::vector<ReadOp>& ops,
+                   std::vector<VerifyBlock>* out) {
+  std::vector<int64_t> idx;
+  for (const ReadOp& o : ops) {
+    const int64_t lo = o.file_offset, hi = lo + (o.rows - 1) * o.src_stride + o.row_bytes;
+    // first block of the file whose end is past lo
+    int64_t a = 0, b = nblocks;
+    while (a < b) {
+      const int64_t m = (a + b) / 2;
+      const VerifyBlock& v = blocks[m];
+      if (v.file_index < o.file_index ||
+          (v.file_index == o.file_index && v.offset + v.length <= lo))
+        a = m + 1;
+      else
+        b = m;
+    }
+    for (int64_t k = a; k < nblocks && blocks[k].file_index == o.file_index &&
+                        blocks[k].offset < hi; ++k)
+      idx.push_back(k);
+  }
+  std::sort(idx.begin(), idx.end());
+  idx.erase(std::unique(idx.begin(), idx.end()), idx.end());
+  out->clear();
+  for (int64_t k : idx) out->push_back(blocks[k]);
+}
+
+void add_result(ReadResult* acc, const ReadResult& r) {
+  acc->bytes_read += r.bytes_read;
+  acc->bytes_hashed += r.bytes_hashed;
+  acc->bytes_reread += r.bytes_reread;
+  acc->wrote = acc->wrote || r.wrote;
+  if (acc->files.size() < r.files.size()) acc->files.resize(r.files.size());
+  for (size_t f = 0; f < r.files.size(); ++f) {
+    FileReport& a = acc->files[f];
+    a.bytes_buffered += r.files[f].bytes_buffered;
+    a.bytes_direct += r.files[f].bytes_direct;
+    if (r.files[f].direct_refused && !a.direct_refused) {
+      a.direct_refused = true;
+      a.refuse_reason = r.files[f].refuse_reason;
+    }
+  }
+}
+
+}  // namespace
+
+ReadResult StagePipeline::run(const std::vector<std::string>& files, const ReadOp* ops,
+                              const int64_t* sink_of, int64_t n, const ReadOptions& opt,
+                              const VerifyBlock* blocks, int64_t nblocks, StageReport* report) {
+  std::lock_guard<std::mutex> lock(mu_);
+  MM_CHECK(!closed_, "staging pipeline is closed");
+  MM_CHECK(n >= 0 && (n == 0 || (ops != nullptr && sink_of != nullptr)), "bad op array");
+  const int64_t nsinks = int64_t(sinks_.size());
+  for (int64_t i = 0; i < n; ++i)
+    MM_CHECK(sink_of[i] >= 0 && sink_of[i] < nsinks,
+             "op " + std::to_string(i) + ": sink index " + std::to_string(sink_of[i]) +
+                 " out of range");
+  ReadResult acc;
+  StageReport rep;
+
+  // Cut every op to fit a buffer; remember which input op each piece came from.
+  std::vector<ReadOp> pieces;
+  std::vector<int64_t> origin;
+  for (int64_t i = 0; i < n; ++i) {
+    MM_CHECK(ops[i].rows >= 0 && ops[i].row_bytes >= 0, "op " + std::to_string(i) + ": negative size");
+    const size_t before = pieces.size();
+    split_op(ops[i], bytes_, &pieces);
+    origin.resize(pieces.size(), i);
+    (void)before;
+  }
+  rep.pieces = int64_t(pieces.size());
+
+  const int ring = int(buffers_.size());
+  std::vector<ReadOp> staged;
+  std::vector<CopyItem> items;
+  std::vector<int64_t> chunk_ops;  // piece index of each staged op
+  std::vector<VerifyBlock> chunk_blocks;
+  std::vector<char> used(size_t(nsinks), 0);
+  size_t at = 0;
+  while (at < pieces.size()) {
+    // The next chunk: consecutive pieces whose 64-byte aligned staging fits one buffer.
+    const int b = int(next_ % ring);
+    unsigned char* buf = buffers_[size_t(b)].p;
+    staged.clear();
+    items.clear();
+    chunk_ops.clear();
+    int64_t used_bytes = 0;
+    while (at < pieces.size()) {
+      const ReadOp& p = pieces[at];
+      const int64_t row = dst_row_bytes(p), nb = row * p.rows;
+      if (!staged.empty() && used_bytes + nb > bytes_) break;
+      ReadOp s = p;
+      s.dst = int64_t(reinterpret_cast<uintptr_t>(buf + used_bytes));
+      s.dst_stride = row;
+      staged.push_back(s);
+      items.push_back({buf + used_bytes, uintptr_t(p.dst), row, p.rows, p.dst_stride});
+      chunk_ops.push_back(int64_t(at));
+      used_bytes += (nb + kAlign - 1) & ~(kAlign - 1);
+      ++at;
+    }
+    // 1. The buffer's earlier copies have left it.
+    for (auto& s : sinks_) s->wait(b);
+    for (auto& s : sinks_) s->filling(b);
+    // 2. Read (and verify, convert) the chunk into it; the reader joins its threads.
+    const VerifyBlock* vb = nullptr;
+    int64_t nvb = -1;
+    if (nblocks >= 0) {
+      select_blocks(blocks, nblocks, staged, &chunk_blocks);
+      vb = chunk_blocks.data();
+      nvb = int64_t(chunk_blocks.size());
+    }
+    ReadResult r = execute_reads(files, staged.data(), int64_t(staged.size()), opt, vb, nvb);
+    ++rep.chunks;
+    add_result(&acc, r);
+    if (!r.ok) {
+      acc.ok = false;
+      acc.error = r.error;
+      acc.failed_op = r.failed_op >= 0 ? origin[size_t(chunk_ops[size_t(r.failed_op)])] : -1;
+      acc.mismatch = r.mismatch;
+      acc.mismatch_file = r.mismatch_file;
+      acc.mismatch_offset = r.mismatch_offset;
+      acc.mismatch_length = r.mismatch_length;
+      acc.mismatch_expected = r.mismatch_expected;
+      acc.mismatch_got = r.mismatch_got;
+      ++next_;  // the buffer may hold partial bytes; nothing was queued from it
+      if (report != nullptr) *report = rep;
+      return acc;
+    }
+    // 3. Hand the staged bytes to the sinks, then mark the buffer.
+    std::fill(used.begin(), used.end(), 0);
+    for (size_t k = 0; k < items.size(); ++k) {
+      const int64_t s = sink_of[origin[size_t(chunk_ops[k])]];
+      if (items[k].rows > 0 && items[k].row_bytes > 0) sinks_[size_t(s)]->copy(items[k], b);
+      used[size_t(s)] = 1;
+    }
+    for (int64_t s = 0; s < nsinks; ++s)
+      if (used[size_t(s)]) sinks_[size_t(s)]->record(b);
+    ++next_;
+  }
+  if (report != nullptr) *report = rep;
+  return acc;
+}
+
+}  // namespace io
+}  // namespace metamat
