@@ -4,6 +4,7 @@
 """
 import os
 import shutil
+import stat
 import sys
 import tempfile
 
@@ -34,6 +35,8 @@ def main(out: str) -> None:
             p = os.path.join(w, os.path.basename(bases[v.base]))
             shutil.copy(bases[v.base], p)
             v.mutate(p)
+            if os.path.islink(p) or not stat.S_ISREG(os.stat(p).st_mode):
+                continue  # FIFO / device variants: not bytes a harness can take
             sub = "safetensors" if v.base == "st" else "torch_save"
             shutil.copy(p, os.path.join(out, sub, v.name))
     finally:

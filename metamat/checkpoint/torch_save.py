@@ -24,7 +24,9 @@ import torch
 
 from .base import Checkpoint, Chunk, TensorEntry, itemsize, numel, open_binary
 from .errors import (CheckpointError, InvalidHeaderError, InvalidOffsetError,
-                     TruncatedFileError, UnsupportedFormatError)
+                     KeyCollisionError, LimitExceededError, TruncatedFileError,
+                     UnsupportedFormatError)
+from .limits import METADATA_BYTES, PICKLE_DEPTH, PICKLE_OBJECTS, check, limit, short_repr
 
 __all__ = ["StorageRef", "TensorRef", "TorchSaveArchive", "parse_torch_save",
            "open_torch_save", "tensor_chunk"]
@@ -43,11 +45,21 @@ _STORAGE_DTYPES = {
 }
 
 
+def _no_setstate(self, state) -> None:
+    # A pickle BUILD op would otherwise write straight into __dict__ (frozen or not),
+    # e.g. moving a TensorRef's storage_offset after it was validated, or renaming a
+    # shared _Marker for every later load.
+    raise InvalidHeaderError(f"data.pkl sets the state of a {type(self).__name__} "
+                             "(BUILD on a tensor, storage or class reference)")
+
+
 @dataclass(frozen=True)
 class StorageRef:
     key: str
     dtype: torch.dtype
     numel: int
+
+    __setstate__ = _no_setstate
 
 
 @dataclass(frozen=True)
@@ -56,6 +68,8 @@ class TensorRef:
     storage_offset: int
     size: Tuple[int, ...]
     stride: Tuple[int, ...]
+
+    __setstate__ = _no_setstate
 
 
 def _rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad=False,
@@ -81,7 +95,13 @@ class _Marker:
         self.name = name
 
     def __call__(self, *a, **k):  # e.g. torch.device('cpu'): keep as a string
+        # only short scalars: the repr of a shared or deep argument could be exponential
+        if k or len(a) > 4 or not all(isinstance(x, (str, int)) and len(short_repr(x)) < 80
+                                      for x in a):
+            raise InvalidHeaderError(f"data.pkl calls {self.name} with unexpected arguments")
         return f"{self.name}{a}"
+
+    __setstate__ = _no_setstate
 
 
 _GLOBALS = {
@@ -120,7 +140,9 @@ class _RestrictedUnpickler(pickle.Unpickler):
     def persistent_load(self, pid: Any) -> Any:
         if (not isinstance(pid, tuple) or len(pid) != 5 or pid[0] != "storage"
                 or not isinstance(pid[1], _Marker) or pid[1].name not in _STORAGE_DTYPES):
-            raise UnsupportedFormatError(f"unsupported persistent id {pid!r}", file=self._where)
+            what = (tuple(short_repr(x) for x in pid[:5]) if isinstance(pid, tuple)
+                    else short_repr(pid))
+            raise UnsupportedFormatError(f"unsupported persistent id {what}", file=self._where)
         return StorageRef(str(pid[2]), _STORAGE_DTYPES[pid[1].name], int(pid[4]))
 
 
@@ -210,11 +232,14 @@ def parse_torch_save(path: str, base: int = 0, length: Optional[int] = None,
                                          file=path)
             prefix = pkl[0].filename[: -len("data.pkl")]
             bo = names.get(prefix + "byteorder")
-            if bo is not None and zf.read(bo).strip() not in (b"little",):
+            if bo is not None and _read_record(zf, bo, path).strip() not in (b"little",):
                 raise UnsupportedFormatError("big-endian torch.save archive", file=path)
             try:
-                obj = _RestrictedUnpickler(io.BytesIO(zf.read(pkl[0])), path).load()
-            except (UnsupportedFormatError, InvalidHeaderError):
+                raw = _read_record(zf, pkl[0], path)
+                obj = _RestrictedUnpickler(io.BytesIO(raw), path).load()
+            except CheckpointError as e:  # raised in a pickle callback, without the file
+                if e.file is None and type(e).__init__ is CheckpointError.__init__:
+                    raise type(e)(e.detail, file=path, tensor=e.tensor) from None
                 raise
             except Exception as e:  # malformed pickle stream: any of a dozen exception types
                 raise InvalidHeaderError(
@@ -250,6 +275,19 @@ def parse_torch_save(path: str, base: int = 0, length: Optional[int] = None,
             f.close()
 
 
+def _read_record(zf: zipfile.ZipFile, info: zipfile.ZipInfo, path: str) -> bytes:
+    """A metadata record (data.pkl, byteorder), inflated (deflate, bzip2, ...) at most to
+    the metadata size limit: the declared size is checked first, and zipfile stops
+    inflating at the declared size (a record inflating past it fails its CRC check)."""
+    check(METADATA_BYTES, info.file_size, file=path,
+          what=f"inflated size record {short_repr(info.filename)} declares")
+    with zf.open(info) as r:
+        data = r.read(limit(METADATA_BYTES) + 1)
+    check(METADATA_BYTES, len(data), file=path,
+          what=f"bytes record {short_repr(info.filename)} inflates to")
+    return data
+
+
 def tensor_chunk(arch: TorchSaveArchive, ref: TensorRef, offsets: Tuple[int, ...],
                  name: str) -> Chunk:
     """The ``Chunk`` locating tensor ``ref`` of ``arch`` (placed at ``offsets``).
@@ -283,12 +321,48 @@ def tensor_chunk(arch: TorchSaveArchive, ref: TensorRef, offsets: Tuple[int, ...
                  tuple(size), None if contiguous else tuple(stride))
 
 
-def _flatten(obj: Any, prefix: str, out: Dict[str, TensorRef]) -> None:
+def _measure(obj: Any, depth: int, memo: Dict[int, Tuple[int, int]], active: set,
+             where: str) -> Tuple[int, int]:
+    """(entries, height) of the dict tree ``_flatten`` would walk, in time linear in the
+    *distinct* dicts: a pickle can reference one dict many times (memo), so 1 KB of
+    pickle can expand to 2**30 entries ("billion laughs"), or contain itself."""
+    if not isinstance(obj, dict):
+        return 1, 0
+    key = id(obj)
+    if key in active:
+        raise InvalidHeaderError("data.pkl holds a dict that contains itself", file=where)
+    got = memo.get(key)
+    if got is None:
+        active.add(key)
+        n, h = 1, 0
+        for v in obj.values():
+            check(PICKLE_DEPTH, depth + 1, file=where, what="state dict nesting depth")
+            cn, ch = _measure(v, depth + 1, memo, active, where)
+            n, h = n + cn, max(h, ch + 1)
+            check(PICKLE_OBJECTS, n, file=where,
+                  what="state dict entries (counting shared references)")
+        active.discard(key)
+        got = memo[key] = (n, h)
+    check(PICKLE_DEPTH, depth + got[1], file=where, what="state dict nesting depth")
+    return got
+
+
+def _key(k: Any, where: str) -> str:
+    if isinstance(k, (str, int, float)) or k is None:
+        return str(k)
+    raise InvalidHeaderError(f"state dict key of type {type(k).__name__}", file=where)
+
+
+def _flatten(obj: Any, prefix: str, out: Dict[str, TensorRef], where: str) -> None:
     if isinstance(obj, TensorRef):
+        if prefix in out:
+            raise KeyCollisionError("two entries of the nested state dict flatten to this key",
+                                    file=where, tensor=prefix)
         out[prefix] = obj
     elif isinstance(obj, dict):
         for k, v in obj.items():
-            _flatten(v, f"{prefix}.{k}" if prefix else str(k), out)
+            k = _key(k, where)
+            _flatten(v, f"{prefix}.{k}" if prefix else k, out, where)
 
 
 def open_torch_save(path: str) -> Checkpoint:
@@ -299,7 +373,14 @@ def open_torch_save(path: str) -> Checkpoint:
     path = os.path.abspath(path)
     arch = parse_torch_save(path)
     refs: Dict[str, TensorRef] = {}
-    _flatten(arch.obj, "", refs)
+    try:
+        _measure(arch.obj, 0, {}, set(), path)  # bounds _flatten's work and recursion
+    except RecursionError:
+        raise LimitExceededError(
+            "state dict nesting is deeper than Python's recursion limit allows (lower "
+            "METAMAT_MAX_PICKLE_DEPTH or raise sys.setrecursionlimit)", limit="recursion",
+            file=path) from None
+    _flatten(arch.obj, "", refs, path)
     if isinstance(arch.obj, TensorRef):
         refs = {"": arch.obj}
     entries = {}
