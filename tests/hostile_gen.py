@@ -675,6 +675,10 @@ def torch_save_variants() -> List[Variant]:
         _ts_var("pkl_deflate_inflates_past_declared", lambda p: (
             ts_compress_pkl(zipfile.ZIP_DEFLATED)(p), zip_set_size(p, "/data.pkl", 16)),
             exc="InvalidHeaderError"),
+        _ts_var("view_expanded_rows", lambda p: craft_view(p, (4, 3), (0, 1), numel=3),
+                tensor="w", exc="UnsupportedFormatError"),
+        _ts_var("view_expanded_scalar", lambda p: craft_view(p, (2, 2), (0, 0), numel=1),
+                tensor="w", exc="UnsupportedFormatError"),
         _ts_var("fifo", to_fifo, exc="ReadError"),
         _ts_var("dev_zero_symlink", to_dev_zero, exc="ReadError"),
     ]

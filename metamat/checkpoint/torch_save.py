@@ -200,6 +200,7 @@ def parse_torch_save(path: str, base: int = 0, length: Optional[int] = None,
         MissingFileError, TruncatedFileError, InvalidHeaderError, UnsupportedFormatError.
     """
     path = str(path)
+    limit(METADATA_BYTES)  # a bad METAMAT_MAX_METADATA_BYTES: ValueError, not "damaged zip"
     own = f is None
     if own:
         f = open_binary(path, "torch.save file")
@@ -315,6 +316,12 @@ def tensor_chunk(arch: TorchSaveArchive, ref: TensorRef, offsets: Tuple[int, ...
         raise InvalidOffsetError(
             f"view (offset {ref.storage_offset}, size {size}, stride {stride}) lies outside "
             f"its storage of {ref.storage.numel} elements", file=arch.path, tensor=name)
+    if any(st == 0 and sz > 1 for sz, st in zip(size, stride)):
+        # an expand()ed tensor: one saved row stands for many; the reader copies file bytes
+        # as laid out, so say so now rather than fail (or mis-read) at load time
+        raise UnsupportedFormatError(
+            f"expanded view (size {size}, stride {stride}: stride 0 over a dim of size > 1); "
+            "re-save it with .contiguous()", file=arch.path, tensor=name)
     contiguous = all(
         sz <= 1 or st == numel(size[i + 1:]) for i, (sz, st) in enumerate(zip(size, stride)))
     return Chunk(arch.path, rec[0] + ref.storage_offset * isz, span * isz, tuple(offsets),
