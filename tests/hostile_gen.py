@@ -655,6 +655,8 @@ def torch_save_variants() -> List[Variant]:
         _ts_var("pickle_self_reference", _ts_pickle(self_ref_pickle()),
                 exc="InvalidHeaderError"),
         _ts_var("pickle_5000_deep", _ts_pickle(deep_pickle()), exc="LimitExceededError"),
+        _ts_var("pickle_int_5000_digits", _ts_pickle(
+            b"\x80\x02}X\x03\x00\x00\x00embI" + BIG_INT + b"\ns."), exc="InvalidHeaderError"),
         _ts_var("pickle_build_marker", _ts_pickle(build_marker_pickle()),
                 exc="InvalidHeaderError"),
         _ts_var("pickle_device_laughs", _ts_pickle(device_laughs_pickle()),

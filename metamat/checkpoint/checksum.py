@@ -26,7 +26,7 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 from .base import Checkpoint, open_binary
 from .errors import ChecksumMismatchError, InvalidHeaderError, WriteError
-from .limits import contained_path, loads_json, read_metadata_file
+from .limits import contained_path, loads_json, read_metadata_file, short_repr
 
 __all__ = ["ALGORITHM", "DEFAULT_BLOCK_BYTES", "ChunkSum", "Manifest", "VerifyResult",
            "sidecar_path", "build_manifest", "write_manifest", "read_manifest",
@@ -108,8 +108,9 @@ class Manifest:
         """
         try:
             if d["version"] != _VERSION or d["algorithm"] != ALGORITHM:
-                raise InvalidHeaderError(f"manifest version {d['version']!r} / algorithm "
-                                         f"{d['algorithm']!r} not supported", file=where)
+                raise InvalidHeaderError(f"manifest version {short_repr(d['version'])} / "
+                                         f"algorithm {short_repr(d['algorithm'])} not "
+                                         "supported", file=where)
             bb = d["block_bytes"]
             files = {str(k): int(v) for k, v in d["files"].items()}
             chunks = [ChunkSum(str(c["file"]), str(c["tensor"]),
@@ -120,7 +121,8 @@ class Manifest:
             raise InvalidHeaderError(f"malformed checksum manifest ({type(e).__name__}: {e})",
                                      file=where) from None
         if not isinstance(bb, int) or bb <= 0:
-            raise InvalidHeaderError(f"block_bytes {bb!r} must be a positive int", file=where)
+            raise InvalidHeaderError(f"block_bytes {short_repr(bb)} must be a positive int",
+                                     file=where)
         # names come from the sidecar: nothing outside the checkpoint is hashed or named
         for rel in list(files) + [c.file for c in chunks]:
             contained_path(root, rel, "manifest file name", where)

@@ -20,7 +20,7 @@ from .base import Checkpoint, Chunk, TensorEntry, itemsize, numel, open_binary
 from .errors import (CheckpointError, DtypeMismatchError, HeaderTooLargeError,
                      InvalidHeaderError, InvalidOffsetError, MissingFileError,
                      MissingTensorError, ReadError, TruncatedFileError, UnsupportedFormatError)
-from .limits import contained_path, loads_json, open_regular, read_metadata_file
+from .limits import contained_path, loads_json, open_regular, read_metadata_file, short_repr
 
 __all__ = ["MAX_HEADER_SIZE", "SAFETENSORS_DTYPES", "SafetensorsHeader", "read_header",
            "open_safetensors_file", "open_safetensors_index", "open_safetensors_dir",
@@ -68,6 +68,13 @@ def _no_duplicates(pairs):
             raise _DuplicateKey(k)
         d[k] = v
     return d
+
+
+def _short_list(x) -> str:
+    """A header value for a message: short lists of scalars shown, anything else by type."""
+    if isinstance(x, list) and len(x) <= 8:
+        return "[" + ", ".join(short_repr(v) for v in x) + "]"
+    return short_repr(x)
 
 
 def looks_like_safetensors(path: str, base: int = 0) -> bool:
@@ -147,15 +154,15 @@ def read_header(path: str, base: int = 0, blob_len: Optional[int] = None) -> Saf
             raise InvalidHeaderError("entry is not an object", file=path, tensor=name)
         dt_name, shape, offs = info.get("dtype"), info.get("shape"), info.get("data_offsets")
         if not isinstance(dt_name, str) or dt_name not in SAFETENSORS_DTYPES:
-            raise DtypeMismatchError(f"unknown dtype {dt_name!r}", file=path, tensor=name)
+            raise DtypeMismatchError(f"unknown dtype {short_repr(dt_name)}", file=path, tensor=name)
         if (not isinstance(shape, list)
                 or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0
                            for s in shape)):
-            raise InvalidHeaderError(f"bad shape {shape!r}", file=path, tensor=name)
+            raise InvalidHeaderError(f"bad shape {_short_list(shape)}", file=path, tensor=name)
         if (not isinstance(offs, list) or len(offs) != 2
                 or not all(isinstance(o, int) and not isinstance(o, bool) and o >= 0
                            for o in offs) or offs[0] > offs[1]):
-            raise InvalidOffsetError(f"bad data_offsets {offs!r}", file=path, tensor=name)
+            raise InvalidOffsetError(f"bad data_offsets {_short_list(offs)}", file=path, tensor=name)
         dtype = SAFETENSORS_DTYPES[dt_name]
         want = numel(shape) * itemsize(dtype)
         if offs[1] - offs[0] != want:

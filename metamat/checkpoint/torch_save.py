@@ -134,8 +134,9 @@ class _RestrictedUnpickler(pickle.Unpickler):
             return _Marker(name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
-        raise UnsupportedFormatError(f"data.pkl uses unsupported global {module}.{name}",
-                                     file=self._where)
+        raise UnsupportedFormatError(
+            f"data.pkl uses unsupported global {short_repr(module)}.{short_repr(name)}",
+            file=self._where)
 
     def persistent_load(self, pid: Any) -> Any:
         if (not isinstance(pid, tuple) or len(pid) != 5 or pid[0] != "storage"
