@@ -12,6 +12,16 @@ import _harness as H  # noqa: F401  (sys.path)
 import hostile_gen
 
 
+def _index_seeds():
+    wm = lambda f: b'{"weight_map": {"a": "' + f + b'"}'  # noqa: E731
+    return {"ok": wm(b"s-1.safetensors") + b"}",
+            "dotdot": wm(b"../s-1.safetensors") + b"}",
+            "absolute": wm(b"/etc/passwd") + b"}",
+            "nul": wm(b"s-1.safetensors\\u0000") + b"}",
+            "int_digits": wm(b"s-1.safetensors") + b', "n": ' + hostile_gen.BIG_INT + b"}",
+            "deep": wm(b"s-1.safetensors") + b', "d": ' + hostile_gen.deep_json() + b"}"}
+
+
 def main(out: str) -> None:
     for sub in ("safetensors", "torch_save", "dcp"):
         os.makedirs(os.path.join(out, sub), exist_ok=True)
@@ -21,6 +31,10 @@ def main(out: str) -> None:
         shutil.copy(bases["st"], os.path.join(out, "safetensors", "valid"))
         shutil.copy(os.path.join(bases["hf"], "m.safetensors.index.json"),
                     os.path.join(out, "safetensors", "index"))
+        # index json seeds against the harness's fixed shard s-1.safetensors (tensor "a"):
+        # paths leaving the directory, a NUL byte, a 5000-digit int, 5000-deep nesting
+        for name, raw in _index_seeds().items():
+            H.write(os.path.join(out, "safetensors", f"index_{name}"), raw)
         shutil.copy(bases["ts"], os.path.join(out, "torch_save", "valid"))
         for sel, key in ((b"\x00\x00", "dcp"), (b"\x01\x00", "dcpst")):
             d = bases[key]
