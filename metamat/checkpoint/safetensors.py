@@ -162,7 +162,8 @@ def read_header(path: str, base: int = 0, blob_len: Optional[int] = None) -> Saf
         if (not isinstance(offs, list) or len(offs) != 2
                 or not all(isinstance(o, int) and not isinstance(o, bool) and o >= 0
                            for o in offs) or offs[0] > offs[1]):
-            raise InvalidOffsetError(f"bad data_offsets {_short_list(offs)}", file=path, tensor=name)
+            raise InvalidOffsetError(f"bad data_offsets {_short_list(offs)}", file=path,
+                                     tensor=name)
         dtype = SAFETENSORS_DTYPES[dt_name]
         want = numel(shape) * itemsize(dtype)
         if offs[1] - offs[0] != want:
