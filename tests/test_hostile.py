@@ -258,6 +258,21 @@ def test_limits_are_configurable(tmp_path, monkeypatch):
         open_checkpoint(p)
 
 
+def test_zip_central_directory_is_bounded(tmp_path, monkeypatch):
+    import zipfile
+    from metamat import open_checkpoint
+    from metamat.checkpoint import LimitExceededError
+    p = str(tmp_path / "m.pt")
+    torch.save({"a": torch.ones(2)}, p)
+    with open(p, "rb") as f:
+        cd = zipfile._EndRecData(f)[zipfile._ECD_SIZE]
+    monkeypatch.setenv("METAMAT_MAX_METADATA_BYTES", str(cd))
+    open_checkpoint(p)
+    monkeypatch.setenv("METAMAT_MAX_METADATA_BYTES", str(cd - 1))
+    with pytest.raises(LimitExceededError, match="central directory size"):
+        open_checkpoint(p)
+
+
 def test_billion_laughs_pickle_is_small_and_fails_fast():
     import io
     import pickle

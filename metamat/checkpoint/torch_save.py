@@ -215,8 +215,10 @@ def parse_torch_save(path: str, base: int = 0, length: Optional[int] = None,
                 file=path)
         try:
             win = _Window(f, base, length)
+            buf = io.BufferedReader(win, 1 << 16)
+            _check_central_directory(buf, path)
             try:
-                zf = zipfile.ZipFile(io.BufferedReader(win, 1 << 16))
+                zf = zipfile.ZipFile(buf)
             except zipfile.BadZipFile as e:
                 raise InvalidHeaderError(f"not a torch.save zip archive at {base} ({e})",
                                          file=path) from None
@@ -275,6 +277,16 @@ def parse_torch_save(path: str, base: int = 0, length: Optional[int] = None,
     finally:
         if own:
             f.close()
+
+
+def _check_central_directory(buf, path: str) -> None:
+    """The central directory zipfile would parse into one object per entry: its declared
+    size is bounded like any metadata record (a huge one costs ~10x its size in memory)."""
+    end = zipfile._EndRecData(buf)  # None: not a zip, which ZipFile() then reports
+    if end is not None:
+        check(METADATA_BYTES, end[zipfile._ECD_SIZE], file=path,
+              what="zip central directory size")
+    buf.seek(0)
 
 
 def _read_record(zf: zipfile.ZipFile, info: zipfile.ZipInfo, path: str) -> bytes:
