@@ -166,7 +166,7 @@ class Checkpoint:
         """``(st_dev, st_ino, st_size, st_mtime_ns)`` of data file ``path`` when the checkpoint
         was opened (``None`` for a file it does not use). The C++ reader refuses a file whose
         identity changed since, e.g. rewritten in place or replaced with a same-size file."""
-        return self._identities.get(path)
+        return getattr(self, "_identities", {}).get(path)
 
     def tensors(self) -> Dict[str, TensorEntry]:
         """Return ``fqn -> TensorEntry`` (the checkpoint's own dict; do not mutate)."""
