@@ -4,11 +4,22 @@
 """
 import os
 import shutil
+import stat
 import sys
 import tempfile
 
 import _harness as H  # noqa: F401  (sys.path)
 import hostile_gen
+
+
+def _index_seeds():
+    wm = lambda f: b'{"weight_map": {"a": "' + f + b'"}'  # noqa: E731
+    return {"ok": wm(b"s-1.safetensors") + b"}",
+            "dotdot": wm(b"../s-1.safetensors") + b"}",
+            "absolute": wm(b"/etc/passwd") + b"}",
+            "nul": wm(b"s-1.safetensors\\u0000") + b"}",
+            "int_digits": wm(b"s-1.safetensors") + b', "n": ' + hostile_gen.BIG_INT + b"}",
+            "deep": wm(b"s-1.safetensors") + b', "d": ' + hostile_gen.deep_json() + b"}"}
 
 
 def main(out: str) -> None:
@@ -20,6 +31,10 @@ def main(out: str) -> None:
         shutil.copy(bases["st"], os.path.join(out, "safetensors", "valid"))
         shutil.copy(os.path.join(bases["hf"], "m.safetensors.index.json"),
                     os.path.join(out, "safetensors", "index"))
+        # index json seeds against the harness's fixed shard s-1.safetensors (tensor "a"):
+        # paths leaving the directory, a NUL byte, a 5000-digit int, 5000-deep nesting
+        for name, raw in _index_seeds().items():
+            H.write(os.path.join(out, "safetensors", f"index_{name}"), raw)
         shutil.copy(bases["ts"], os.path.join(out, "torch_save", "valid"))
         for sel, key in ((b"\x00\x00", "dcp"), (b"\x01\x00", "dcpst")):
             d = bases[key]
@@ -34,6 +49,8 @@ def main(out: str) -> None:
             p = os.path.join(w, os.path.basename(bases[v.base]))
             shutil.copy(bases[v.base], p)
             v.mutate(p)
+            if os.path.islink(p) or not stat.S_ISREG(os.stat(p).st_mode):
+                continue  # FIFO / device variants: not bytes a harness can take
             sub = "safetensors" if v.base == "st" else "torch_save"
             shutil.copy(p, os.path.join(out, sub, v.name))
     finally:

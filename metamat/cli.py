@@ -206,9 +206,13 @@ def main(argv=None) -> int:
         try:
             info = checksum_info(a.ckpt, a.block_bytes or DEFAULT_BLOCK_BYTES, a.verify)
         except CheckpointError as e:
-            from .checkpoint import ChecksumMismatchError
-            what = "checksum mismatch" if isinstance(e, ChecksumMismatchError) else "bad checkpoint"
+            from .checkpoint import ChecksumMismatchError, WriteError
+            what = ("checksum mismatch" if isinstance(e, ChecksumMismatchError) else
+                    "cannot write" if isinstance(e, WriteError) else "bad checkpoint")
             print(f"metamat: {what}: {e}", file=sys.stderr)
+            return 1
+        except OSError as e:  # a path the parsers do not own (should not happen; never a traceback)
+            print(f"metamat: cannot read: {e}", file=sys.stderr)
             return 1
         if a.json:
             print(json.dumps(info, indent=1))
@@ -231,6 +235,9 @@ def main(argv=None) -> int:
                 show = _print_plan
     except CheckpointError as e:
         print(f"metamat: bad checkpoint: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # as above
+        print(f"metamat: cannot read: {e}", file=sys.stderr)
         return 1
     if a.json:
         print(json.dumps(info, indent=1, default=str))

@@ -231,6 +231,87 @@ def dcp_blob(d: str, fqn: str) -> Tuple[str, int, int]:
     return os.path.join(d, info.relative_path), info.offset, info.length
 
 
+def to_fifo(p: str) -> None:
+    """Replace ``p`` by a FIFO with no writer (a blocking open would wait forever)."""
+    os.remove(p)
+    os.mkfifo(p)
+
+
+def to_dev_zero(p: str) -> None:
+    """Replace ``p`` by a symlink to /dev/zero (a read would never end)."""
+    os.remove(p)
+    os.symlink("/dev/zero", p)
+
+
+def to_sparse(p: str, size: int = 4 << 30) -> None:
+    """Grow ``p`` to a sparse ``size`` bytes (above the metadata size limit)."""
+    truncate(p, size)
+
+
+BIG_INT = b"9" * 5000  # above Python's 4,300-digit int conversion limit
+
+
+def deep_json(depth: int = 5000) -> bytes:
+    return b"[" * depth + b"]" * depth
+
+
+def laughs_pickle(levels: int = 40) -> bytes:
+    """~1.3 KB pickle of nested dicts sharing each level twice: 2**levels entries."""
+    d: dict = {}
+    for _ in range(levels):
+        d = {"a": d, "b": d}
+    return pickle.dumps(d, protocol=2)
+
+
+def self_ref_pickle() -> bytes:
+    d: dict = {}
+    d["emb"] = d
+    return pickle.dumps(d, protocol=2)
+
+
+def deep_pickle(depth: int = 5000) -> bytes:
+    """{"x": {"x": ... {}}} nested ``depth`` deep, written without recursion."""
+    return (b"\x80\x02" + b"}X\x01\x00\x00\x00x" * depth + b"}" + b"s" * depth + b".")
+
+
+def build_marker_pickle() -> bytes:
+    """BUILD on the torch.device class stand-in: would rename it for every later load."""
+    return (b"\x80\x02ctorch\ndevice\n}X\x04\x00\x00\x00nameX\x0c\x00\x00\x00FloatStorage"
+            b"sb.")
+
+
+def device_laughs_pickle(levels: int = 40) -> bytes:
+    """torch.device(x) where x is a shared-reference DAG of 2**levels lists: its repr would
+    never finish."""
+    x: list = []
+    for _ in range(levels):
+        x = [x, x]
+
+    class Dev:
+        def __reduce__(self):
+            return (torch.device, (x,))
+    return pickle.dumps({"emb": Dev()}, protocol=2)
+
+
+class _BuildView(_View):
+    """A tensor view followed by a BUILD op overwriting its storage offset."""
+
+    def __reduce__(self):
+        return super().__reduce__() + ({"storage_offset": 5},)
+
+
+def zip_set_size(p: str, suffix: str, usize: int) -> None:
+    """Patch the central directory's uncompressed size of the record ending in ``suffix``."""
+    _, cho = zip_record(p, suffix)
+    patch(p, cho + 24, struct.pack("<I", usize))
+
+
+def ts_compress_pkl(ct: int):
+    """Re-zip with data.pkl compressed by ``ct`` (deflate, bzip2), the rest stored."""
+    return lambda p: rezip(p, lambda items: [
+        (n, d, ct if n.endswith("/data.pkl") else zipfile.ZIP_STORED) for n, d in items])
+
+
 # ---------------------------------------------------------------------------------------------
 # the variants
 
@@ -278,6 +359,20 @@ def _st_dup(p: str) -> None:
     # "vec" twice, identical: the tiling stays valid, so only duplicate detection catches it.
     vec = json.dumps(d["vec"])
     st_write(p, h.rstrip().replace(b'"vec":', f'"vec":{vec},"vec":'.encode(), 1), data)
+
+
+def _st_big_int(p: str) -> None:
+    h, data = st_split(p)
+    d = json.loads(h)
+    d["vec"]["shape"] = ["@@"]
+    st_write(p, json.dumps(d).encode().replace(b'"@@"', BIG_INT), data)
+
+
+def _st_deep(p: str) -> None:
+    h, data = st_split(p)
+    d = json.loads(h)
+    d["vec"]["shape"] = ["@@"]
+    st_write(p, json.dumps(d).encode().replace(b'"@@"', deep_json()), data)
 
 
 def safetensors_variants() -> List[Variant]:
@@ -352,6 +447,11 @@ def safetensors_variants() -> List[Variant]:
         _st_var("trailing_bytes", lambda p: _write(p, _read(p) + b"\0" * 16),
                 exc="InvalidOffsetError"),
         _st_var("duplicate_names", _st_dup, tensor="vec", exc="InvalidHeaderError"),
+        # reliability round 2: limits and special files
+        _st_var("int_5000_digits", _st_big_int, exc="LimitExceededError"),
+        _st_var("json_5000_deep", _st_deep, exc="InvalidHeaderError"),
+        _st_var("fifo", to_fifo, exc="ReadError"),
+        _st_var("dev_zero_symlink", to_dev_zero, exc="ReadError"),
     ]
     return v
 
@@ -399,6 +499,12 @@ def hf_variants() -> List[Variant]:
                               b'"emb": "m-00001.safetensors", "emb": "m-00002.safetensors"'))
         return idx
 
+    def on_index(fn):
+        def m(d):
+            fn(os.path.join(d, idx))
+            return idx
+        return m
+
     def shard_trunc(d):
         p = os.path.join(d, "m-00001.safetensors")
         truncate(p, os.path.getsize(p) - 3)
@@ -417,6 +523,25 @@ def hf_variants() -> List[Variant]:
         Variant("hf_duplicate_tensor", "hf", dup_tensor, tensor="emb",
                 exc="InvalidHeaderError"),
         Variant("hf_shard_truncated", "hf", shard_trunc, exc="TruncatedFileError"),
+        # reliability round 2: containment, special files, limits
+        Variant("hf_weight_map_dotdot", "hf", wm_edit(lambda w: w.update(
+            emb="../m-00001.safetensors")), tensor="emb", exc="UnsafePathError"),
+        Variant("hf_weight_map_absolute", "hf", wm_edit(lambda w: w.update(
+            emb="/etc/passwd")), tensor="emb", exc="UnsafePathError"),
+        Variant("hf_weight_map_nul", "hf", wm_edit(lambda w: w.update(
+            emb="m-00001.safetensors\0x")), tensor="emb", exc="UnsafePathError"),
+        Variant("hf_index_fifo", "hf", on_index(to_fifo), exc="ReadError"),
+        Variant("hf_index_dev_zero", "hf", on_index(to_dev_zero), exc="ReadError"),
+        Variant("hf_index_sparse_4gib", "hf", on_index(to_sparse), exc="LimitExceededError"),
+        Variant("hf_index_int_5000_digits", "hf", on_index(lambda p: _write(
+            p, _read(p).replace(b'"metadata": {}', b'"metadata": {"total_size": ' + BIG_INT
+                                + b'}'))), exc="LimitExceededError"),
+        Variant("hf_index_5000_deep", "hf", on_index(lambda p: _write(
+            p, _read(p).replace(b'"metadata": {}', b'"metadata": ' + deep_json()))),
+            exc="InvalidHeaderError"),
+        Variant("hf_shard_fifo", "hf", _named(
+            lambda d: to_fifo(os.path.join(d, "m-00002.safetensors")), "m-00002.safetensors"),
+            exc="ReadError"),
     ]
 
 
@@ -525,6 +650,39 @@ def torch_save_variants() -> List[Variant]:
         _ts_var("storage_class_unknown", lambda p: craft_view(p, (2, 2), (2, 1),
                                                               cls="UntypedStorage"),
                 exc="UnsupportedFormatError"),
+        # reliability round 2: pickle limits, BUILD ops, key collisions, zip record sizes
+        _ts_var("pickle_billion_laughs", _ts_pickle(laughs_pickle()), exc="LimitExceededError"),
+        _ts_var("pickle_self_reference", _ts_pickle(self_ref_pickle()),
+                exc="InvalidHeaderError"),
+        _ts_var("pickle_5000_deep", _ts_pickle(deep_pickle()), exc="LimitExceededError"),
+        _ts_var("pickle_int_5000_digits", _ts_pickle(
+            b"\x80\x02}X\x03\x00\x00\x00embI" + BIG_INT + b"\ns."), exc="InvalidHeaderError"),
+        _ts_var("pickle_build_marker", _ts_pickle(build_marker_pickle()),
+                exc="InvalidHeaderError"),
+        _ts_var("pickle_device_laughs", _ts_pickle(device_laughs_pickle()),
+                exc="InvalidHeaderError"),
+        _ts_var("pickle_build_tensor_ref", lambda p: craft_torch_save(
+            p, {"w": _BuildView(_Storage("0", "FloatStorage", 24), 0, (2, 2), (2, 1))},
+            {"0": b"\0" * 96}), exc="InvalidHeaderError"),
+        _ts_var("keys_collide", lambda p: craft_torch_save(
+            p, {"0.weight": _View(_Storage("0", "FloatStorage", 4), 0, (4,), (1,)),
+                "0": {"weight": _View(_Storage("1", "FloatStorage", 4), 0, (4,), (1,))}},
+            {"0": b"\0" * 16, "1": b"\0" * 16}), tensor="0.weight", exc="KeyCollisionError"),
+        _ts_var("pkl_deflate_declares_4gib", lambda p: (
+            ts_compress_pkl(zipfile.ZIP_DEFLATED)(p),
+            zip_set_size(p, "/data.pkl", 0xFFFFFFFF)), exc="LimitExceededError"),
+        _ts_var("pkl_bzip2_declares_4gib", lambda p: (
+            ts_compress_pkl(zipfile.ZIP_BZIP2)(p),
+            zip_set_size(p, "/data.pkl", 0xFFFFFFFF)), exc="LimitExceededError"),
+        _ts_var("pkl_deflate_inflates_past_declared", lambda p: (
+            ts_compress_pkl(zipfile.ZIP_DEFLATED)(p), zip_set_size(p, "/data.pkl", 16)),
+            exc="InvalidHeaderError"),
+        _ts_var("view_expanded_rows", lambda p: craft_view(p, (4, 3), (0, 1), numel=3),
+                tensor="w", exc="UnsupportedFormatError"),
+        _ts_var("view_expanded_scalar", lambda p: craft_view(p, (2, 2), (0, 0), numel=1),
+                tensor="w", exc="UnsupportedFormatError"),
+        _ts_var("fifo", to_fifo, exc="ReadError"),
+        _ts_var("dev_zero_symlink", to_dev_zero, exc="ReadError"),
     ]
     return v
 
@@ -550,6 +708,13 @@ def _dcp_md_bytes(fn):
     def m(d):
         p = os.path.join(d, ".metadata")
         _write(p, fn(_read(p)))
+        return ".metadata"
+    return m
+
+
+def _dcp_md_special(fn):
+    def m(d):
+        fn(os.path.join(d, ".metadata"))
         return ".metadata"
     return m
 
@@ -652,6 +817,15 @@ def dcp_variants() -> List[Variant]:
             tensor="emb", exc="InvalidHeaderError"),
         _dcp_var("md_relpath_not_str", _named(_md(_md_storage(
             "emb", relative_path=7)), ".metadata"), tensor="emb", exc="InvalidHeaderError"),
+        _dcp_var("md_relpath_nul", _named(_md(_md_storage(
+            "emb", relative_path="__0_0.distcp\0x")), ".metadata"), tensor="emb",
+            exc="UnsafePathError"),
+        _dcp_var("md_relpath_absolute", _named(_md(_md_storage(
+            "emb", relative_path="/etc/passwd")), ".metadata"), tensor="emb",
+            exc="UnsafePathError"),
+        _dcp_var("metadata_fifo", _dcp_md_special(to_fifo), exc="ReadError"),
+        _dcp_var("metadata_dev_zero", _dcp_md_special(to_dev_zero), exc="ReadError"),
+        _dcp_var("metadata_sparse_4gib", _dcp_md_special(to_sparse), exc="LimitExceededError"),
         _dcp_var("md_not_metadata", _dcp_md_bytes(lambda b: pickle.dumps(42)),
                  exc="InvalidHeaderError"),
         _dcp_var("md_dtype_not_dtype", _named(_md(_md_dtype_str), ".metadata"), tensor="emb",
@@ -693,6 +867,9 @@ def dcp_variants() -> List[Variant]:
                  tensor="emb", exc="InvalidHeaderError"),
         _dcp_var("sharding_not_object", st_in_dcp(sharding(json.dumps([1]))), "dcpst",
                  exc="InvalidHeaderError"),
+        _dcp_var("sharding_int_5000_digits", st_in_dcp(sharding(
+            '{"emb": {"saved_offsets": [' + BIG_INT.decode() + ', 0]}}')), "dcpst",
+            exc="LimitExceededError"),
         _dcp_var("tensor_absent", st_in_dcp(lambda p: st_edit(
             p, lambda h: h.update(emb2=h.pop("emb")))), "dcpst", tensor="emb",
             exc="InvalidHeaderError"),

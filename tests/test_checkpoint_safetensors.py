@@ -133,8 +133,22 @@ def test_header_length_past_end_and_too_large(tmp_path):
     with pytest.raises(HeaderTooLargeError, match="past the end"):
         read_header(str(p))
     p.write_bytes(struct.pack("<Q", 10 ** 12) + b"{" + b" " * 10)
-    with pytest.raises(HeaderTooLargeError, match="exceeds limit"):
+    with pytest.raises(HeaderTooLargeError, match="above the 100000000 B limit") as ei:
         read_header(str(p))
+    assert str(10 ** 12) not in str(ei.value)
+
+
+def test_header_length_of_a_foreign_file_is_not_printed(tmp_path):
+    """The 8 length bytes of a file that is not safetensors are someone else's data."""
+    secret = b"hunter2!"  # 8 bytes read as a little-endian length
+    n = struct.unpack("<Q", secret)[0]
+    for tail in (b"", b"x" * 100):
+        p = tmp_path / "notes.safetensors"
+        p.write_bytes(secret + tail)
+        with pytest.raises(HeaderTooLargeError) as ei:
+            open_checkpoint(str(p))
+        assert "not a safetensors file" in str(ei.value)
+        assert str(n) not in str(ei.value) and "hunter" not in str(ei.value)
 
 
 def test_not_json_and_not_object(tmp_path):

@@ -158,3 +158,87 @@ def test_manifest_is_plain_json(ckpt):
     m = build_manifest(open_checkpoint(path))
     again = Manifest.from_json(json.loads(json.dumps(m.to_json())), m.root, "mem")
     assert again == m
+
+
+# --- reliability round 2: hostile sidecars, failed writes ------------------------------------
+
+@pytest.fixture
+def dcp_copy(bases, tmp_path):
+    import shutil
+    dst = str(tmp_path / "ck" / "dcp")
+    shutil.copytree(bases["dcp"], dst)
+    return dst
+
+
+SECRET = b"top secret bytes outside the checkpoint\n"
+
+
+@pytest.mark.parametrize("rel", ["../secret.bin", "/etc/passwd", "sub/../../secret.bin",
+                                 "__0_0.distcp\0", ""])
+def test_sidecar_cannot_name_files_outside(dcp_copy, rel):
+    """A hostile sidecar naming ../x, an absolute path or a NUL byte fails before anything is
+    hashed, and the error shows neither the file's bytes nor their hash."""
+    import xxhash
+    from metamat.checkpoint import UnsafePathError
+    secret = os.path.join(os.path.dirname(dcp_copy), "secret.bin")
+    with open(secret, "wb") as f:
+        f.write(SECRET)
+    side = write_manifest(dcp_copy)
+    with open(side) as f:
+        d = json.load(f)
+    c = d["chunks"][0]
+    d["files"][rel] = d["files"].pop(c["file"])
+    c.update(file=rel, byte_offset=0, nbytes=len(SECRET), blocks=["0" * 16])
+    with open(side, "w") as f:
+        json.dump(d, f)
+    with pytest.raises(UnsafePathError) as ei:
+        read_manifest(dcp_copy)
+    msg = str(ei.value)
+    assert side in msg and "secret bytes" not in msg
+    assert xxhash.xxh3_64(SECRET).hexdigest() not in msg
+
+
+def test_sidecar_limits(dcp_copy, monkeypatch):
+    from metamat.checkpoint import LimitExceededError
+    side = write_manifest(dcp_copy)
+    monkeypatch.setenv("METAMAT_MAX_METADATA_BYTES", "100")
+    with pytest.raises(LimitExceededError, match="METAMAT_MAX_METADATA_BYTES"):
+        read_manifest(dcp_copy)
+    monkeypatch.delenv("METAMAT_MAX_METADATA_BYTES")
+    with open(side) as f:
+        raw = f.read()
+    with open(side, "w") as f:
+        f.write(raw.replace('"block_bytes":', '"block_bytes":' + "9" * 5000 + ',"x":', 1))
+    with pytest.raises(LimitExceededError, match="PYTHONINTMAXSTRDIGITS"):
+        read_manifest(dcp_copy)
+
+
+def _leftovers(d):
+    return [f for f in os.listdir(d) if ".tmp" in f]
+
+
+def test_write_manifest_onto_a_directory(dcp_copy):
+    from metamat.checkpoint import WriteError
+    os.mkdir(sidecar_path(dcp_copy))
+    with pytest.raises(WriteError) as ei:
+        write_manifest(dcp_copy)
+    assert sidecar_path(dcp_copy) in str(ei.value)
+    assert _leftovers(dcp_copy) == []
+
+
+def test_write_manifest_into_a_read_only_directory(dcp_copy, monkeypatch):
+    """Not writable: a WriteError and no temporary file left (as root, where permissions do
+    not stop writes, the rename is made to fail instead)."""
+    from metamat.checkpoint import WriteError
+    if os.geteuid() == 0:
+        def refuse(src, dst):
+            raise PermissionError(13, "Permission denied")
+        monkeypatch.setattr(os, "replace", refuse)
+    else:
+        os.chmod(dcp_copy, 0o555)
+    try:
+        with pytest.raises(WriteError, match="Permission denied"):
+            write_manifest(dcp_copy)
+        assert _leftovers(dcp_copy) == []
+    finally:
+        os.chmod(dcp_copy, 0o755)

@@ -1,5 +1,6 @@
 """``python -m metamat``: inspect and plan on checkpoints written by torch and safetensors."""
 import json
+import os
 import subprocess
 import sys
 
@@ -117,3 +118,84 @@ def test_checksum_errors(ckpts, tmp_path):
     assert run("checksum", path, "--block-bytes", 0).returncode == 2
     assert run("checksum", path, "--verify", "--block-bytes", 64).returncode == 2
     assert run("checksum").returncode == 2
+
+
+# --- reliability round 2: no tracebacks, named errors ----------------------------------------
+
+def _no_traceback(r):
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
+
+
+def test_unreadable_directory(tmp_path, monkeypatch, capsys):
+    from metamat import cli
+    d = tmp_path / "ck"
+    d.mkdir()
+    save_file({"a": torch.ones(2)}, str(d / "m.safetensors"))
+    if os.geteuid() != 0:
+        os.chmod(d, 0)
+        try:
+            r = run("inspect", d)
+        finally:
+            os.chmod(d, 0o755)
+        assert r.returncode == 1 and str(d) in r.stderr
+        _no_traceback(r)
+    real = os.listdir
+
+    def refuse(p="."):  # as root permissions do not stop listing: refuse it like the OS
+        if os.fspath(p) == str(d):
+            raise PermissionError(13, "Permission denied", str(p))
+        return real(p)
+    monkeypatch.setattr(os, "listdir", refuse)
+    assert cli.main(["inspect", str(d)]) == 1
+    err = capsys.readouterr().err
+    assert "cannot list checkpoint directory" in err and str(d) in err
+
+
+def test_special_files_exit_1(tmp_path):
+    fifo = tmp_path / "x.safetensors"
+    os.mkfifo(fifo)
+    zero = tmp_path / "z.pt"
+    os.symlink("/dev/zero", zero)
+    for p in (fifo, zero):
+        for args in (("inspect", p), ("checksum", p), ("checksum", p, "--verify")):
+            r = run(*args)  # a hang would hit run()'s timeout
+            assert r.returncode == 1, (args, r.stderr)
+            _no_traceback(r)
+
+
+def test_json_int_over_digit_limit(tmp_path):
+    import struct
+    hdr = b'{"a": {"dtype": "F32", "shape": [' + b"9" * 5000 + b'], "data_offsets": [0, 4]}}'
+    p = tmp_path / "big.safetensors"
+    p.write_bytes(struct.pack("<Q", len(hdr)) + hdr + b"\0" * 4)
+    r = run("inspect", p)
+    assert r.returncode == 1 and "PYTHONINTMAXSTRDIGITS" in r.stderr
+    _no_traceback(r)
+
+
+def test_checksum_write_failures_leave_nothing(ckpts, tmp_path):
+    """The sidecar path is a directory: exit 1 naming it, no *.tmpPID left behind."""
+    path = _copy(ckpts, "m.safetensors", tmp_path)
+    (tmp_path / "m.safetensors.xxh3.json").mkdir()
+    r = run("checksum", path)
+    assert r.returncode == 1 and "cannot write" in r.stderr and "xxh3.json" in r.stderr
+    _no_traceback(r)
+    assert not [f for f in os.listdir(tmp_path) if ".tmp" in f]
+
+
+def test_checksum_verify_hostile_sidecar(ckpts, tmp_path):
+    """A sidecar naming a file outside the directory: exit 1, nothing hashed or printed."""
+    (tmp_path / "ck").mkdir()
+    path = _copy(ckpts, "m.safetensors", tmp_path / "ck")
+    (tmp_path / "secret.txt").write_text("do not print me")
+    assert run("checksum", path).returncode == 0
+    side = tmp_path / "ck" / "m.safetensors.xxh3.json"
+    d = json.loads(side.read_text())
+    d["files"] = {"../secret.txt": 15}
+    d["chunks"] = [{**d["chunks"][0], "file": "../secret.txt", "byte_offset": 0, "nbytes": 15,
+                    "blocks": ["0" * 16]}]
+    side.write_text(json.dumps(d))
+    r = run("checksum", path, "--verify")
+    assert r.returncode == 1 and "leaves the checkpoint directory" in r.stderr
+    assert "do not print me" not in r.stderr + r.stdout
+    _no_traceback(r)

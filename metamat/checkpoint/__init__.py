@@ -7,9 +7,10 @@ executes the reads.
 from .base import Checkpoint, Chunk, TensorEntry
 from .errors import (CheckpointError, ChecksumMismatchError, CoverageError, DestinationError,
                      DtypeMismatchError, HeaderTooLargeError, InvalidHeaderError,
-                     InvalidOffsetError, MissingFileError, MissingTensorError, OverlappingChunksError, ReadError,
+                     InvalidOffsetError, KeyCollisionError, LimitExceededError, MissingFileError,
+                     MissingTensorError, OverlappingChunksError, ReadError,
                      ShapeMismatchError, TruncatedFileError, UnexpectedTensorError,
-                     UnsupportedFormatError)
+                     UnsafePathError, UnsupportedFormatError, WriteError)
 from .open import open_checkpoint
 
 __all__ = [
@@ -18,4 +19,5 @@ __all__ = [
     "HeaderTooLargeError", "InvalidHeaderError", "InvalidOffsetError", "MissingFileError",
     "MissingTensorError", "OverlappingChunksError", "ReadError", "ShapeMismatchError",
     "TruncatedFileError", "UnexpectedTensorError", "UnsupportedFormatError",
+    "KeyCollisionError", "LimitExceededError", "UnsafePathError", "WriteError",
 ]

@@ -15,26 +15,20 @@ import torch
 
 from .errors import (InvalidOffsetError, MissingFileError, ReadError, ShapeMismatchError,
                      TruncatedFileError)
+from .limits import open_regular
 
 __all__ = ["Chunk", "TensorEntry", "Checkpoint", "itemsize", "numel", "open_binary"]
 
 
 def open_binary(path: str, what: str = "file", tensor: Optional[str] = None):
-    """``open(path, "rb")`` with every failure as a named error.
+    """Open ``path`` for reading with every failure as a named error: non-blocking, and
+    only a regular file (after following symlinks); see :func:`.limits.open_regular`.
 
     Raises:
         MissingFileError: ``path`` does not exist.
-        ReadError: it is a directory, unreadable, or the OS refuses otherwise.
+        ReadError: it is a directory, FIFO, device, unreadable, or the OS refuses otherwise.
     """
-    try:
-        return open(path, "rb")
-    except FileNotFoundError:
-        raise MissingFileError(f"{what} does not exist", file=path, tensor=tensor) from None
-    except IsADirectoryError:
-        raise ReadError(f"{what} is a directory", file=path, tensor=tensor) from None
-    except OSError as e:
-        raise ReadError(f"cannot open {what} ({e.strerror or e})", file=path,
-                        tensor=tensor) from None
+    return open_regular(path, what, tensor)
 
 
 def itemsize(dtype: torch.dtype) -> int:
@@ -147,13 +141,18 @@ class Checkpoint:
 
     def _check_file_sizes(self) -> None:
         sizes = {}
+        self._identities: Dict[str, Tuple[int, int, int, int]] = {}
         for f in self.files:
             try:
-                sizes[f] = os.stat(f).st_size
+                st = os.stat(f)
             except FileNotFoundError:
                 raise MissingFileError("data file does not exist", file=f) from None
-            except OSError as e:  # e.g. a path component is not a directory
-                raise ReadError(f"cannot stat data file ({e.strerror or e})", file=f) from None
+            except (OSError, ValueError) as e:  # not a directory, symlink loop, NUL byte
+                raise ReadError(f"cannot stat data file ({getattr(e, 'strerror', None) or e})",
+                                file=f) from None
+            sizes[f] = st.st_size
+            # what the reader later checks, so a same-size rewrite after open is refused
+            self._identities[f] = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
         for e in self._entries.values():
             for ch in e.chunks:
                 end = ch.byte_offset + ch.nbytes
@@ -162,6 +161,12 @@ class Checkpoint:
                         f"chunk at {tuple(ch.offsets)} needs bytes [{ch.byte_offset}, {end}) but "
                         f"the file has {sizes[ch.file]}", file=ch.file, tensor=e.name)
         self.file_sizes = sizes
+
+    def file_identity(self, path: str) -> Optional[Tuple[int, int, int, int]]:
+        """``(st_dev, st_ino, st_size, st_mtime_ns)`` of data file ``path`` when the checkpoint
+        was opened (``None`` for a file it does not use). The C++ reader refuses a file whose
+        identity changed since, e.g. rewritten in place or replaced with a same-size file."""
+        return getattr(self, "_identities", {}).get(path)
 
     def tensors(self) -> Dict[str, TensorEntry]:
         """Return ``fqn -> TensorEntry`` (the checkpoint's own dict; do not mutate)."""

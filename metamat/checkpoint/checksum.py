@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 from .base import Checkpoint, open_binary
-from .errors import ChecksumMismatchError, InvalidHeaderError, MissingFileError
+from .errors import ChecksumMismatchError, InvalidHeaderError, WriteError
+from .limits import contained_path, loads_json, read_metadata_file, short_repr
 
 __all__ = ["ALGORITHM", "DEFAULT_BLOCK_BYTES", "ChunkSum", "Manifest", "VerifyResult",
            "sidecar_path", "build_manifest", "write_manifest", "read_manifest",
@@ -107,8 +108,9 @@ class Manifest:
         """
         try:
             if d["version"] != _VERSION or d["algorithm"] != ALGORITHM:
-                raise InvalidHeaderError(f"manifest version {d['version']!r} / algorithm "
-                                         f"{d['algorithm']!r} not supported", file=where)
+                raise InvalidHeaderError(f"manifest version {short_repr(d['version'])} / "
+                                         f"algorithm {short_repr(d['algorithm'])} not "
+                                         "supported", file=where)
             bb = d["block_bytes"]
             files = {str(k): int(v) for k, v in d["files"].items()}
             chunks = [ChunkSum(str(c["file"]), str(c["tensor"]),
@@ -119,7 +121,11 @@ class Manifest:
             raise InvalidHeaderError(f"malformed checksum manifest ({type(e).__name__}: {e})",
                                      file=where) from None
         if not isinstance(bb, int) or bb <= 0:
-            raise InvalidHeaderError(f"block_bytes {bb!r} must be a positive int", file=where)
+            raise InvalidHeaderError(f"block_bytes {short_repr(bb)} must be a positive int",
+                                     file=where)
+        # names come from the sidecar: nothing outside the checkpoint is hashed or named
+        for rel in list(files) + [c.file for c in chunks]:
+            contained_path(root, rel, "manifest file name", where)
         for c in chunks:
             if c.byte_offset < 0 or c.nbytes < 0 or len(c.blocks) != -(-c.nbytes // bb):
                 raise InvalidHeaderError(f"chunk at {c.offsets} has {len(c.blocks)} digests "
@@ -215,11 +221,25 @@ def write_manifest(ckpt: Union[Checkpoint, str, os.PathLike], out: Optional[str]
         ckpt = open_checkpoint(ckpt)
     m = build_manifest(ckpt, block_bytes)
     out = out or sidecar_path(ckpt.path)
-    tmp = f"{out}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(m.to_json(), f, separators=(",", ":"))
-    os.replace(tmp, out)
+    _atomic_write(out, json.dumps(m.to_json(), separators=(",", ":")).encode())
     return out
+
+
+def _atomic_write(out: str, data: bytes) -> None:
+    """Write ``out`` through a temporary file renamed over it; on any failure the
+    temporary file is removed and a :class:`WriteError` names ``out``."""
+    tmp = f"{out}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, out)
+    except OSError as e:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise WriteError(f"cannot write the checksum manifest ({e.strerror or e})",
+                         file=out) from None
 
 
 def read_manifest(path, root: Optional[str] = None) -> Manifest:
@@ -236,15 +256,9 @@ def read_manifest(path, root: Optional[str] = None) -> Manifest:
         side = sidecar_path(p)
     else:
         side = p
-    if not os.path.exists(side):
-        raise MissingFileError("checksum manifest does not exist", file=side)
     if root is None:
         root = os.path.dirname(side)
-    with open_binary(side, "checksum manifest") as f:
-        try:
-            d = json.loads(f.read().decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-            raise InvalidHeaderError(f"checksum manifest is not JSON ({e})", file=side) from None
+    d = loads_json(read_metadata_file(side, "checksum manifest"), "checksum manifest", side)
     if not isinstance(d, dict):
         raise InvalidHeaderError("checksum manifest is not a JSON object", file=side)
     return Manifest.from_json(d, root, side)

@@ -14,7 +14,6 @@ Two serialization formats exist:
 """
 from __future__ import annotations
 
-import json
 import os
 from typing import Dict, List, Tuple
 
@@ -24,6 +23,7 @@ from .base import Checkpoint, Chunk, TensorEntry, open_binary
 from .errors import (CheckpointError, DtypeMismatchError, InvalidHeaderError,
                      InvalidOffsetError, ShapeMismatchError,
                      TruncatedFileError, UnsupportedFormatError)
+from .limits import METADATA_BYTES, check, contained_path, loads_json, open_regular
 from .safetensors import read_header
 from .torch_save import TensorRef, parse_torch_save, tensor_chunk
 
@@ -32,11 +32,16 @@ __all__ = ["open_dcp", "is_dcp_dir"]
 
 def is_dcp_dir(path: str) -> bool:
     """True if ``path`` is a directory holding a DCP ``.metadata`` file."""
-    return os.path.isdir(path) and os.path.isfile(os.path.join(path, ".metadata"))
+    # lexists: a .metadata that is a FIFO or dangling link is refused by name, not skipped
+    return os.path.isdir(path) and os.path.lexists(os.path.join(path, ".metadata"))
 
 
 def _read_metadata(path: str):
     from torch.distributed.checkpoint import FileSystemReader
+    meta = os.path.join(path, ".metadata")
+    with open_regular(meta, "DCP .metadata") as f:  # no FIFO, device, or multi-GiB file
+        check(METADATA_BYTES, os.fstat(f.fileno()).st_size, file=meta,
+              what=".metadata size")
     try:
         return FileSystemReader(path).read_metadata()
     except FileNotFoundError:
@@ -118,16 +123,8 @@ def open_dcp(path: str) -> Checkpoint:
 
 def _data_file(path: str, info, fqn: str) -> str:
     """The data file of a storage entry; it must be a relative path inside ``path``."""
-    rel = info.relative_path
-    meta = os.path.join(path, ".metadata")
-    if not isinstance(rel, str) or not rel or os.path.isabs(rel):
-        raise InvalidHeaderError(f"storage relative_path {rel!r} is not a relative path",
-                                 file=meta, tensor=fqn)
-    f = os.path.normpath(os.path.join(path, rel))
-    if not f.startswith(os.path.normpath(path) + os.sep):
-        raise InvalidHeaderError(f"storage relative_path {rel!r} leaves the checkpoint "
-                                 "directory", file=meta, tensor=fqn)
-    return f
+    return contained_path(path, info.relative_path, "storage relative_path",
+                          os.path.join(path, ".metadata"), tensor=fqn)
 
 
 def _check_range(f: str, fsize: int, fqn: str, offs, info) -> None:
@@ -166,10 +163,8 @@ def _add_safetensors_chunks(entries: Dict[str, TensorEntry], f: str, items) -> N
         raise InvalidHeaderError(f"tensor items of one SAFETENSORS file start at {sorted(bases)}",
                                  file=f)
     h = read_header(f, base=bases.pop())
-    try:
-        sharding = json.loads(h.metadata.get("DCP_SHARDING_INFO", "{}"))
-    except (json.JSONDecodeError, RecursionError):
-        raise InvalidHeaderError("DCP_SHARDING_INFO is not JSON", file=f) from None
+    raw = h.metadata.get("DCP_SHARDING_INFO", "{}").encode("utf-8", "surrogatepass")
+    sharding = loads_json(raw, "DCP_SHARDING_INFO", f)
     if not isinstance(sharding, dict) or not all(
             isinstance(v, dict) and isinstance(v.get("saved_offsets", []), list)
             for v in sharding.values()):

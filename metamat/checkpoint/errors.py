@@ -24,6 +24,10 @@ __all__ = [
     "DestinationError",
     "ReadError",
     "ChecksumMismatchError",
+    "LimitExceededError",
+    "UnsafePathError",
+    "KeyCollisionError",
+    "WriteError",
 ]
 
 
@@ -143,3 +147,36 @@ class ChecksumMismatchError(CheckpointError):
         super().__init__(message, file=file, tensor=tensor)
         self.chunk = chunk
         self.byte_range = byte_range
+
+
+class LimitExceededError(CheckpointError):
+    """Metadata is larger, deeper or more numerous than a safety limit allows
+    (:mod:`.limits`). The message names the limit, the value seen and how to raise it.
+
+    Attributes:
+        limit: the limit's name, e.g. ``"metadata bytes"``.
+        value: what was seen (or a lower bound of it).
+        maximum: the limit in force.
+        env: the environment variable that raises it (``None`` if there is none).
+    """
+
+    def __init__(self, message: str, *, limit: str = "", value=None, maximum=None,
+                 env: Optional[str] = None, file=None, tensor=None) -> None:
+        super().__init__(message, file=file, tensor=tensor)
+        self.limit, self.value, self.maximum, self.env = limit, value, maximum, env
+
+
+class UnsafePathError(InvalidHeaderError):
+    """A path named by the checkpoint's own metadata (an index ``weight_map`` entry, a
+    checksum manifest entry, a DCP ``relative_path``) is absolute, holds a NUL byte or
+    leads outside the checkpoint directory."""
+
+
+class KeyCollisionError(InvalidHeaderError):
+    """Two entries of a torch.save'd nested dict flatten to the same key
+    (``{"0.weight": A, "0": {"weight": B}}``)."""
+
+
+class WriteError(CheckpointError):
+    """A file metamat writes (a checksum sidecar) could not be written; nothing is left
+    behind."""

@@ -5,7 +5,7 @@ import os
 
 from .base import Checkpoint, open_binary
 from .dcp import is_dcp_dir, open_dcp
-from .errors import MissingFileError, UnsupportedFormatError
+from .errors import MissingFileError, ReadError, UnsupportedFormatError
 from .safetensors import (looks_like_safetensors, open_safetensors_dir, open_safetensors_file,
                           open_safetensors_index)
 from .torch_save import open_torch_save
@@ -32,8 +32,13 @@ def open_checkpoint(path) -> Checkpoint:
         Any other :class:`CheckpointError` the format's parser raises for a damaged file.
     """
     path = os.fspath(path)
-    if not os.path.exists(path):
-        raise MissingFileError("checkpoint path does not exist", file=path)
+    try:
+        os.stat(path)
+    except FileNotFoundError:
+        raise MissingFileError("checkpoint path does not exist", file=path) from None
+    except (OSError, ValueError) as e:  # symlink loop, permission, NUL byte
+        raise ReadError(f"cannot access checkpoint path ({getattr(e, 'strerror', None) or e})",
+                        file=path) from None
     if os.path.isdir(path):
         if is_dcp_dir(path):
             return open_dcp(path)

@@ -9,7 +9,6 @@ ends exactly at the end of the blob.
 """
 from __future__ import annotations
 
-import json
 import os
 import struct
 from dataclasses import dataclass
@@ -18,9 +17,10 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from .base import Checkpoint, Chunk, TensorEntry, itemsize, numel, open_binary
-from .errors import (DtypeMismatchError, HeaderTooLargeError, InvalidHeaderError, InvalidOffsetError,
-                     MissingFileError, MissingTensorError, TruncatedFileError,
-                     UnsupportedFormatError)
+from .errors import (CheckpointError, DtypeMismatchError, HeaderTooLargeError,
+                     InvalidHeaderError, InvalidOffsetError, MissingFileError,
+                     MissingTensorError, ReadError, TruncatedFileError, UnsupportedFormatError)
+from .limits import contained_path, loads_json, open_regular, read_metadata_file, short_repr
 
 __all__ = ["MAX_HEADER_SIZE", "SAFETENSORS_DTYPES", "SafetensorsHeader", "read_header",
            "open_safetensors_file", "open_safetensors_index", "open_safetensors_dir",
@@ -70,13 +70,20 @@ def _no_duplicates(pairs):
     return d
 
 
+def _short_list(x) -> str:
+    """A header value for a message: short lists of scalars shown, anything else by type."""
+    if isinstance(x, list) and len(x) <= 8:
+        return "[" + ", ".join(short_repr(v) for v in x) + "]"
+    return short_repr(x)
+
+
 def looks_like_safetensors(path: str, base: int = 0) -> bool:
     """True if the bytes at ``base`` start like a safetensors header (size, then ``{``)."""
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:  # a FIFO or device is not safetensors (and must not hang)
             f.seek(base)
             head = f.read(9)
-    except OSError:
+    except (CheckpointError, OSError):
         return False
     if len(head) < 9:
         return False
@@ -100,42 +107,39 @@ def read_header(path: str, base: int = 0, blob_len: Optional[int] = None) -> Saf
         TruncatedFileError, DtypeMismatchError (unknown dtype name).
     """
     path = str(path)
-    try:
-        fsize = os.stat(path).st_size
-    except FileNotFoundError:
-        raise MissingFileError("safetensors file does not exist", file=path) from None
-    except OSError as e:
-        raise MissingFileError(f"cannot stat safetensors file ({e.strerror or e})",
-                               file=path) from None
-    if blob_len is None:
-        blob_len = fsize - base
-    if base + blob_len > fsize:
-        raise TruncatedFileError(f"blob [{base}, {base + blob_len}) past end of file ({fsize} B)",
-                                 file=path)
-    if blob_len < 8:
-        raise TruncatedFileError(f"{blob_len} bytes, too short for a safetensors header",
-                                 file=path)
+    # The length field is not printed: for a file that is not safetensors at all it is
+    # 8 bytes of someone else's data.
     with open_binary(path, "safetensors file") as f:
+        fsize = os.fstat(f.fileno()).st_size
+        if blob_len is None:
+            blob_len = fsize - base
+        if base + blob_len > fsize:
+            raise TruncatedFileError(
+                f"blob [{base}, {base + blob_len}) past end of file ({fsize} B)", file=path)
+        if blob_len < 8:
+            raise TruncatedFileError(f"{blob_len} bytes, too short for a safetensors header",
+                                     file=path)
         f.seek(base)
         n = struct.unpack("<Q", f.read(8))[0]
         if n > MAX_HEADER_SIZE:
-            raise HeaderTooLargeError(f"header length {n} exceeds limit {MAX_HEADER_SIZE}",
-                                      file=path)
+            raise HeaderTooLargeError(
+                "not a safetensors file: its header length field is above the "
+                f"{MAX_HEADER_SIZE} B limit of the format", file=path)
         if 8 + n > blob_len:
             raise HeaderTooLargeError(
-                f"header length {n} runs past the end of the file ({blob_len} B)", file=path)
+                "not a safetensors file (or truncated): its header length field runs past "
+                f"the end of the file ({blob_len} B)", file=path)
         raw = f.read(n)
     if len(raw) != n:
         raise TruncatedFileError("short read of header", file=path)
     if not raw.startswith(b"{"):
-        raise InvalidHeaderError("header does not start with '{'", file=path)
+        raise InvalidHeaderError("not a safetensors file: header does not start with '{'",
+                                 file=path)
     try:
-        hdr = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicates)
+        hdr = loads_json(raw, "header", path, object_pairs_hook=_no_duplicates)
     except _DuplicateKey as e:
         raise InvalidHeaderError("name appears twice in the header", file=path,
                                  tensor=e.args[0]) from None
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise InvalidHeaderError(f"header is not valid UTF-8 JSON ({e})", file=path) from None
     if not isinstance(hdr, dict):
         raise InvalidHeaderError("header is not a JSON object", file=path)
     meta = hdr.pop("__metadata__", None) or {}
@@ -150,15 +154,16 @@ def read_header(path: str, base: int = 0, blob_len: Optional[int] = None) -> Saf
             raise InvalidHeaderError("entry is not an object", file=path, tensor=name)
         dt_name, shape, offs = info.get("dtype"), info.get("shape"), info.get("data_offsets")
         if not isinstance(dt_name, str) or dt_name not in SAFETENSORS_DTYPES:
-            raise DtypeMismatchError(f"unknown dtype {dt_name!r}", file=path, tensor=name)
+            raise DtypeMismatchError(f"unknown dtype {short_repr(dt_name)}", file=path, tensor=name)
         if (not isinstance(shape, list)
                 or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0
                            for s in shape)):
-            raise InvalidHeaderError(f"bad shape {shape!r}", file=path, tensor=name)
+            raise InvalidHeaderError(f"bad shape {_short_list(shape)}", file=path, tensor=name)
         if (not isinstance(offs, list) or len(offs) != 2
                 or not all(isinstance(o, int) and not isinstance(o, bool) and o >= 0
                            for o in offs) or offs[0] > offs[1]):
-            raise InvalidOffsetError(f"bad data_offsets {offs!r}", file=path, tensor=name)
+            raise InvalidOffsetError(f"bad data_offsets {_short_list(offs)}", file=path,
+                                     tensor=name)
         dtype = SAFETENSORS_DTYPES[dt_name]
         want = numel(shape) * itemsize(dtype)
         if offs[1] - offs[0] != want:
@@ -222,20 +227,18 @@ def open_safetensors_index(index_path: str) -> Checkpoint:
     """
     index_path = os.path.abspath(index_path)
     try:
-        with open_binary(index_path, "index file") as f:
-            idx = json.loads(f.read().decode("utf-8"), object_pairs_hook=_no_duplicates)
+        idx = loads_json(read_metadata_file(index_path, "index file"), "index", index_path,
+                         object_pairs_hook=_no_duplicates)
     except _DuplicateKey as e:
         raise InvalidHeaderError("name appears twice in the index", file=index_path,
                                  tensor=e.args[0]) from None
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise InvalidHeaderError(f"index is not valid JSON ({e})", file=index_path) from None
     wm = idx.get("weight_map") if isinstance(idx, dict) else None
     if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
         raise InvalidHeaderError("index has no 'weight_map' of name -> file", file=index_path)
     root = os.path.dirname(index_path)
     by_file: Dict[str, List[str]] = {}
     for name, fn in wm.items():
-        p = os.path.normpath(os.path.join(root, fn))
+        p = contained_path(root, fn, "weight_map entry", index_path, tensor=name)
         by_file.setdefault(p, []).append(name)
     entries: Dict[str, TensorEntry] = {}
     for p, names in sorted(by_file.items()):
@@ -255,12 +258,17 @@ def open_safetensors_index(index_path: str) -> Checkpoint:
 def open_safetensors_dir(dirpath: str) -> Checkpoint:
     """Open a directory: through its index json if there is one, else every ``*.safetensors``."""
     dirpath = os.path.abspath(dirpath)
-    idx = sorted(f for f in os.listdir(dirpath) if f.endswith(".safetensors.index.json"))
+    try:
+        names = os.listdir(dirpath)
+    except OSError as e:  # unreadable directory
+        raise ReadError(f"cannot list checkpoint directory ({e.strerror or e})",
+                        file=dirpath) from None
+    idx = sorted(f for f in names if f.endswith(".safetensors.index.json"))
     if len(idx) == 1:
         return open_safetensors_index(os.path.join(dirpath, idx[0]))
     if len(idx) > 1:
         raise UnsupportedFormatError(f"several index files {idx}; open one of them", file=dirpath)
-    files = sorted(f for f in os.listdir(dirpath) if f.endswith(".safetensors"))
+    files = sorted(f for f in names if f.endswith(".safetensors"))
     if not files:
         raise UnsupportedFormatError("no .safetensors files", file=dirpath)
     entries: Dict[str, TensorEntry] = {}

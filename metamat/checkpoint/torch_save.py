@@ -24,7 +24,9 @@ import torch
 
 from .base import Checkpoint, Chunk, TensorEntry, itemsize, numel, open_binary
 from .errors import (CheckpointError, InvalidHeaderError, InvalidOffsetError,
-                     TruncatedFileError, UnsupportedFormatError)
+                     KeyCollisionError, LimitExceededError, TruncatedFileError,
+                     UnsupportedFormatError)
+from .limits import METADATA_BYTES, PICKLE_DEPTH, PICKLE_OBJECTS, check, limit, short_repr
 
 __all__ = ["StorageRef", "TensorRef", "TorchSaveArchive", "parse_torch_save",
            "open_torch_save", "tensor_chunk"]
@@ -43,11 +45,21 @@ _STORAGE_DTYPES = {
 }
 
 
+def _no_setstate(self, state) -> None:
+    # A pickle BUILD op would otherwise write straight into __dict__ (frozen or not),
+    # e.g. moving a TensorRef's storage_offset after it was validated, or renaming a
+    # shared _Marker for every later load.
+    raise InvalidHeaderError(f"data.pkl sets the state of a {type(self).__name__} "
+                             "(BUILD on a tensor, storage or class reference)")
+
+
 @dataclass(frozen=True)
 class StorageRef:
     key: str
     dtype: torch.dtype
     numel: int
+
+    __setstate__ = _no_setstate
 
 
 @dataclass(frozen=True)
@@ -56,6 +68,8 @@ class TensorRef:
     storage_offset: int
     size: Tuple[int, ...]
     stride: Tuple[int, ...]
+
+    __setstate__ = _no_setstate
 
 
 def _rebuild_tensor_v2(storage, storage_offset, size, stride, requires_grad=False,
@@ -81,7 +95,13 @@ class _Marker:
         self.name = name
 
     def __call__(self, *a, **k):  # e.g. torch.device('cpu'): keep as a string
+        # only short scalars: the repr of a shared or deep argument could be exponential
+        if k or len(a) > 4 or not all(isinstance(x, (str, int)) and len(short_repr(x)) < 80
+                                      for x in a):
+            raise InvalidHeaderError(f"data.pkl calls {self.name} with unexpected arguments")
         return f"{self.name}{a}"
+
+    __setstate__ = _no_setstate
 
 
 _GLOBALS = {
@@ -114,13 +134,16 @@ class _RestrictedUnpickler(pickle.Unpickler):
             return _Marker(name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
-        raise UnsupportedFormatError(f"data.pkl uses unsupported global {module}.{name}",
-                                     file=self._where)
+        raise UnsupportedFormatError(
+            f"data.pkl uses unsupported global {short_repr(module)}.{short_repr(name)}",
+            file=self._where)
 
     def persistent_load(self, pid: Any) -> Any:
         if (not isinstance(pid, tuple) or len(pid) != 5 or pid[0] != "storage"
                 or not isinstance(pid[1], _Marker) or pid[1].name not in _STORAGE_DTYPES):
-            raise UnsupportedFormatError(f"unsupported persistent id {pid!r}", file=self._where)
+            what = (tuple(short_repr(x) for x in pid[:5]) if isinstance(pid, tuple)
+                    else short_repr(pid))
+            raise UnsupportedFormatError(f"unsupported persistent id {what}", file=self._where)
         return StorageRef(str(pid[2]), _STORAGE_DTYPES[pid[1].name], int(pid[4]))
 
 
@@ -178,6 +201,7 @@ def parse_torch_save(path: str, base: int = 0, length: Optional[int] = None,
         MissingFileError, TruncatedFileError, InvalidHeaderError, UnsupportedFormatError.
     """
     path = str(path)
+    limit(METADATA_BYTES)  # a bad METAMAT_MAX_METADATA_BYTES: ValueError, not "damaged zip"
     own = f is None
     if own:
         f = open_binary(path, "torch.save file")
@@ -191,8 +215,10 @@ def parse_torch_save(path: str, base: int = 0, length: Optional[int] = None,
                 file=path)
         try:
             win = _Window(f, base, length)
+            buf = io.BufferedReader(win, 1 << 16)
+            _check_central_directory(buf, path)
             try:
-                zf = zipfile.ZipFile(io.BufferedReader(win, 1 << 16))
+                zf = zipfile.ZipFile(buf)
             except zipfile.BadZipFile as e:
                 raise InvalidHeaderError(f"not a torch.save zip archive at {base} ({e})",
                                          file=path) from None
@@ -210,11 +236,14 @@ def parse_torch_save(path: str, base: int = 0, length: Optional[int] = None,
                                          file=path)
             prefix = pkl[0].filename[: -len("data.pkl")]
             bo = names.get(prefix + "byteorder")
-            if bo is not None and zf.read(bo).strip() not in (b"little",):
+            if bo is not None and _read_record(zf, bo, path).strip() not in (b"little",):
                 raise UnsupportedFormatError("big-endian torch.save archive", file=path)
             try:
-                obj = _RestrictedUnpickler(io.BytesIO(zf.read(pkl[0])), path).load()
-            except (UnsupportedFormatError, InvalidHeaderError):
+                raw = _read_record(zf, pkl[0], path)
+                obj = _RestrictedUnpickler(io.BytesIO(raw), path).load()
+            except CheckpointError as e:  # raised in a pickle callback, without the file
+                if e.file is None and type(e).__init__ is CheckpointError.__init__:
+                    raise type(e)(e.detail, file=path, tensor=e.tensor) from None
                 raise
             except Exception as e:  # malformed pickle stream: any of a dozen exception types
                 raise InvalidHeaderError(
@@ -250,6 +279,29 @@ def parse_torch_save(path: str, base: int = 0, length: Optional[int] = None,
             f.close()
 
 
+def _check_central_directory(buf, path: str) -> None:
+    """The central directory zipfile would parse into one object per entry: its declared
+    size is bounded like any metadata record (a huge one costs ~10x its size in memory)."""
+    end = zipfile._EndRecData(buf)  # None: not a zip, which ZipFile() then reports
+    if end is not None:
+        check(METADATA_BYTES, end[zipfile._ECD_SIZE], file=path,
+              what="zip central directory size")
+    buf.seek(0)
+
+
+def _read_record(zf: zipfile.ZipFile, info: zipfile.ZipInfo, path: str) -> bytes:
+    """A metadata record (data.pkl, byteorder), inflated (deflate, bzip2, ...) at most to
+    the metadata size limit: the declared size is checked first, and zipfile stops
+    inflating at the declared size (a record inflating past it fails its CRC check)."""
+    check(METADATA_BYTES, info.file_size, file=path,
+          what=f"inflated size record {short_repr(info.filename)} declares")
+    with zf.open(info) as r:
+        data = r.read(limit(METADATA_BYTES) + 1)
+    check(METADATA_BYTES, len(data), file=path,
+          what=f"bytes record {short_repr(info.filename)} inflates to")
+    return data
+
+
 def tensor_chunk(arch: TorchSaveArchive, ref: TensorRef, offsets: Tuple[int, ...],
                  name: str) -> Chunk:
     """The ``Chunk`` locating tensor ``ref`` of ``arch`` (placed at ``offsets``).
@@ -277,18 +329,60 @@ def tensor_chunk(arch: TorchSaveArchive, ref: TensorRef, offsets: Tuple[int, ...
         raise InvalidOffsetError(
             f"view (offset {ref.storage_offset}, size {size}, stride {stride}) lies outside "
             f"its storage of {ref.storage.numel} elements", file=arch.path, tensor=name)
+    if any(st == 0 and sz > 1 for sz, st in zip(size, stride)):
+        # an expand()ed tensor: one saved row stands for many; the reader copies file bytes
+        # as laid out, so say so now rather than fail (or mis-read) at load time
+        raise UnsupportedFormatError(
+            f"expanded view (size {size}, stride {stride}: stride 0 over a dim of size > 1); "
+            "re-save it with .contiguous()", file=arch.path, tensor=name)
     contiguous = all(
         sz <= 1 or st == numel(size[i + 1:]) for i, (sz, st) in enumerate(zip(size, stride)))
     return Chunk(arch.path, rec[0] + ref.storage_offset * isz, span * isz, tuple(offsets),
                  tuple(size), None if contiguous else tuple(stride))
 
 
-def _flatten(obj: Any, prefix: str, out: Dict[str, TensorRef]) -> None:
+def _measure(obj: Any, depth: int, memo: Dict[int, Tuple[int, int]], active: set,
+             where: str) -> Tuple[int, int]:
+    """(entries, height) of the dict tree ``_flatten`` would walk, in time linear in the
+    *distinct* dicts: a pickle can reference one dict many times (memo), so 1 KB of
+    pickle can expand to 2**30 entries ("billion laughs"), or contain itself."""
+    if not isinstance(obj, dict):
+        return 1, 0
+    key = id(obj)
+    if key in active:
+        raise InvalidHeaderError("data.pkl holds a dict that contains itself", file=where)
+    got = memo.get(key)
+    if got is None:
+        active.add(key)
+        n, h = 1, 0
+        for v in obj.values():
+            check(PICKLE_DEPTH, depth + 1, file=where, what="state dict nesting depth")
+            cn, ch = _measure(v, depth + 1, memo, active, where)
+            n, h = n + cn, max(h, ch + 1)
+            check(PICKLE_OBJECTS, n, file=where,
+                  what="state dict entries (counting shared references)")
+        active.discard(key)
+        got = memo[key] = (n, h)
+    check(PICKLE_DEPTH, depth + got[1], file=where, what="state dict nesting depth")
+    return got
+
+
+def _key(k: Any, where: str) -> str:
+    if isinstance(k, (str, int, float)) or k is None:
+        return str(k)
+    raise InvalidHeaderError(f"state dict key of type {type(k).__name__}", file=where)
+
+
+def _flatten(obj: Any, prefix: str, out: Dict[str, TensorRef], where: str) -> None:
     if isinstance(obj, TensorRef):
+        if prefix in out:
+            raise KeyCollisionError("two entries of the nested state dict flatten to this key",
+                                    file=where, tensor=prefix)
         out[prefix] = obj
     elif isinstance(obj, dict):
         for k, v in obj.items():
-            _flatten(v, f"{prefix}.{k}" if prefix else str(k), out)
+            k = _key(k, where)
+            _flatten(v, f"{prefix}.{k}" if prefix else k, out, where)
 
 
 def open_torch_save(path: str) -> Checkpoint:
@@ -299,7 +393,14 @@ def open_torch_save(path: str) -> Checkpoint:
     path = os.path.abspath(path)
     arch = parse_torch_save(path)
     refs: Dict[str, TensorRef] = {}
-    _flatten(arch.obj, "", refs)
+    try:
+        _measure(arch.obj, 0, {}, set(), path)  # bounds _flatten's work and recursion
+    except RecursionError:
+        raise LimitExceededError(
+            "state dict nesting is deeper than Python's recursion limit allows (lower "
+            "METAMAT_MAX_PICKLE_DEPTH or raise sys.setrecursionlimit)", limit="recursion",
+            file=path) from None
+    _flatten(arch.obj, "", refs, path)
     if isinstance(arch.obj, TensorRef):
         refs = {"": arch.obj}
     entries = {}

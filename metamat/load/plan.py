@@ -24,7 +24,7 @@ import torch
 from ..checkpoint.base import Checkpoint, Chunk, TensorEntry, itemsize
 from ..checkpoint.errors import (CoverageError, DestinationError, DtypeMismatchError,
                                  MissingFileError, MissingTensorError, OverlappingChunksError,
-                                 ShapeMismatchError, TruncatedFileError, UnsupportedFormatError)
+                                 ReadError, ShapeMismatchError, TruncatedFileError, UnsupportedFormatError)
 from ..dtypes import CONVERTIBLE
 from ..plan import Target
 from .ops import ReadOp
@@ -283,6 +283,8 @@ def _check_files(files: List[str], ops: List[ReadOp]) -> None:
             sizes.append(os.stat(f).st_size)
         except FileNotFoundError:
             raise MissingFileError("data file does not exist", file=f) from None
+        except OSError as e:  # e.g. replaced by a symlink loop since the checkpoint was opened
+            raise ReadError(f"cannot stat data file ({e.strerror or e})", file=f) from None
     for op in ops:
         end = op.file_offset + (op.rows - 1) * op.src_stride + op.row_bytes
         if end > sizes[op.file_index]:

@@ -22,7 +22,8 @@ import numpy as np
 
 from ..checkpoint.base import Checkpoint
 from ..checkpoint.checksum import ChunkSum, Manifest, read_manifest, sidecar_path
-from ..checkpoint.errors import ChecksumMismatchError, InvalidHeaderError, MissingFileError
+from ..checkpoint.errors import (ChecksumMismatchError, InvalidHeaderError, MissingFileError,
+                                 ReadError)
 from .ops import ReadOp
 
 __all__ = ["BlockIndex", "load_manifest", "resolve_manifest"]
@@ -94,6 +95,8 @@ class BlockIndex:
                 size = os.stat(f).st_size
             except FileNotFoundError:
                 raise MissingFileError("data file does not exist", file=f) from None
+            except OSError as e:  # symlink loop, permission
+                raise ReadError(f"cannot stat data file ({e.strerror or e})", file=f) from None
             want = sizes.get(p)
             if want is None:
                 raise ChecksumMismatchError("the checksum manifest does not list this file "

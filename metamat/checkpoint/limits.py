@@ -1,0 +1,187 @@
+"""Safety limits and guarded access for everything metamat reads as checkpoint *metadata*.
+
+Metadata (safetensors headers, HF index json, checksum sidecars, DCP ``.metadata``,
+torch.save ``data.pkl``) is untrusted input: each read here is bounded, so a hostile or
+merely wrong file fails fast with a named error instead of hanging, exhausting memory or
+recursing. Every limit can be raised by an environment variable (read at each check, so a
+test or a long-running job can change it):
+
+=============================  ===================================  ===========
+limit                          environment variable                 default
+=============================  ===================================  ===========
+bytes of one metadata record   ``METAMAT_MAX_METADATA_BYTES``        1 GiB
+objects a pickle expands to    ``METAMAT_MAX_PICKLE_OBJECTS``        10,000,000
+nesting depth of a state dict  ``METAMAT_MAX_PICKLE_DEPTH``          200
+=============================  ===================================  ===========
+
+Integers in JSON are bounded by Python's own digit limit (``PYTHONINTMAXSTRDIGITS``).
+
+The module also holds the two guards every metadata open and every metadata-named path go
+through: :func:`open_regular` (non-blocking open, regular files only) and
+:func:`contained_path` (a path from a checkpoint's metadata stays inside its directory).
+"""
+from __future__ import annotations
+
+import json
+import os
+import stat
+from typing import Any, Optional
+
+from .errors import (InvalidHeaderError, LimitExceededError, MissingFileError, ReadError,
+                     UnsafePathError)
+
+__all__ = ["METADATA_BYTES", "PICKLE_OBJECTS", "PICKLE_DEPTH", "limit", "check", "open_regular",
+           "read_metadata_file", "loads_json", "contained_path", "short_repr"]
+
+# name -> (environment variable, default)
+METADATA_BYTES = ("metadata bytes", "METAMAT_MAX_METADATA_BYTES", 1 << 30)
+PICKLE_OBJECTS = ("pickle objects", "METAMAT_MAX_PICKLE_OBJECTS", 10_000_000)
+# well below Python's recursion limit, so the walk over the state dict stays safe
+PICKLE_DEPTH = ("pickle nesting depth", "METAMAT_MAX_PICKLE_DEPTH", 200)
+
+
+def limit(which) -> int:
+    """The limit in force: its environment variable if set (a positive int), else the default."""
+    _, env, default = which
+    raw = os.environ.get(env)
+    if raw is None:
+        return default
+    try:
+        v = int(raw)
+    except ValueError:
+        raise ValueError(f"{env} must be a positive integer, got {raw!r}") from None
+    if v <= 0:
+        raise ValueError(f"{env} must be a positive integer, got {raw!r}")
+    return v
+
+
+def check(which, value: int, file=None, tensor=None, what: str = "") -> None:
+    """Raise :class:`LimitExceededError` if ``value`` is above the limit ``which``."""
+    m = limit(which)
+    if value > m:
+        name, env, _ = which
+        raise LimitExceededError(
+            f"{what or name}: {value} is above the limit of {m} ({name}); raise it with the "
+            f"environment variable {env}=N", limit=name, value=value, maximum=m, env=env,
+            file=file, tensor=tensor)
+
+
+_KINDS = [(stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+          (stat.S_ISSOCK, "a socket")]
+
+
+def open_regular(path: str, what: str = "file", tensor: Optional[str] = None):
+    """Open ``path`` for binary reading, never blocking, and only if it is a regular file
+    (symlinks are followed first).
+
+    ``O_NONBLOCK`` makes opening a FIFO return at once instead of waiting for a writer; the
+    ``fstat`` of the opened descriptor then refuses it (and character devices such as a
+    symlink to ``/dev/zero``, which would read forever).
+
+    Raises:
+        MissingFileError: ``path`` does not exist.
+        ReadError: it is not a regular file, or the OS refuses to open it.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise MissingFileError(f"{what} does not exist", file=path, tensor=tensor) from None
+    except ValueError:  # embedded NUL byte
+        raise ReadError(f"{what} path holds a NUL byte", file=repr(path), tensor=tensor) from None
+    except OSError as e:
+        raise ReadError(f"cannot open {what} ({e.strerror or e})", file=path,
+                        tensor=tensor) from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = next((k for test, k in _KINDS if test(mode)), "not a regular file")
+            raise ReadError(f"{what} is {kind}, not a regular file", file=path, tensor=tensor)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_metadata_file(path: str, what: str) -> bytes:
+    """All bytes of a metadata file, refusing special files and files above the size limit
+    before reading (a sparse multi-GiB file fails at ``fstat``)."""
+    with open_regular(path, what) as f:
+        check(METADATA_BYTES, os.fstat(f.fileno()).st_size, file=path, what=f"{what} size")
+        return f.read(limit(METADATA_BYTES) + 1)
+
+
+def loads_json(raw: bytes, what: str, file: str, object_pairs_hook=None) -> Any:
+    """``json.loads`` with every failure as a named error.
+
+    Raises:
+        InvalidHeaderError: not UTF-8, not JSON, or nested too deeply.
+        LimitExceededError: an integer longer than Python's digit limit.
+    """
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:  # say where, not which bytes
+        raise InvalidHeaderError(f"{what} is not valid UTF-8 (at byte {e.start})",
+                                 file=file) from None
+    try:
+        return json.loads(text, object_pairs_hook=object_pairs_hook)
+    except json.JSONDecodeError as e:
+        raise InvalidHeaderError(f"{what} is not valid JSON ({e.msg} at char {e.pos})",
+                                 file=file) from None
+    except RecursionError:
+        raise InvalidHeaderError(f"{what} is nested too deeply", file=file) from None
+    except ValueError as e:  # "Exceeds the limit (4300 digits) for integer string conversion"
+        if "digits" not in str(e):
+            raise InvalidHeaderError(f"{what} is not valid JSON ({e})", file=file) from None
+        import sys
+        m = sys.get_int_max_str_digits()
+        raise LimitExceededError(
+            f"{what} holds an integer longer than {m} digits; raise the limit with the "
+            "environment variable PYTHONINTMAXSTRDIGITS=N (or sys.set_int_max_str_digits)",
+            limit="integer digits", maximum=m, env="PYTHONINTMAXSTRDIGITS",
+            file=file) from None
+
+
+def contained_path(root: str, rel: Any, what: str, where: str,
+                   tensor: Optional[str] = None) -> str:
+    """``root/rel`` for a path a checkpoint's own metadata names, kept inside ``root``.
+
+    The check is lexical (after ``normpath``), not on resolved symlinks: a symlink sitting in
+    the directory is followed (HF cache snapshots link into ``../../blobs``), but the
+    metadata cannot name ``../x``, an absolute path or a NUL byte.
+
+    Args:
+        root: the checkpoint directory.
+        rel: the path as the metadata spells it.
+        what: what the path is, for the message (``"weight_map entry"``).
+        where: the metadata file, named by the error.
+
+    Raises:
+        UnsafePathError: ``rel`` is not a non-empty relative string inside ``root``.
+    """
+    if not isinstance(rel, str) or not rel:
+        raise UnsafePathError(f"{what} {short_repr(rel)} is not a file name", file=where,
+                              tensor=tensor)
+    if "\0" in rel:
+        raise UnsafePathError(f"{what} {short_repr(rel)} holds a NUL byte", file=where,
+                              tensor=tensor)
+    if os.path.isabs(rel):
+        raise UnsafePathError(f"{what} {short_repr(rel)} is an absolute path", file=where,
+                              tensor=tensor)
+    root = os.path.normpath(os.path.abspath(root))
+    p = os.path.normpath(os.path.join(root, rel))
+    if not p.startswith(root.rstrip(os.sep) + os.sep):
+        raise UnsafePathError(f"{what} {short_repr(rel)} leaves the checkpoint directory",
+                              file=where, tensor=tensor)
+    return p
+
+
+def short_repr(x: Any, n: int = 80) -> str:
+    """``repr`` of a str/int/float/bool/None cut to ``n`` characters; other objects by type
+    name only (their repr could be huge, deep or self-referential)."""
+    if isinstance(x, (str, bytes, int, float, bool, type(None))):
+        if isinstance(x, int) and x.bit_length() > 256:
+            return f"<int of {x.bit_length()} bits>"
+        r = repr(x)
+        return r if len(r) <= n else r[:n] + "..."
+    return f"<{type(x).__name__}>"
