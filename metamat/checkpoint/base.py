@@ -7,12 +7,12 @@ the load planner (``metamat.load``) only ever sees this representation.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from . import storage as fs
 from .errors import (InvalidOffsetError, MissingFileError, ReadError, ShapeMismatchError,
                      TruncatedFileError)
 
@@ -27,7 +27,7 @@ def open_binary(path: str, what: str = "file", tensor: Optional[str] = None):
         ReadError: it is a directory, unreadable, or the OS refuses otherwise.
     """
     try:
-        return open(path, "rb")
+        return fs.open_raw(path)
     except FileNotFoundError:
         raise MissingFileError(f"{what} does not exist", file=path, tensor=tensor) from None
     except IsADirectoryError:
@@ -149,7 +149,7 @@ class Checkpoint:
         sizes = {}
         for f in self.files:
             try:
-                sizes[f] = os.stat(f).st_size
+                sizes[f] = fs.getsize(f)
             except FileNotFoundError:
                 raise MissingFileError("data file does not exist", file=f) from None
             except OSError as e:  # e.g. a path component is not a directory

@@ -10,13 +10,13 @@ ends exactly at the end of the blob.
 from __future__ import annotations
 
 import json
-import os
 import struct
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from . import storage as fs
 from .base import Checkpoint, Chunk, TensorEntry, itemsize, numel, open_binary
 from .errors import (DtypeMismatchError, HeaderTooLargeError, InvalidHeaderError, InvalidOffsetError,
                      MissingFileError, MissingTensorError, TruncatedFileError,
@@ -73,7 +73,7 @@ def _no_duplicates(pairs):
 def looks_like_safetensors(path: str, base: int = 0) -> bool:
     """True if the bytes at ``base`` start like a safetensors header (size, then ``{``)."""
     try:
-        with open(path, "rb") as f:
+        with fs.open_raw(path) as f:
             f.seek(base)
             head = f.read(9)
     except OSError:
@@ -101,7 +101,7 @@ def read_header(path: str, base: int = 0, blob_len: Optional[int] = None) -> Saf
     """
     path = str(path)
     try:
-        fsize = os.stat(path).st_size
+        fsize = fs.getsize(path)
     except FileNotFoundError:
         raise MissingFileError("safetensors file does not exist", file=path) from None
     except OSError as e:
@@ -202,7 +202,7 @@ def header_to_entries(h: SafetensorsHeader, names=None) -> Dict[str, TensorEntry
 
 def open_safetensors_file(path: str) -> Checkpoint:
     """Open one ``.safetensors`` file."""
-    path = os.path.abspath(path)
+    path = fs.abspath(path)
     return Checkpoint("safetensors", path, header_to_entries(read_header(path)))
 
 
@@ -220,7 +220,7 @@ def open_safetensors_index(index_path: str) -> Checkpoint:
 
     Every tensor the ``weight_map`` lists must be in the shard it names.
     """
-    index_path = os.path.abspath(index_path)
+    index_path = fs.abspath(index_path)
     try:
         with open_binary(index_path, "index file") as f:
             idx = json.loads(f.read().decode("utf-8"), object_pairs_hook=_no_duplicates)
@@ -232,15 +232,15 @@ def open_safetensors_index(index_path: str) -> Checkpoint:
     wm = idx.get("weight_map") if isinstance(idx, dict) else None
     if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
         raise InvalidHeaderError("index has no 'weight_map' of name -> file", file=index_path)
-    root = os.path.dirname(index_path)
+    root = fs.dirname(index_path)
     by_file: Dict[str, List[str]] = {}
     for name, fn in wm.items():
-        p = os.path.normpath(os.path.join(root, fn))
+        p = fs.normpath(fs.join(root, fn))
         by_file.setdefault(p, []).append(name)
     entries: Dict[str, TensorEntry] = {}
     for p, names in sorted(by_file.items()):
-        if not os.path.exists(p):
-            raise MissingFileError(f"shard listed in {os.path.basename(index_path)} is missing",
+        if not fs.exists(p):
+            raise MissingFileError(f"shard listed in {fs.basename(index_path)} is missing",
                                    file=p)
         h = read_header(p)
         absent = [n for n in names if n not in h.tensors]
@@ -254,16 +254,16 @@ def open_safetensors_index(index_path: str) -> Checkpoint:
 
 def open_safetensors_dir(dirpath: str) -> Checkpoint:
     """Open a directory: through its index json if there is one, else every ``*.safetensors``."""
-    dirpath = os.path.abspath(dirpath)
-    idx = sorted(f for f in os.listdir(dirpath) if f.endswith(".safetensors.index.json"))
+    dirpath = fs.abspath(dirpath)
+    idx = sorted(f for f in fs.listdir(dirpath) if f.endswith(".safetensors.index.json"))
     if len(idx) == 1:
-        return open_safetensors_index(os.path.join(dirpath, idx[0]))
+        return open_safetensors_index(fs.join(dirpath, idx[0]))
     if len(idx) > 1:
         raise UnsupportedFormatError(f"several index files {idx}; open one of them", file=dirpath)
-    files = sorted(f for f in os.listdir(dirpath) if f.endswith(".safetensors"))
+    files = sorted(f for f in fs.listdir(dirpath) if f.endswith(".safetensors"))
     if not files:
         raise UnsupportedFormatError("no .safetensors files", file=dirpath)
     entries: Dict[str, TensorEntry] = {}
     for fn in files:
-        _merge(entries, header_to_entries(read_header(os.path.join(dirpath, fn))), dirpath)
+        _merge(entries, header_to_entries(read_header(fs.join(dirpath, fn))), dirpath)
     return Checkpoint("safetensors", dirpath, entries)

@@ -21,6 +21,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from ..checkpoint import storage as fs
 from ..checkpoint.base import Checkpoint, Chunk, TensorEntry, itemsize
 from ..checkpoint.errors import (CoverageError, DestinationError, DtypeMismatchError,
                                  MissingFileError, MissingTensorError, OverlappingChunksError,
@@ -280,7 +281,7 @@ def _check_files(files: List[str], ops: List[ReadOp]) -> None:
     sizes = []
     for f in files:
         try:
-            sizes.append(os.stat(f).st_size)
+            sizes.append(fs.getsize(f))
         except FileNotFoundError:
             raise MissingFileError("data file does not exist", file=f) from None
     for op in ops:
