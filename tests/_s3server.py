@@ -137,13 +137,77 @@ class FaultProxy:
         self.srv.server_close()
 
 
-class S3Server:
-    """moto on loopback with a bucket, and a :class:`FaultProxy` in front of it."""
+_CHILD = r"""
+import sys, time
+from moto.server import ThreadedMotoServer
+if sys.argv[2] == "1":
+    # moto's FakeKey.value re-reads the whole object from its spooled temp file under a
+    # per-key lock on every GET, so a ranged GET costs O(object) there and concurrent GETs of
+    # one object are serialised. Keep the bytes once per write instead, so a range costs what
+    # it costs on a real store (the bench measures the client, not moto).
+    from moto.s3 import models as m
+    prop = m.FakeKey.value
+    def _get(self):
+        c = getattr(self, "_mm_cache", None)
+        if c is None or c[0] != self.contentsize:
+            c = self._mm_cache = (self.contentsize, prop.fget(self))
+        return c[1]
+    def _set(self, v):
+        self._mm_cache = None
+        prop.fset(self, v)
+    m.FakeKey.value = property(_get, _set)
+srv = ThreadedMotoServer(ip_address="127.0.0.1", port=int(sys.argv[1]), verbose=False)
+srv.start()
+print("ready", flush=True)
+sys.stdin.read()
+srv.stop()
+"""
 
-    def __init__(self, bucket: str = "ckpts") -> None:
-        from moto.server import ThreadedMotoServer
-        self.moto = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-        self.moto.start()
+
+class _ChildMoto:
+    """moto in its own process (no GIL shared with the client being measured)."""
+
+    def __init__(self, fast_ranges: bool) -> None:
+        import subprocess
+        import sys
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.p = subprocess.Popen([sys.executable, "-c", _CHILD, str(self.port),
+                                   "1" if fast_ranges else "0"], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        line = self.p.stdout.readline()
+        if "ready" not in line:
+            raise RuntimeError("moto server did not start")
+
+    def get_host_and_port(self):
+        return "127.0.0.1", self.port
+
+    def stop(self) -> None:
+        try:
+            self.p.stdin.close()
+            self.p.wait(timeout=10)
+        except Exception:  # noqa: BLE001
+            self.p.kill()
+            self.p.wait()
+
+
+class S3Server:
+    """moto on loopback with a bucket, and a :class:`FaultProxy` in front of it.
+
+    Args:
+        process: run moto in a child process (the bench) instead of a thread.
+        fast_ranges: with ``process``, make moto's ranged GETs cost O(range) (see _CHILD).
+    """
+
+    def __init__(self, bucket: str = "ckpts", process: bool = False,
+                 fast_ranges: bool = False) -> None:
+        if process:
+            self.moto = _ChildMoto(fast_ranges)
+        else:
+            from moto.server import ThreadedMotoServer
+            self.moto = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+            self.moto.start()
         host, port = self.moto.get_host_and_port()
         self.direct_url = f"http://{host}:{port}"
         self.proxy = FaultProxy(host, port)
