@@ -249,6 +249,15 @@ def test_changed_object_and_missing_key_are_named(s3, tmp_path):
     assert "s3://ckpts/nope/x.safetensors" in str(ei.value)
 
 
+def test_verify_is_refused_before_anything_is_allocated(s3, tmp_path):
+    from metamat.checkpoint import UnsupportedFormatError
+    url = upload_dir(s3, _save_st(tmp_path, _state(10)), "ver/m.safetensors")
+    net = Net()
+    with pytest.raises(UnsupportedFormatError, match="verify"):
+        metamat.materialize(net, url, device="cpu", verify=True, storage_options=_opts(s3))
+    assert all(p.device.type == "meta" for p in net.parameters())
+
+
 def test_library_imports_without_client():
     code = ("import sys, metamat, metamat.checkpoint, metamat.load; "
             "assert 'obstore' not in sys.modules; "

@@ -109,12 +109,14 @@ class RemoteStats:
     bytes_requested: int = 0
 
 
-def plan_requests(ops: Sequence[ReadOp], gap: int, part: int):
-    """Pieces (contiguous source spans of ops) and requests ``(file, start, end)``.
+def plan_requests(ops: Sequence[ReadOp], gap: int, part: int,
+                  direct: Optional[Sequence[bool]] = None):
+    """Pieces (contiguous source spans of ops) and requests ``(file, start, end, direct)``.
 
     A strided op is one span when its row gap is at most ``gap``; ranges of one file at most
-    ``gap`` apart are merged into one request, requests longer than ``part`` are not extended
-    further (a long single range stays one request; the fetcher cuts it).
+    ``gap`` apart are merged into one request (up to ``part`` bytes, or overlapping). An op
+    with ``direct[i]`` (contiguous on both sides, no conversion, host memory, large) is its own
+    request, read straight into the destination (the fetcher cuts long requests in parts).
     """
     pieces: List[_Piece] = []
     for i, o in enumerate(ops):
@@ -127,17 +129,19 @@ def plan_requests(ops: Sequence[ReadOp], gap: int, part: int):
                 pieces.append(_Piece(i, r, 1, s, s + o.row_bytes))
     order = sorted(range(len(pieces)),
                    key=lambda k: (ops[pieces[k].op].file_index, pieces[k].start))
-    reqs: List[List[int]] = []  # [file, start, end]
+    reqs: List[List] = []  # [file, start, end, direct]
     for k in order:
         p = pieces[k]
         f = ops[p.op].file_index
-        if reqs:
+        d = bool(direct[p.op]) if direct is not None else False
+        if reqs and not d:
             r = reqs[-1]
-            if r[0] == f and p.start <= r[2] + gap and (p.end - r[1] <= part or p.start < r[2]):
+            if (not r[3] and r[0] == f and p.start <= r[2] + gap
+                    and (p.end - r[1] <= part or p.start < r[2])):
                 r[2] = max(r[2], p.end)
                 p.req = len(reqs) - 1
                 continue
-        reqs.append([f, p.start, p.end])
+        reqs.append([f, p.start, p.end, d])
         p.req = len(reqs) - 1
     return pieces, [tuple(r) for r in reqs]
 
@@ -145,13 +149,24 @@ def plan_requests(ops: Sequence[ReadOp], gap: int, part: int):
 def _split(reqs, part: int):
     """Cut each request into parts of at most ``part`` bytes: (request, start, end)."""
     out = []
-    for i, (_, s, e) in enumerate(reqs):
+    for i, (_, s, e, *_d) in enumerate(reqs):
         p = s
         while p < e:
             q = min(e, p + part)
             out.append((i, p, q))
             p = q
     return out
+
+
+#: Ops at least this big that need no conversion and are contiguous on both sides are read
+#: straight into host destinations (no staging copy).
+DIRECT_BYTES = 1 << 20
+
+
+def _direct_ok(op: ReadOp, t: torch.Tensor) -> bool:
+    return (t.device.type == "cpu" and not op.converts and op.src_bytes >= DIRECT_BYTES
+            and (op.rows == 1 or (op.src_stride == op.row_bytes
+                                  and op.dst_stride == op.dst_row_bytes)))
 
 
 def _typed(u8: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -186,27 +201,30 @@ def execute_plan_remote(plan: LoadPlan, *, staging_bytes: int = 256 << 20,
     Raises:
         ReadError: an object is gone, changed, or unreadable after retries (named); the
             destinations may be partly written (materialize writes into fresh memory).
-        NotImplementedError: ``verify`` (checksum manifests of remote checkpoints).
+        UnsupportedFormatError: ``verify`` (checksum manifests of remote checkpoints).
     """
     if verify is not None:
-        raise NotImplementedError("verify=True is not supported for s3:// checkpoints yet")
+        from ..checkpoint.errors import UnsupportedFormatError
+        raise UnsupportedFormatError("verify is not supported for s3:// checkpoints yet",
+                                     file=plan.files[0] if plan.files else None)
     metas = [fs.remote_meta(f) for f in plan.files]
     sess = metas[0][0] if metas else fs.current()
     ops = plan.ops
-    pieces, reqs = plan_requests(ops, sess.coalesce_gap, sess.part_bytes)
-    for (f, s, e) in reqs:
+    direct = [_direct_ok(o, plan.targets[o.dst_index].tensor) for o in ops]
+    pieces, reqs = plan_requests(ops, sess.coalesce_gap, sess.part_bytes, direct)
+    for (f, s, e, _d) in reqs:
         size = metas[f][1]
         if e > size:
             raise ReadError(f"read [{s}, {e}) past end of object ({size} B)",
                             file=plan.files[f])
     devices = {t.tensor.device for t in plan.targets}
     pin = any(d.type == "cuda" for d in devices) and torch.cuda.is_available()
-    cap = max(max((e - s for _, s, e in reqs), default=0), int(staging_bytes))
-    # batches of whole requests, each batch fits the staging buffer
+    cap = max(max((e - s for _, s, e, d in reqs if not d), default=0), int(staging_bytes))
+    # batches of whole requests, each batch's staged ones fit the staging buffer
     batches: List[List[int]] = []
     cur, used = [], 0
-    for i, (_, s, e) in enumerate(reqs):
-        n = (e - s + 63) & ~63
+    for i, (_, s, e, d) in enumerate(reqs):
+        n = 0 if d else (e - s + (s % 64) + 63) & ~63
         if cur and used + n > cap:
             batches.append(cur)
             cur, used = [], 0
@@ -221,7 +239,7 @@ def execute_plan_remote(plan: LoadPlan, *, staging_bytes: int = 256 << 20,
     total = plan.src_bytes
     done = 0
     st = stats if stats is not None else RemoteStats()
-    buf_bytes = min(cap, sum((e - s + 63) & ~63 for _, s, e in reqs)) if reqs else 0
+    buf_bytes = min(cap, sum((e - s + (s % 64) + 63) & ~63 for _, s, e, d in reqs if not d))
     buf = torch.empty(buf_bytes, dtype=torch.uint8, pin_memory=pin)
     mv = memoryview(buf.numpy()) if buf_bytes else None
     pool = ThreadPoolExecutor(max_workers=max(1, sess.max_concurrency),
@@ -233,7 +251,9 @@ def execute_plan_remote(plan: LoadPlan, *, staging_bytes: int = 256 << 20,
             where: Dict[int, int] = {}
             off = 0
             for i in batch:
-                _, s, e = reqs[i]
+                _, s, e, d = reqs[i]
+                if d:
+                    continue
                 where[i] = off + (s % 64)  # same alignment in the buffer as in the object
                 off += ((e - s + (s % 64)) + 63) & ~63
             if off > buf.numel():
@@ -241,12 +261,20 @@ def execute_plan_remote(plan: LoadPlan, *, staging_bytes: int = 256 << 20,
                 mv = memoryview(buf.numpy())
             jobs = []
             for i in batch:
-                f, s, e = reqs[i]
+                f, s, e, d = reqs[i]
                 url = plan.files[f]
+                if d:
+                    p = by_req[i][0]
+                    op = ops[p.op]
+                    dst = _dst(plan.targets[op.dst_index].tensor, op, 0, op.rows)
+                    target = memoryview(dst.view(-1).view(torch.uint8).numpy())
+                    base = s
+                else:
+                    target, base = mv, s - where[i]
                 for _, ps, pe in _split([reqs[i]], sess.part_bytes):
-                    b = where[i] + (ps - s)
+                    b = ps - base
                     jobs.append(pool.submit(fetch_range, sess, url, ps, pe, metas[f][2],
-                                            into=mv[b:b + (pe - ps)], what="data object"))
+                                            into=target[b:b + (pe - ps)], what="data object"))
                 st.requests += 1
                 st.bytes_requested += e - s
             err = None
@@ -258,7 +286,10 @@ def execute_plan_remote(plan: LoadPlan, *, staging_bytes: int = 256 << 20,
             if err is not None:
                 raise err
             for i in batch:
-                _, s, _e = reqs[i]
+                _, s, _e, d = reqs[i]
+                if d:
+                    done += ops[by_req[i][0].op].src_bytes
+                    continue
                 for p in by_req.get(i, ()):
                     op = ops[p.op]
                     t = plan.targets[op.dst_index].tensor
