@@ -258,6 +258,16 @@ def test_verify_is_refused_before_anything_is_allocated(s3, tmp_path):
     assert all(p.device.type == "meta" for p in net.parameters())
 
 
+def test_unreachable_store_is_a_named_read_error():
+    from _dist import free_port
+    opts = {"aws_endpoint": f"http://127.0.0.1:{free_port()}", "aws_access_key_id": "k",
+            "aws_secret_access_key": "hidden-secret", "attempts": 2, "max_retries": 1}
+    with pytest.raises(ReadError) as ei:
+        open_checkpoint("s3://ckpts/some/ckpt", storage_options=opts)
+    assert "s3://ckpts/some/ckpt" in str(ei.value)
+    assert "hidden-secret" not in str(ei.value)
+
+
 def test_library_imports_without_client():
     code = ("import sys, metamat, metamat.checkpoint, metamat.load; "
             "assert 'obstore' not in sys.modules; "

@@ -6,7 +6,7 @@ import os
 from . import storage as fs
 from .base import Checkpoint, open_binary
 from .dcp import is_dcp_dir, open_dcp
-from .errors import MissingFileError, UnsupportedFormatError
+from .errors import CheckpointError, MissingFileError, ReadError, UnsupportedFormatError
 from .safetensors import (looks_like_safetensors, open_safetensors_dir, open_safetensors_file,
                           open_safetensors_index)
 from .torch_save import open_torch_save
@@ -39,7 +39,12 @@ def open_checkpoint(path, *, storage_options=None) -> Checkpoint:
     path = os.fspath(path)
     if fs.is_remote(path):
         with fs.using(storage_options):
-            ck = _open(path)
+            try:
+                ck = _open(path)
+            except CheckpointError:
+                raise
+            except OSError as e:  # the store unreachable, access denied (named, no secrets)
+                raise ReadError(str(e), file=path) from None
         ck.storage_options = storage_options
         return ck
     return _open(path)

@@ -148,28 +148,39 @@ class S3Session:
         """
         import obstore
         bucket, key = split_url(url)
+        try:
+            return self._retry(url, "stat", lambda: obstore.head(self.store(bucket), key))
+        except FileNotFoundError:
+            return None
+
+    def _retry(self, url: str, what: str, fn):
+        """``fn()`` retried with backoff; FileNotFoundError passes through; other failures
+        end as OSError naming ``url`` (never the options)."""
         delay, last = 0.05, None
         for attempt in range(max(1, self.attempts)):
             if attempt:
                 time.sleep(delay)
                 delay = min(2 * delay, 2.0)
             try:
-                return obstore.head(self.store(bucket), key)
+                return fn()
             except FileNotFoundError:
-                return None
+                raise
+            except ImportError:
+                raise
             except Exception as e:  # noqa: BLE001 - obstore's hierarchy
                 last = e
                 if type(e).__name__ in ("PermissionDeniedError", "UnauthenticatedError"):
                     break
-        raise OSError(f"cannot stat {url} ({type(last).__name__}: "
-                      f"{str(last).splitlines()[0][:200] if str(last) else ''})")
+        msg = str(last).splitlines()[0][:200] if str(last) else ""
+        raise OSError(f"cannot {what} {url} ({type(last).__name__}: {msg})")
 
     def list_prefix(self, url: str, limit: Optional[int] = None) -> Tuple[List[str], List[str]]:
         """(object names, sub-prefix names) directly under ``url`` (a "directory")."""
         import obstore
         bucket, key = split_url(url)
         prefix = key.rstrip("/")
-        r = obstore.list_with_delimiter(self.store(bucket), prefix or None)
+        r = self._retry(url, "list", lambda: obstore.list_with_delimiter(self.store(bucket),
+                                                                        prefix or None))
         objs = [posixpath.basename(o["path"]) for o in r["objects"]]
         dirs = [posixpath.basename(p.rstrip("/")) for p in r["common_prefixes"]]
         return objs, dirs
