@@ -144,7 +144,7 @@ def test_rank_local_reads_resharding(s3, tmp_path):
     """Each rank of a column-wise plan requests about only its own bytes."""
     from metamat.cli import rank_targets
     from metamat.load import load_targets
-    big = {"t": torch.randn(512, 256), "u": torch.randn(1000, 64)}
+    big = {"t": torch.randn(1024, 512), "u": torch.randn(1000, 64)}  # t: 1 MiB/rank, direct
     url = upload_dir(s3, str(_dcp(tmp_path, big, "big")), "big")
     ck = open_checkpoint(url, storage_options=_opts(s3))
     for sharding in ("row_wise", "table_wise"):
@@ -157,13 +157,19 @@ def test_rank_local_reads_resharding(s3, tmp_path):
                 sl = tuple(slice(o, o + n) for o, n in zip(t.offsets, t.local_shape))
                 assert torch.equal(t.tensor, big[t.fqn][sl])
             assert st.bytes_read / st.bytes_needed <= 1.05, (sharding, st.bytes_read)
-    ts = rank_targets(ck, 2, 1, "column_wise")
-    for t in ts:
-        t.tensor = torch.empty(t.local_shape, dtype=t.dtype)
-    load_targets(ts, ck)
-    for t in ts:
-        sl = tuple(slice(o, o + n) for o, n in zip(t.offsets, t.local_shape))
-        assert torch.equal(t.tensor, big[t.fqn][sl])
+    # column-wise, converted, through a staging buffer smaller than one tensor, tiny parts
+    small = open_checkpoint(url, storage_options=_opts(s3, part_bytes=40_000,
+                                                        coalesce_gap=1024))
+    for sharding, dt in (("column_wise", torch.float32), ("column_wise", torch.bfloat16),
+                         ("row_wise", torch.float16)):
+        ts = rank_targets(small, 2, 1, sharding)
+        for t in ts:
+            t.dtype = dt
+            t.tensor = torch.empty(t.local_shape, dtype=dt)
+        load_targets(ts, small, staging_bytes=64 << 10)
+        for t in ts:
+            sl = tuple(slice(o, o + n) for o, n in zip(t.offsets, t.local_shape))
+            assert torch.equal(t.tensor, big[t.fqn][sl].to(dt)), (sharding, dt, t.fqn)
 
 
 def _two_rank_worker(rank, world, url, opts, full):

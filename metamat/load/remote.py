@@ -3,7 +3,8 @@
 The plan's ops become byte ranges (a strided op is one span when its row gaps are small, else
 one range per row); ranges of one object closer than ``coalesce_gap`` are merged and long ones
 cut into ``part_bytes`` parts, so a rank requests about the bytes it needs in requests big
-enough to be efficient. Requests run ``max_concurrency`` at a time (ranged GETs with
+enough to be efficient (ops staged through the buffer are first cut to about ``part_bytes``
+of source each). Requests run ``max_concurrency`` at a time (ranged GETs with
 ``If-Match: <ETag recorded at open>``) into a host buffer of at most ``staging_bytes`` (pinned
 when a destination is on CUDA); each batch's bytes are then copied into the destinations by
 torch (``copy_`` converts float32/float16/bfloat16, round to nearest even, as the file reader
@@ -28,7 +29,7 @@ import torch
 from ..checkpoint import storage as fs
 from ..checkpoint.errors import ReadError
 from .execute import Executed
-from .ops import ReadOp
+from .ops import ReadOp, split_ops
 from .plan import LoadPlan
 
 __all__ = ["fetch_range", "execute_plan_remote", "plan_requests", "RemoteStats"]
@@ -169,6 +170,25 @@ def _direct_ok(op: ReadOp, t: torch.Tensor) -> bool:
                                   and op.dst_stride == op.dst_row_bytes)))
 
 
+def _cut(ops: Sequence[ReadOp], targets, part: int) -> List[ReadOp]:
+    """Ops that go through the staging buffer cut so each spans at most about ``part`` source
+    bytes (by rows, else inside a row): the buffer stays within ``max(staging_bytes, part)``.
+    Direct ops stay whole (they are fetched in parts straight into place)."""
+    out: List[ReadOp] = []
+    for o in ops:
+        if _direct_ok(o, targets[o.dst_index].tensor):
+            out.append(o)
+            continue
+        if o.rows > 1:
+            span = max(o.src_stride, o.row_bytes)
+            cap = part * o.dst_row_bytes // span
+        else:
+            cap = part * o.dst_row_bytes // max(1, o.row_bytes)
+        cap = max(cap, torch.empty((), dtype=o.dst_dtype).element_size())
+        out.extend(split_ops([o], cap))
+    return out
+
+
 def _typed(u8: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if dtype == torch.uint8:
         return u8
@@ -209,7 +229,7 @@ def execute_plan_remote(plan: LoadPlan, *, staging_bytes: int = 256 << 20,
                                      file=plan.files[0] if plan.files else None)
     metas = [fs.remote_meta(f) for f in plan.files]
     sess = metas[0][0] if metas else fs.current()
-    ops = plan.ops
+    ops = _cut(plan.ops, plan.targets, sess.part_bytes)
     direct = [_direct_ok(o, plan.targets[o.dst_index].tensor) for o in ops]
     pieces, reqs = plan_requests(ops, sess.coalesce_gap, sess.part_bytes, direct)
     for (f, s, e, _d) in reqs:
