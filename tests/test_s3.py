@@ -291,3 +291,15 @@ def test_paths():
     assert fs.dirname("s3://b/p/x") == "s3://b/p" and fs.dirname("s3://b/x") == "s3://b"
     assert fs.abspath("s3://b/p/") == "s3://b/p"
     assert repr(fs.S3Session({"aws_secret_access_key": "zzz"})) == "S3Session(...)"
+
+
+def test_bench_s3_runs_small():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, os.path.join(root, "bench", "materialize.py"),
+                        "--mode", "load", "--storage", "s3", "--size-gib", "0.004",
+                        "--reps", "1"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    for sharding in ("table_wise", "row_wise"):
+        line = next(l for l in r.stdout.splitlines() if l.startswith(f"metamat {sharding}"))
+        amp = float(line.split("requested/needed")[1].split(",")[0])
+        assert amp <= 1.05, line

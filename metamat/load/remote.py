@@ -240,11 +240,12 @@ def execute_plan_remote(plan: LoadPlan, *, staging_bytes: int = 256 << 20,
     devices = {t.tensor.device for t in plan.targets}
     pin = any(d.type == "cuda" for d in devices) and torch.cuda.is_available()
     cap = max(max((e - s for _, s, e, d in reqs if not d), default=0), int(staging_bytes))
-    # batches of whole requests, each batch's staged ones fit the staging buffer
+    # batches of whole requests: each batch's staged ones fit the staging buffer, and a batch
+    # has at most ``cap`` bytes in flight (progress and KeyboardInterrupt land between batches)
     batches: List[List[int]] = []
     cur, used = [], 0
     for i, (_, s, e, d) in enumerate(reqs):
-        n = 0 if d else (e - s + (s % 64) + 63) & ~63
+        n = (e - s + (s % 64) + 63) & ~63
         if cur and used + n > cap:
             batches.append(cur)
             cur, used = [], 0
