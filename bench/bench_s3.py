@@ -138,6 +138,10 @@ def run_s3(a, device: torch.device) -> List[Row]:
     ceil = out[0].gbps
     for r in out:
         r.pct_of_ceiling = 100 * r.gbps / ceil
-    print_table("load from S3 (moto, loopback)", out, "single-stream GET (whole object)",
+        plan = r.method.split()[-1]
+        base = next((b for b in out if b.method == f"dcp.load fsspec {plan}"), None)
+        if base is not None:
+            r.ratio_to_baseline = r.gbps / base.gbps
+    print_table("load from S3 (moto, loopback)", out, "dcp.load fsspec (same plan)",
                 "single-stream GET (whole object)")
     return out
