@@ -246,10 +246,14 @@ def test_changed_object_and_missing_key_are_named(s3, tmp_path):
     ck = open_checkpoint(url, storage_options=_opts(s3))
     with open(_save_st(tmp_path, _state(9)), "rb") as f:
         s3.put("chg/m.safetensors", f.read())
+    ck2 = open_checkpoint(url, storage_options=_opts(s3))  # sees the new object
     net = Net()
     with pytest.raises(ReadError, match="changed") as ei:
         metamat.materialize(net, ck, device="cpu")
     assert url in str(ei.value)
+    assert all(p.device.type == "meta" for p in net.parameters())
+    metamat.materialize(net, ck2, device="cpu")
+    _check(net, _state(9))
     with pytest.raises(MissingFileError) as ei:
         open_checkpoint(s3.url("nope/x.safetensors"), storage_options=_opts(s3))
     assert "s3://ckpts/nope/x.safetensors" in str(ei.value)

@@ -45,7 +45,8 @@ def open_checkpoint(path, *, storage_options=None) -> Checkpoint:
                 raise
             except OSError as e:  # the store unreachable, access denied (named, no secrets)
                 raise ReadError(str(e), file=path) from None
-        ck.storage_options = storage_options
+            # what the reads will require (If-Match): this open's ETags, not a later one's
+            ck.remote_meta = {f: fs.remote_meta(f) for f in ck.files}
         return ck
     return _open(path)
 

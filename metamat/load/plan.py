@@ -262,8 +262,10 @@ def plan_load(targets: Sequence[Target], ckpt: Checkpoint, *, strict: bool = Tru
         needed += area * sisz
 
     _check_files(files, ops)
-    return LoadPlan(files, loaded, _merge(ops), missing, needed,
-                    [file_identity(ckpt, f) for f in files])
+    lp = LoadPlan(files, loaded, _merge(ops), missing, needed,
+                  [file_identity(ckpt, f) for f in files])
+    lp.remote = getattr(getattr(ckpt, "ckpt", ckpt), "remote_meta", None)  # s3: size, ETag
+    return lp
 
 
 def file_identity(ckpt, path: str) -> Tuple[int, int, int, int]:

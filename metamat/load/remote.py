@@ -227,7 +227,8 @@ def execute_plan_remote(plan: LoadPlan, *, staging_bytes: int = 256 << 20,
         from ..checkpoint.errors import UnsupportedFormatError
         raise UnsupportedFormatError("verify is not supported for s3:// checkpoints yet",
                                      file=plan.files[0] if plan.files else None)
-    metas = [fs.remote_meta(f) for f in plan.files]
+    known = getattr(plan, "remote", None) or {}
+    metas = [known.get(f) or fs.remote_meta(f) for f in plan.files]
     sess = metas[0][0] if metas else fs.current()
     ops = _cut(plan.ops, plan.targets, sess.part_bytes)
     direct = [_direct_ok(o, plan.targets[o.dst_index].tensor) for o in ops]
