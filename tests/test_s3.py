@@ -134,6 +134,9 @@ def test_cli_inspect_and_plan(s3, tmp_path):
                        capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "secret-xyz" not in r.stdout + r.stderr
+    r = subprocess.run([sys.executable, "-m", "metamat", "checksum", url],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 2 and "not supported" in r.stderr
     r = subprocess.run([sys.executable, "-m", "metamat", "inspect", url + "-nope"],
                        capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 1 and url + "-nope" in r.stderr
