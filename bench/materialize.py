@@ -4,6 +4,7 @@
     python bench/materialize.py --mode init --size-gib 2 --reps 5 --out bench_out
     python bench/materialize.py --mode load --cold   # checkpoint loading, page cache dropped
     python bench/materialize.py --quick         # small sizes (the test suite runs this)
+    python bench/materialize.py --mode load --storage s3   # from an S3 store (bench_s3.py)
 """
 from __future__ import annotations
 
@@ -32,6 +33,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--reps", type=int, default=3, help="repetitions (median reported)")
     p.add_argument("--out", default=None, help="directory for results.csv and throughput.png")
+    p.add_argument("--storage", choices=("local", "s3"), default="local",
+                   help="load: read the checkpoint from local files or an S3 store (moto)")
     p.add_argument("--sweep", type=int, default=16,
                    help="with --out: also run init at size/sweep .. size (x4 steps) for the plot")
     a = p.parse_args(argv)
@@ -58,6 +61,9 @@ def main(argv=None) -> int:
         elif mode == "dmp":
             from bench_dmp import run_dmp
             rows += run_dmp(a, device)
+        elif mode == "load" and a.storage == "s3":
+            from bench_s3 import run_s3
+            rows += run_s3(a, device)
         elif mode == "load":
             from bench_load import run_load
             rows += run_load(a, device)

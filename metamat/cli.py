@@ -199,6 +199,10 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if a.cmd == "checksum":
         from .checkpoint.checksum import DEFAULT_BLOCK_BYTES
+        if a.ckpt.startswith("s3://"):
+            print("metamat: checksum manifests of s3:// checkpoints are not supported yet",
+                  file=sys.stderr)
+            return 2
         if a.verify and a.block_bytes is not None:
             p.error("--block-bytes applies when writing a manifest, not with --verify")
         if a.block_bytes is not None and a.block_bytes <= 0:

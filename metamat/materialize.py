@@ -177,6 +177,7 @@ def materialize(
     inplace: bool = False,
     timeout: Optional[float] = None,
     io: str = "auto",
+    storage_options: Optional[Mapping[str, Any]] = None,
 ) -> Report:
     """Give every meta tensor of ``model`` real memory and its value, or load ``ckpt``.
 
@@ -224,6 +225,8 @@ def materialize(
             :class:`PartialLoadError` naming what may have changed.
         io: how checkpoint bytes are read: ``"auto"`` (``O_DIRECT`` for large ranges that
             are not in the page cache, buffered otherwise), ``"buffered"`` or ``"direct"``.
+        storage_options: for an ``s3://bucket/prefix`` ``ckpt``: credentials, endpoint and
+            read settings (see ``docs/S3.md``); default: the ``AWS_*`` environment.
         timeout: seconds a rank waits for its peers at each agreement point before raising
             :class:`PeerFailedError` (a dead peer is noticed at once); default
             ``METAMAT_TIMEOUT`` or 600.
@@ -261,7 +264,8 @@ def materialize(
             from .checkpoint import open_checkpoint
             from .load.verify import resolve_manifest
 
-            ck = ckpt if isinstance(ckpt, Checkpoint) else open_checkpoint(ckpt)
+            ck = ckpt if isinstance(ckpt, Checkpoint) else open_checkpoint(
+                ckpt, storage_options=storage_options)
             report.checkpoint = ck.path
             ld.manifest = resolve_manifest(ck, verify)  # missing: fail before allocating
             sec["open"] = time.perf_counter() - t

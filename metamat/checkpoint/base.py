@@ -7,12 +7,12 @@ the load planner (``metamat.load``) only ever sees this representation.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from . import storage as fs
 from .errors import (InvalidOffsetError, MissingFileError, ReadError, ShapeMismatchError,
                      TruncatedFileError)
 from .limits import open_regular
@@ -144,6 +144,9 @@ class Checkpoint:
         self._identities: Dict[str, Tuple[int, int, int, int]] = {}
         for f in self.files:
             try:
+                if fs.is_remote(f):  # identity is the ETag recorded at open (storage.py)
+                    sizes[f] = fs.getsize(f)
+                    continue
                 st = os.stat(f)
             except FileNotFoundError:
                 raise MissingFileError("data file does not exist", file=f) from None

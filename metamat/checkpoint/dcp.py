@@ -19,6 +19,7 @@ from typing import Dict, List, Tuple
 
 import torch
 
+from . import storage as fs
 from .base import Checkpoint, Chunk, TensorEntry, open_binary
 from .errors import (CheckpointError, DtypeMismatchError, InvalidHeaderError,
                      InvalidOffsetError, ShapeMismatchError,
@@ -32,23 +33,38 @@ __all__ = ["open_dcp", "is_dcp_dir"]
 
 def is_dcp_dir(path: str) -> bool:
     """True if ``path`` is a directory holding a DCP ``.metadata`` file."""
+    if fs.is_remote(path):
+        return fs.isfile(fs.join(path, ".metadata"))
     # lexists: a .metadata that is a FIFO or dangling link is refused by name, not skipped
     return os.path.isdir(path) and os.path.lexists(os.path.join(path, ".metadata"))
 
 
 def _read_metadata(path: str):
     from torch.distributed.checkpoint import FileSystemReader
-    meta = os.path.join(path, ".metadata")
+    meta = fs.join(path, ".metadata")
     with open_regular(meta, "DCP .metadata") as f:  # no FIFO, device, or multi-GiB file
-        check(METADATA_BYTES, os.fstat(f.fileno()).st_size, file=meta,
+        check(METADATA_BYTES, fs.fsize(f), file=meta,
               what=".metadata size")
     try:
+        if fs.is_remote(path):
+            return _read_remote_metadata(path)
         return FileSystemReader(path).read_metadata()
     except FileNotFoundError:
         raise UnsupportedFormatError("no DCP .metadata file", file=path) from None
     except Exception as e:  # a damaged pickle raises anything
         raise InvalidHeaderError(f"cannot read .metadata ({type(e).__name__}: {e})",
-                                 file=os.path.join(path, ".metadata")) from None
+                                 file=fs.join(path, ".metadata")) from None
+
+
+def _read_remote_metadata(path: str):
+    """What ``FileSystemReader.read_metadata`` does, for an object store."""
+    import pickle
+    from torch.distributed.checkpoint.metadata import StorageMeta
+    with open_binary(fs.join(path, ".metadata"), "DCP .metadata") as f:
+        md = pickle.load(f)
+    if getattr(md, "storage_meta", None) is None:
+        md.storage_meta = StorageMeta()
+    return md
 
 
 def open_dcp(path: str) -> Checkpoint:
@@ -62,17 +78,17 @@ def open_dcp(path: str) -> Checkpoint:
     from torch.distributed.checkpoint.metadata import (Metadata, MetadataIndex,
                                                         TensorStorageMetadata)
 
-    path = os.path.abspath(path)
+    path = fs.abspath(path)
     md = _read_metadata(path)
     if not isinstance(md, Metadata) or not isinstance(md.state_dict_metadata, dict) \
             or not isinstance(md.storage_data or {}, dict):
         raise InvalidHeaderError(f".metadata holds {type(md).__name__}, not DCP Metadata",
-                                 file=os.path.join(path, ".metadata"))
+                                 file=fs.join(path, ".metadata"))
     storage = md.storage_data or {}
     # file -> [(fqn, chunk offsets, chunk sizes, storage info)]
     per_file: Dict[str, List[Tuple[str, tuple, tuple, object]]] = {}
     entries: Dict[str, TensorEntry] = {}
-    meta = os.path.join(path, ".metadata")
+    meta = fs.join(path, ".metadata")
     fqn = None
     try:
         for fqn, tmd in md.state_dict_metadata.items():
@@ -105,10 +121,10 @@ def open_dcp(path: str) -> Checkpoint:
     for f, items in sorted(per_file.items()):
         fh = open_binary(f, "DCP data file", tensor=items[0][0])
         with fh:
-            fsize = os.fstat(fh.fileno()).st_size
+            fsize = fs.fsize(fh)
             for fqn, offs, _, info in items:
                 _check_range(f, fsize, fqn, offs, info)
-            first = os.pread(fh.fileno(), 4, items[0][3].offset)
+            first = fs.pread(fh, 4, items[0][3].offset)
             file_fmt = "dcp" if first == b"PK\x03\x04" else "dcp-safetensors"
             if fmt is not None and fmt != file_fmt:
                 raise UnsupportedFormatError("mixed TORCH_SAVE and SAFETENSORS files", file=f)
@@ -124,7 +140,7 @@ def open_dcp(path: str) -> Checkpoint:
 def _data_file(path: str, info, fqn: str) -> str:
     """The data file of a storage entry; it must be a relative path inside ``path``."""
     return contained_path(path, info.relative_path, "storage relative_path",
-                          os.path.join(path, ".metadata"), tensor=fqn)
+                          fs.join(path, ".metadata"), tensor=fqn)
 
 
 def _check_range(f: str, fsize: int, fqn: str, offs, info) -> None:

@@ -27,6 +27,7 @@ import os
 import stat
 from typing import Any, Optional
 
+from . import storage as fs
 from .errors import (InvalidHeaderError, LimitExceededError, MissingFileError, ReadError,
                      UnsafePathError)
 
@@ -83,6 +84,14 @@ def open_regular(path: str, what: str = "file", tensor: Optional[str] = None):
         MissingFileError: ``path`` does not exist.
         ReadError: it is not a regular file, or the OS refuses to open it.
     """
+    if fs.is_remote(path):  # an object: no special files, just a ranged-read file object
+        try:
+            return fs.open_raw(path)
+        except FileNotFoundError:
+            raise MissingFileError(f"{what} does not exist", file=path, tensor=tensor) from None
+        except OSError as e:
+            raise ReadError(f"cannot open {what} ({e.strerror or e})", file=path,
+                            tensor=tensor) from None
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
@@ -107,7 +116,7 @@ def read_metadata_file(path: str, what: str) -> bytes:
     """All bytes of a metadata file, refusing special files and files above the size limit
     before reading (a sparse multi-GiB file fails at ``fstat``)."""
     with open_regular(path, what) as f:
-        check(METADATA_BYTES, os.fstat(f.fileno()).st_size, file=path, what=f"{what} size")
+        check(METADATA_BYTES, fs.fsize(f), file=path, what=f"{what} size")
         return f.read(limit(METADATA_BYTES) + 1)
 
 
@@ -168,9 +177,10 @@ def contained_path(root: str, rel: Any, what: str, where: str,
     if os.path.isabs(rel):
         raise UnsafePathError(f"{what} {short_repr(rel)} is an absolute path", file=where,
                               tensor=tensor)
-    root = os.path.normpath(os.path.abspath(root))
-    p = os.path.normpath(os.path.join(root, rel))
-    if not p.startswith(root.rstrip(os.sep) + os.sep):
+    sep = "/" if fs.is_remote(root) else os.sep
+    root = fs.normpath(fs.abspath(root))
+    p = fs.normpath(fs.join(root, rel))
+    if not p.startswith(root.rstrip(sep) + sep):
         raise UnsafePathError(f"{what} {short_repr(rel)} leaves the checkpoint directory",
                               file=where, tensor=tensor)
     return p

@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import os
 
+from . import storage as fs
 from .base import Checkpoint, open_binary
 from .dcp import is_dcp_dir, open_dcp
-from .errors import MissingFileError, ReadError, UnsupportedFormatError
+from .errors import CheckpointError, MissingFileError, ReadError, UnsupportedFormatError
 from .safetensors import (looks_like_safetensors, open_safetensors_dir, open_safetensors_file,
                           open_safetensors_index)
 from .torch_save import open_torch_save
@@ -13,7 +14,7 @@ from .torch_save import open_torch_save
 __all__ = ["open_checkpoint"]
 
 
-def open_checkpoint(path) -> Checkpoint:
+def open_checkpoint(path, *, storage_options=None) -> Checkpoint:
     """Parse the checkpoint at ``path`` (metadata only; no tensor data is read).
 
     Recognised, by content:
@@ -22,6 +23,10 @@ def open_checkpoint(path) -> Checkpoint:
       * a file starting with a zip local header: a torch.save archive;
       * a file starting with a safetensors header (8-byte length, then ``{``);
       * a JSON file with a ``weight_map``: an HF shard index.
+
+    ``path`` may be an ``s3://bucket/key`` URL (a "directory" is a key prefix); credentials
+    and endpoint come from the environment (``AWS_*``) or ``storage_options``
+    (:mod:`metamat.checkpoint.storage`). Errors name the object URL.
 
     Returns:
         A :class:`Checkpoint`.
@@ -32,14 +37,33 @@ def open_checkpoint(path) -> Checkpoint:
         Any other :class:`CheckpointError` the format's parser raises for a damaged file.
     """
     path = os.fspath(path)
-    try:
-        os.stat(path)
-    except FileNotFoundError:
-        raise MissingFileError("checkpoint path does not exist", file=path) from None
-    except (OSError, ValueError) as e:  # symlink loop, permission, NUL byte
-        raise ReadError(f"cannot access checkpoint path ({getattr(e, 'strerror', None) or e})",
-                        file=path) from None
-    if os.path.isdir(path):
+    if fs.is_remote(path):
+        with fs.using(storage_options):
+            try:
+                ck = _open(path)
+            except CheckpointError:
+                raise
+            except OSError as e:  # the store unreachable, access denied (named, no secrets)
+                raise ReadError(str(e), file=path) from None
+            # what the reads will require (If-Match): this open's ETags, not a later one's
+            ck.remote_meta = {f: fs.remote_meta(f) for f in ck.files}
+        return ck
+    return _open(path)
+
+
+def _open(path: str) -> Checkpoint:
+    if fs.is_remote(path):
+        if not fs.exists(path):
+            raise MissingFileError("checkpoint path does not exist", file=path)
+    else:
+        try:
+            os.stat(path)
+        except FileNotFoundError:
+            raise MissingFileError("checkpoint path does not exist", file=path) from None
+        except (OSError, ValueError) as e:  # symlink loop, permission, NUL byte
+            raise ReadError("cannot access checkpoint path "
+                            f"({getattr(e, 'strerror', None) or e})", file=path) from None
+    if fs.isdir(path):
         if is_dcp_dir(path):
             return open_dcp(path)
         return open_safetensors_dir(path)

@@ -9,13 +9,13 @@ ends exactly at the end of the blob.
 """
 from __future__ import annotations
 
-import os
 import struct
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from . import storage as fs
 from .base import Checkpoint, Chunk, TensorEntry, itemsize, numel, open_binary
 from .errors import (CheckpointError, DtypeMismatchError, HeaderTooLargeError,
                      InvalidHeaderError, InvalidOffsetError, MissingFileError,
@@ -110,7 +110,7 @@ def read_header(path: str, base: int = 0, blob_len: Optional[int] = None) -> Saf
     # The length field is not printed: for a file that is not safetensors at all it is
     # 8 bytes of someone else's data.
     with open_binary(path, "safetensors file") as f:
-        fsize = os.fstat(f.fileno()).st_size
+        fsize = fs.fsize(f)
         if blob_len is None:
             blob_len = fsize - base
         if base + blob_len > fsize:
@@ -207,7 +207,7 @@ def header_to_entries(h: SafetensorsHeader, names=None) -> Dict[str, TensorEntry
 
 def open_safetensors_file(path: str) -> Checkpoint:
     """Open one ``.safetensors`` file."""
-    path = os.path.abspath(path)
+    path = fs.abspath(path)
     return Checkpoint("safetensors", path, header_to_entries(read_header(path)))
 
 
@@ -225,7 +225,7 @@ def open_safetensors_index(index_path: str) -> Checkpoint:
 
     Every tensor the ``weight_map`` lists must be in the shard it names.
     """
-    index_path = os.path.abspath(index_path)
+    index_path = fs.abspath(index_path)
     try:
         idx = loads_json(read_metadata_file(index_path, "index file"), "index", index_path,
                          object_pairs_hook=_no_duplicates)
@@ -235,15 +235,15 @@ def open_safetensors_index(index_path: str) -> Checkpoint:
     wm = idx.get("weight_map") if isinstance(idx, dict) else None
     if not isinstance(wm, dict) or not all(isinstance(v, str) for v in wm.values()):
         raise InvalidHeaderError("index has no 'weight_map' of name -> file", file=index_path)
-    root = os.path.dirname(index_path)
+    root = fs.dirname(index_path)
     by_file: Dict[str, List[str]] = {}
     for name, fn in wm.items():
         p = contained_path(root, fn, "weight_map entry", index_path, tensor=name)
         by_file.setdefault(p, []).append(name)
     entries: Dict[str, TensorEntry] = {}
     for p, names in sorted(by_file.items()):
-        if not os.path.exists(p):
-            raise MissingFileError(f"shard listed in {os.path.basename(index_path)} is missing",
+        if not fs.exists(p):
+            raise MissingFileError(f"shard listed in {fs.basename(index_path)} is missing",
                                    file=p)
         h = read_header(p)
         absent = [n for n in names if n not in h.tensors]
@@ -257,15 +257,15 @@ def open_safetensors_index(index_path: str) -> Checkpoint:
 
 def open_safetensors_dir(dirpath: str) -> Checkpoint:
     """Open a directory: through its index json if there is one, else every ``*.safetensors``."""
-    dirpath = os.path.abspath(dirpath)
+    dirpath = fs.abspath(dirpath)
     try:
-        names = os.listdir(dirpath)
+        names = fs.listdir(dirpath)
     except OSError as e:  # unreadable directory
         raise ReadError(f"cannot list checkpoint directory ({e.strerror or e})",
                         file=dirpath) from None
     idx = sorted(f for f in names if f.endswith(".safetensors.index.json"))
     if len(idx) == 1:
-        return open_safetensors_index(os.path.join(dirpath, idx[0]))
+        return open_safetensors_index(fs.join(dirpath, idx[0]))
     if len(idx) > 1:
         raise UnsupportedFormatError(f"several index files {idx}; open one of them", file=dirpath)
     files = sorted(f for f in names if f.endswith(".safetensors"))
@@ -273,5 +273,5 @@ def open_safetensors_dir(dirpath: str) -> Checkpoint:
         raise UnsupportedFormatError("no .safetensors files", file=dirpath)
     entries: Dict[str, TensorEntry] = {}
     for fn in files:
-        _merge(entries, header_to_entries(read_header(os.path.join(dirpath, fn))), dirpath)
+        _merge(entries, header_to_entries(read_header(fs.join(dirpath, fn))), dirpath)
     return Checkpoint("safetensors", dirpath, entries)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import collections
 import io
-import os
 import pickle
 import struct
 import zipfile
@@ -22,6 +21,7 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 
+from . import storage as fs
 from .base import Checkpoint, Chunk, TensorEntry, itemsize, numel, open_binary
 from .errors import (CheckpointError, InvalidHeaderError, InvalidOffsetError,
                      KeyCollisionError, LimitExceededError, TruncatedFileError,
@@ -172,7 +172,7 @@ class _Window(io.RawIOBase):
         n = max(0, min(len(b), self._len - self._pos))
         if n == 0:
             return 0
-        data = os.pread(self._f.fileno(), n, self._base + self._pos)
+        data = fs.pread(self._f, n, self._base + self._pos)
         b[:len(data)] = data
         self._pos += len(data)
         return len(data)
@@ -206,7 +206,7 @@ def parse_torch_save(path: str, base: int = 0, length: Optional[int] = None,
     if own:
         f = open_binary(path, "torch.save file")
     try:
-        fsize = os.fstat(f.fileno()).st_size
+        fsize = fs.fsize(f)
         if length is None:
             length = fsize - base
         if base + length > fsize:
@@ -256,7 +256,7 @@ def parse_torch_save(path: str, base: int = 0, length: Optional[int] = None,
                 key = name[len(dprefix):]
                 if info.compress_type != zipfile.ZIP_STORED:
                     raise UnsupportedFormatError(f"record {name} is compressed", file=path)
-                hdr = os.pread(f.fileno(), 30, base + info.header_offset)
+                hdr = fs.pread(f, 30, base + info.header_offset)
                 if len(hdr) != 30 or hdr[:4] != b"PK\x03\x04":
                     raise InvalidHeaderError(f"bad local header for record {name}", file=path)
                 method, = struct.unpack("<H", hdr[8:10])
@@ -390,7 +390,7 @@ def open_torch_save(path: str) -> Checkpoint:
 
     Non-tensor values are ignored. Raises the errors of :func:`parse_torch_save`.
     """
-    path = os.path.abspath(path)
+    path = fs.abspath(path)
     arch = parse_torch_save(path)
     refs: Dict[str, TensorRef] = {}
     try:

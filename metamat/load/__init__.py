@@ -20,6 +20,7 @@ from typing import Callable, List, Optional, Sequence, Union
 import torch
 
 from ..budget import StagingBudget
+from ..checkpoint import storage as fs
 from ..checkpoint.base import Checkpoint
 from ..plan import Target
 from .execute import Executed, execute_plan
@@ -102,6 +103,10 @@ def execute(plan: LoadPlan, *, io_threads: Optional[int] = None,
         ReadError, ChecksumMismatchError: destinations may be partly written.
         ValueError: a bad ``io_threads``/``staging_bytes``.
     """
+    if plan.files and any(fs.is_remote(f) for f in plan.files):
+        from .remote import execute_plan_remote
+        return execute_plan_remote(plan, staging_bytes=int(staging_bytes), progress=progress,
+                                   verify=verify)
     threads = default_io_threads() if io_threads is None else io_threads
     on_device = [i for i, t in enumerate(plan.targets) if staged or t.tensor.device.type != "cpu"]
     on_host = [i for i, t in enumerate(plan.targets)

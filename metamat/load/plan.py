@@ -21,6 +21,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from ..checkpoint import storage as fs
 from ..checkpoint.base import Checkpoint, Chunk, TensorEntry, itemsize
 from ..checkpoint.errors import (CoverageError, DestinationError, DtypeMismatchError,
                                  MissingFileError, MissingTensorError, OverlappingChunksError,
@@ -261,8 +262,10 @@ def plan_load(targets: Sequence[Target], ckpt: Checkpoint, *, strict: bool = Tru
         needed += area * sisz
 
     _check_files(files, ops)
-    return LoadPlan(files, loaded, _merge(ops), missing, needed,
-                    [file_identity(ckpt, f) for f in files])
+    lp = LoadPlan(files, loaded, _merge(ops), missing, needed,
+                  [file_identity(ckpt, f) for f in files])
+    lp.remote = getattr(getattr(ckpt, "ckpt", ckpt), "remote_meta", None)  # s3: size, ETag
+    return lp
 
 
 def file_identity(ckpt, path: str) -> Tuple[int, int, int, int]:
@@ -280,7 +283,7 @@ def _check_files(files: List[str], ops: List[ReadOp]) -> None:
     sizes = []
     for f in files:
         try:
-            sizes.append(os.stat(f).st_size)
+            sizes.append(fs.getsize(f))
         except FileNotFoundError:
             raise MissingFileError("data file does not exist", file=f) from None
         except OSError as e:  # e.g. replaced by a symlink loop since the checkpoint was opened

@@ -54,6 +54,10 @@ def resolve_manifest(ckpt: Checkpoint, verify) -> Optional[Manifest]:
     """
     if verify is None or verify is False:
         return None
+    if str(getattr(ckpt, "path", "")).startswith("s3://"):
+        from ..checkpoint.errors import UnsupportedFormatError
+        raise UnsupportedFormatError("verify=True is not supported for s3:// checkpoints yet",
+                                     file=ckpt.path)
     if verify is True:
         return load_manifest(ckpt)
     if isinstance(verify, Manifest):

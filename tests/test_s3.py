@@ -1,0 +1,312 @@
+"""Checkpoints in an S3-compatible store: a real server (moto) on loopback, a real client
+(obstore) talking HTTP through a fault-injecting proxy; DCP, safetensors (single and HF index)
+and torch.save load bit-exact, rank-locally; throttling and transient faults are retried,
+persistent ones raise a named error with the model untouched."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("obstore")
+pytest.importorskip("moto.server")
+
+import metamat  # noqa: E402
+from metamat.checkpoint import MissingFileError, ReadError, open_checkpoint  # noqa: E402
+from metamat.checkpoint import storage as fs  # noqa: E402
+
+from _s3server import S3Server, upload_dir  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def s3():
+    srv = S3Server()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(autouse=True)
+def _clean(s3):
+    s3.proxy.clear()
+    yield
+    s3.proxy.clear()
+
+
+class Net(nn.Module):
+    def __init__(self, device="meta", dtype=torch.float32):
+        super().__init__()
+        self.emb = nn.Embedding(300, 24, device=device, dtype=dtype)
+        self.lin = nn.Linear(24, 40, device=device, dtype=dtype)
+        self.head = nn.Linear(40, 7, bias=False, device=device, dtype=dtype)
+
+
+def _state(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return {k: torch.randn(v.shape, generator=g) for k, v in Net("cpu").state_dict().items()}
+
+
+def _opts(s3, **kw):
+    # small, fast retry settings so the failing cases stay quick
+    return s3.options(attempts=3, max_retries=2, **kw)
+
+
+def _check(model, sd):
+    got = model.state_dict()
+    assert set(got) == set(sd)
+    for k, v in sd.items():
+        assert torch.equal(got[k], v.to(got[k].dtype)), k
+
+
+def test_safetensors_single_file(s3, tmp_path):
+    from safetensors.torch import save_file
+    sd = _state(1)
+    save_file(sd, str(tmp_path / "m.safetensors"))
+    url = upload_dir(s3, str(tmp_path / "m.safetensors"), "st/m.safetensors")
+    net = Net()
+    rep = metamat.materialize(net, url, device="cpu", storage_options=_opts(s3))
+    _check(net, sd)
+    assert rep.bytes_read == sum(v.numel() * 4 for v in sd.values())  # contiguous: no waste
+
+
+def test_safetensors_hf_index_and_conversion(s3, tmp_path):
+    from safetensors.torch import save_file
+    sd = _state(2)
+    keys = sorted(sd)
+    shards = {"a.safetensors": keys[:2], "b.safetensors": keys[2:]}
+    wm = {}
+    for fn, ks in shards.items():
+        save_file({k: sd[k] for k in ks}, str(tmp_path / fn))
+        wm.update({k: fn for k in ks})
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": wm}))
+    prefix = upload_dir(s3, str(tmp_path), "hf")
+    for target in (prefix, prefix + "/model.safetensors.index.json"):
+        net = Net(dtype=torch.bfloat16)
+        metamat.materialize(net, target, device="cpu", storage_options=_opts(s3))
+        _check(net, sd)  # fp32 -> bf16 exactly as torch rounds
+
+
+def test_torch_save_file(s3, tmp_path):
+    sd = _state(3)
+    torch.save(sd, str(tmp_path / "m.pt"))
+    url = upload_dir(s3, str(tmp_path / "m.pt"), "ts/m.pt")
+    net = Net()
+    metamat.materialize(net, url, device="cpu", storage_options=_opts(s3))
+    _check(net, sd)
+
+
+def _dcp(tmp_path, sd, name="dcp"):
+    import torch.distributed.checkpoint as dcp
+    d = tmp_path / name
+    dcp.save(sd, checkpoint_id=str(d))
+    return d
+
+
+def test_dcp_bit_exact_and_env_credentials(s3, tmp_path, monkeypatch):
+    sd = _state(4)
+    url = upload_dir(s3, str(_dcp(tmp_path, sd)), "dcp1")
+    for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                 "AWS_ENDPOINT_URL": s3.proxy.url, "AWS_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(k, v)
+    ck = open_checkpoint(url)  # environment only
+    assert ck.format == "dcp" and all(f.startswith(url + "/") for f in ck.files)
+    net = Net()
+    metamat.materialize(net, ck, device="cpu")
+    _check(net, sd)
+
+
+def test_cli_inspect_and_plan(s3, tmp_path):
+    sd = _state(5)
+    url = upload_dir(s3, str(_dcp(tmp_path, sd)), "dcpcli")
+    env = dict(os.environ, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="secret-xyz",
+               AWS_ENDPOINT_URL=s3.proxy.url, AWS_REGION="us-east-1")
+    r = subprocess.run([sys.executable, "-m", "metamat", "inspect", url, "--json"],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    info = json.loads(r.stdout)
+    assert info["format"] == "dcp"
+    r = subprocess.run([sys.executable, "-m", "metamat", "plan", url, "--world-size", "2",
+                        "--sharding", "column_wise", "--json"],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "secret-xyz" not in r.stdout + r.stderr
+    r = subprocess.run([sys.executable, "-m", "metamat", "checksum", url],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 2 and "not supported" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "metamat", "inspect", url + "-nope"],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 1 and url + "-nope" in r.stderr
+    assert "secret-xyz" not in r.stderr
+
+
+def test_rank_local_reads_resharding(s3, tmp_path):
+    """Each rank of a column-wise plan requests about only its own bytes."""
+    from metamat.cli import rank_targets
+    from metamat.load import load_targets
+    big = {"t": torch.randn(1024, 512), "u": torch.randn(1000, 64)}  # t: 1 MiB/rank, direct
+    url = upload_dir(s3, str(_dcp(tmp_path, big, "big")), "big")
+    ck = open_checkpoint(url, storage_options=_opts(s3))
+    for sharding in ("row_wise", "table_wise"):
+        for rank in range(2):
+            ts = rank_targets(ck, 2, rank, sharding)
+            for t in ts:
+                t.tensor = torch.empty(t.local_shape, dtype=t.dtype)
+            st = load_targets(ts, ck)
+            for t in ts:
+                sl = tuple(slice(o, o + n) for o, n in zip(t.offsets, t.local_shape))
+                assert torch.equal(t.tensor, big[t.fqn][sl])
+            assert st.bytes_read / st.bytes_needed <= 1.05, (sharding, st.bytes_read)
+    # column-wise, converted, through a staging buffer smaller than one tensor, tiny parts
+    small = open_checkpoint(url, storage_options=_opts(s3, part_bytes=40_000,
+                                                        coalesce_gap=1024))
+    for sharding, dt in (("column_wise", torch.float32), ("column_wise", torch.bfloat16),
+                         ("row_wise", torch.float16)):
+        ts = rank_targets(small, 2, 1, sharding)
+        for t in ts:
+            t.dtype = dt
+            t.tensor = torch.empty(t.local_shape, dtype=dt)
+        load_targets(ts, small, staging_bytes=64 << 10)
+        for t in ts:
+            sl = tuple(slice(o, o + n) for o, n in zip(t.offsets, t.local_shape))
+            assert torch.equal(t.tensor, big[t.fqn][sl].to(dt)), (sharding, dt, t.fqn)
+
+
+def _two_rank_worker(rank, world, url, opts, full):
+    import torch.distributed as dist
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+    from metamat.cli import rank_targets
+    from metamat.load import load_targets
+    mesh = init_device_mesh("cpu", (world,))
+    ck = open_checkpoint(url, storage_options=opts)
+    ts = rank_targets(ck, world, rank, "column_wise")
+    for t in ts:
+        t.tensor = torch.empty(t.local_shape, dtype=t.dtype)
+    st = load_targets(ts, ck)
+    for t in ts:
+        sl = tuple(slice(o, o + n) for o, n in zip(t.offsets, t.local_shape))
+        assert torch.equal(t.tensor, full[t.fqn][sl]), t.fqn
+    # and a DTensor model sharded differently from the writer (Shard(1) vs Shard(0))
+    m = nn.Linear(full["weight"].shape[1], full["weight"].shape[0], device="meta")
+    m.weight = nn.Parameter(distribute_tensor(torch.empty_like(m.weight), mesh, [Shard(1)]))
+    m.bias = nn.Parameter(distribute_tensor(torch.empty_like(m.bias), mesh, [Shard(0)]))
+    metamat.materialize(m, url, device="cpu", storage_options=opts)
+    assert torch.equal(m.weight.full_tensor(), full["weight"])
+    assert torch.equal(m.bias.full_tensor(), full["bias"])
+    dist.barrier()
+    return st.bytes_read
+
+
+@pytest.mark.multiprocess
+def test_dcp_two_ranks_another_plan(s3, tmp_path):
+    from _dist import run_dist
+    full = {"weight": torch.randn(64, 96), "bias": torch.randn(64)}
+    url = upload_dir(s3, str(_dcp(tmp_path, full, "two")), "two")
+    out = run_dist(_two_rank_worker, 2, url, _opts(s3), full)
+    assert len(out) == 2
+
+
+@pytest.mark.parametrize("mode", ["503", "drop", "truncate"])
+def test_transient_faults_are_retried(s3, tmp_path, mode):
+    sd = _state(6)
+    url = upload_dir(s3, str(_dcp(tmp_path, sd)), f"f{mode}")
+    ck = open_checkpoint(url, storage_options=_opts(s3))
+    s3.proxy.inject(mode, 2)
+    net = Net()
+    metamat.materialize(net, ck, device="cpu")
+    assert s3.proxy.pending() == 0
+    _check(net, sd)
+
+
+def test_persistent_throttling_raises_named_error_model_untouched(s3, tmp_path):
+    sd = _state(7)
+    url = upload_dir(s3, _save_st(tmp_path, sd), "bad/m.safetensors")
+    net = Net("cpu")
+    before = {k: v.clone() for k, v in net.state_dict().items()}
+    ck = open_checkpoint(url, storage_options=_opts(s3))
+    s3.proxy.inject("503", 1000)
+    with pytest.raises(ReadError) as ei:
+        metamat.materialize(net, ck)
+    assert url in str(ei.value) and "attempts" in str(ei.value)
+    assert "testing" not in str(ei.value)
+    for k, v in net.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def _save_st(tmp_path, sd):
+    from safetensors.torch import save_file
+    p = tmp_path / "m.safetensors"
+    save_file(sd, str(p))
+    return str(p)
+
+
+def test_changed_object_and_missing_key_are_named(s3, tmp_path):
+    sd = _state(8)
+    url = upload_dir(s3, _save_st(tmp_path, sd), "chg/m.safetensors")
+    ck = open_checkpoint(url, storage_options=_opts(s3))
+    with open(_save_st(tmp_path, _state(9)), "rb") as f:
+        s3.put("chg/m.safetensors", f.read())
+    ck2 = open_checkpoint(url, storage_options=_opts(s3))  # sees the new object
+    net = Net()
+    with pytest.raises(ReadError, match="changed") as ei:
+        metamat.materialize(net, ck, device="cpu")
+    assert url in str(ei.value)
+    assert all(p.device.type == "meta" for p in net.parameters())
+    metamat.materialize(net, ck2, device="cpu")
+    _check(net, _state(9))
+    with pytest.raises(MissingFileError) as ei:
+        open_checkpoint(s3.url("nope/x.safetensors"), storage_options=_opts(s3))
+    assert "s3://ckpts/nope/x.safetensors" in str(ei.value)
+
+
+def test_verify_is_refused_before_anything_is_allocated(s3, tmp_path):
+    from metamat.checkpoint import UnsupportedFormatError
+    url = upload_dir(s3, _save_st(tmp_path, _state(10)), "ver/m.safetensors")
+    net = Net()
+    with pytest.raises(UnsupportedFormatError, match="verify"):
+        metamat.materialize(net, url, device="cpu", verify=True, storage_options=_opts(s3))
+    assert all(p.device.type == "meta" for p in net.parameters())
+
+
+def test_unreachable_store_is_a_named_read_error():
+    from _dist import free_port
+    opts = {"aws_endpoint": f"http://127.0.0.1:{free_port()}", "aws_access_key_id": "k",
+            "aws_secret_access_key": "hidden-secret", "attempts": 2, "max_retries": 1}
+    with pytest.raises(ReadError) as ei:
+        open_checkpoint("s3://ckpts/some/ckpt", storage_options=opts)
+    assert "s3://ckpts/some/ckpt" in str(ei.value)
+    assert "hidden-secret" not in str(ei.value)
+
+
+def test_library_imports_without_client():
+    code = ("import sys, metamat, metamat.checkpoint, metamat.load; "
+            "assert 'obstore' not in sys.modules; "
+            "sys.modules['obstore'] = None\n"
+            "from metamat.checkpoint import storage as fs\n"
+            "try:\n    fs.session().store('b')\nexcept ImportError as e:\n"
+            "    assert 'metamat[s3]' in str(e); print('ok')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "ok" in r.stdout, r.stderr
+
+
+def test_paths():
+    assert fs.normpath("s3://b/a/../c//d") == "s3://b/c/d"
+    assert fs.join("s3://b/p", "x") == "s3://b/p/x"
+    assert fs.dirname("s3://b/p/x") == "s3://b/p" and fs.dirname("s3://b/x") == "s3://b"
+    assert fs.abspath("s3://b/p/") == "s3://b/p"
+    assert repr(fs.S3Session({"aws_secret_access_key": "zzz"})) == "S3Session(...)"
+
+
+def test_bench_s3_runs_small():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, os.path.join(root, "bench", "materialize.py"),
+                        "--mode", "load", "--storage", "s3", "--size-gib", "0.004",
+                        "--reps", "1"], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    for sharding in ("table_wise", "row_wise"):
+        line = next(l for l in r.stdout.splitlines() if l.startswith(f"metamat {sharding}"))
+        amp = float(line.split("requested/needed")[1].split(",")[0])
+        assert amp <= 1.05, line
