@@ -25,17 +25,53 @@ def env_header(device: torch.device) -> str:
             lines[-1] += f", {mod} {__import__(mod).__version__}"
         except Exception:  # version string is informational only
             lines[-1] += f", {mod} not installed"
-    cpu = platform.processor() or "cpu"
+    lines.append(f"CPU {cpu_name()}, {os.cpu_count()} logical cores, "
+                 f"{os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE') / 2**30:.0f} GiB, "
+                 f"Linux {platform.release()}, Python {platform.python_version()}")
     try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
-    except (OSError, StopIteration):
+        load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
+        lines.append(f"load average {load} (other jobs on the machine move wall-clock numbers)")
+    except OSError:
         pass
-    lines.append(f"CPU {cpu}, {os.cpu_count()} logical cores, Python {platform.python_version()}")
     if device.type == "cuda":
         p = torch.cuda.get_device_properties(device)
         lines.append(f"GPU {p.name}, {p.total_memory / 1e9:.0f} GB, CUDA {torch.version.cuda}")
     return "\n".join(lines)
+
+
+_T0 = time.perf_counter()
+
+
+def progress(msg: str) -> None:
+    """One progress line per measured method (stdout, flushed), with the run's elapsed time."""
+    print(f"[{time.perf_counter() - _T0:6.0f} s] {msg} ...", flush=True)
+
+
+def cpu_name() -> str:
+    """The CPU's model name, with its microarchitecture for AMD families that say too little
+    ("AMD EPYC" in a VM): family 25 is Zen 3 (models 0x00-0x0f, 0x20-0x5f) or Zen 4."""
+    info = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                k, _, v = line.partition(":")
+                info.setdefault(k.strip(), v.strip())
+                if not line.strip():
+                    break
+    except OSError:
+        return platform.processor() or "cpu"
+    name = info.get("model name", platform.processor() or "cpu")
+    try:
+        fam, model = int(info["cpu family"]), int(info["model"])
+    except (KeyError, ValueError):
+        return name
+    if info.get("vendor_id") == "AuthenticAMD":
+        arch = {23: "Zen/Zen 2", 26: "Zen 5"}.get(fam)
+        if fam == 25:
+            arch = "Zen 3" if model < 0x10 or 0x20 <= model < 0x60 else "Zen 4"
+        if arch:
+            name += f" (family {fam} model {model}: {arch})"
+    return name
 
 
 def peak_rss_gib() -> float:

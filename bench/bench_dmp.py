@@ -1,6 +1,12 @@
 """--mode dmp: TorchRec's eager DistributedModelParallel materialization against
 shard_on_meta + metamat.materialize, same tables and plan, 2 gloo ranks, with peak RSS.
 
+The model (also --mode load's): an EmbeddingBagCollection of --tables tables sharded RW x2,
+CW, TW x2 with TorchRec's FUSED compute kernel and a row-wise Adagrad optimizer
+(``EmbOptimType.EXACT_ROWWISE_ADAGRAD`` in the sharder's fused params), so the fused
+optimizer state (one fp32 momentum per local row) is part of what is materialized, saved and
+loaded; ``--kernel dense`` uses the DENSE kernel instead (no optimizer state).
+
 Each method runs in its own set of rank processes, so peak RSS (growth over the process's RSS
 before the model is built) belongs to that method alone.
 """
@@ -17,7 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
-from _common import Row, finish, print_table, timeit  # noqa: E402
+from _common import Row, finish, print_table, progress, timeit  # noqa: E402
 
 # The plan of the measured baseline in the notes: RW x2, CW, TW x2.
 SHARDING = ["row_wise", "row_wise", "column_wise", "table_wise", "table_wise"]
@@ -33,7 +39,17 @@ def table_configs(total_bytes_per_rank: int, n_tables: int, dim: int, world: int
                                feature_names=[f"f{i}"], data_type=dt) for i in range(n_tables)]
 
 
-def build_plan(ebc, world: int):
+def sharder(kernel: str = "fused"):
+    """The EBC sharder: FUSED tables carry a row-wise Adagrad state (fused params)."""
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+
+    fused = ({"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.05}
+             if kernel == "fused" else None)
+    return EmbeddingBagCollectionSharder(fused_params=fused)
+
+
+def build_plan(ebc, world: int, kernel: str = "fused", shd=None):
     from torchrec.distributed.sharding_plan import (column_wise, construct_module_sharding_plan,
                                                     row_wise, table_wise)
     from torchrec.distributed.types import ShardingPlan
@@ -44,8 +60,13 @@ def build_plan(ebc, world: int):
         per[cfg.name] = (row_wise() if kind == "row_wise" else
                          column_wise(ranks=list(range(world))) if kind == "column_wise" else
                          table_wise(rank=i % world))
-    return ShardingPlan({"": construct_module_sharding_plan(
-        ebc, per_param_sharding=per, local_size=world, world_size=world, device_type="cpu")})
+    mp = construct_module_sharding_plan(ebc, per_param_sharding=per, local_size=world,
+                                        world_size=world, device_type="cpu",
+                                        sharder=shd or sharder(kernel))
+    for ps in mp.values():
+        if ps.sharding_type != "data_parallel":
+            ps.compute_kernel = kernel  # construct_module_sharding_plan picks DENSE
+    return ShardingPlan({"": mp})
 
 
 def _rss_gib() -> float:
@@ -54,8 +75,11 @@ def _rss_gib() -> float:
 
 
 def _rank(rank: int, world: int, method: str, per_rank: int, n_tables: int, dim: int,
-          reps: int, dtype_name: str, threads: int):
+          reps: int, dtype_name: str, threads: int, kernel: str):
     import resource
+
+    from _quiet import quiet
+    quiet()
 
     import torch.distributed as dist
     from torchrec.distributed.model_parallel import DistributedModelParallel
@@ -75,11 +99,13 @@ def _rank(rank: int, world: int, method: str, per_rank: int, n_tables: int, dim:
         dist.barrier()
         t0 = time.perf_counter()
         ebc = EmbeddingBagCollection(tables=cfgs, device=torch.device("meta"))
-        plan = build_plan(ebc, world)
+        shd = sharder(kernel)
+        plan = build_plan(ebc, world, kernel, shd)
         if method == "torchrec":
-            model = DistributedModelParallel(ebc, env=env, device=torch.device("cpu"), plan=plan)
+            model = DistributedModelParallel(ebc, env=env, device=torch.device("cpu"), plan=plan,
+                                             sharders=[shd])
         else:
-            model = metamat.shard_on_meta(ebc, env=env, plan=plan)
+            model = metamat.shard_on_meta(ebc, env=env, plan=plan, sharders=[shd])
             report = metamat.materialize(model, device=torch.device("cpu"), seed=0)
             local_bytes = report.bytes_allocated  # the rank's model bytes (TorchRec's too)
         times.append(time.perf_counter() - t0)
@@ -112,16 +138,21 @@ def run_dmp(a, device: torch.device) -> List[Row]:
     per_rank = int(a.size_gib * 2**30)
     threads = max(1, (os.cpu_count() or 2) // a.ranks)
     rows = []
+    kernel = getattr(a, "kernel", "fused")
     for method, label in (("torchrec", "TorchRec DMP(device=cpu)"),
                           ("metamat", "metamat shard_on_meta+materialize")):
-        res = run_dist(_rank, a.ranks, method, per_rank, a.tables, a.dim, a.reps, a.dtype, threads)
+        progress(f"dmp: {label} ({kernel} kernel), {a.reps} reps")
+        res = run_dist(_rank, a.ranks, method, per_rank, a.tables, a.dim, a.reps, a.dtype, threads,
+                       kernel)
         sec = max(r["median_s"] for r in res)  # the slowest rank sets the wall time
         rows.append(Row("dmp", label, res[0]["bytes"], sec, a.reps,
                         peak_rss_gib=max(r["peak_rss_growth"] for r in res),
-                        extra=f"{a.ranks} ranks, per-rank bytes, {threads} thread(s)/rank"))
+                        extra=f"{a.ranks} ranks, {kernel} kernel, per-rank bytes, "
+                              f"{threads} thread(s)/rank"))
     rows[0].nbytes = rows[1].nbytes  # same tables and plan: metamat's count of local bytes
     rows.append(_fill_ceiling(rows[1].nbytes, a.reps, threads))
     finish(rows, "TorchRec DMP(device=cpu)", "torch fill_ (per-rank ceiling)")
-    print_table(f"dmp: {a.tables} tables, dim {a.dim}, ~{a.size_gib:g} GiB/rank, {a.ranks} ranks",
+    print_table(f"dmp: {a.tables} tables, dim {a.dim}, {kernel} kernel, ~{a.size_gib:g} GiB/rank, "
+                f"{a.ranks} ranks",
                 rows, "TorchRec DMP(device=cpu)", "torch fill_ (per-rank ceiling)")
     return rows

@@ -12,15 +12,18 @@ from typing import List
 import torch
 
 import metamat
-from _common import Row, finish, peak_rss_gib, print_table, timeit
+from _common import Row, finish, peak_rss_gib, print_table, progress, timeit
 
 DISTS = [("Uniform", metamat.Uniform(-0.1, 0.1)), ("Normal", metamat.Normal(0.0, 0.1)),
          ("TruncatedNormal", metamat.TruncatedNormal(0, 0.1, -0.2, 0.2))]
 SHORT = {"TruncatedNormal": "TruncNormal"}  # table column width
 
 
-def run_init(total_bytes: int, reps: int, device: torch.device, dtype: torch.dtype) -> List[Row]:
-    """Fill one pre-touched ~total_bytes buffer (rows of 128) every way, same run."""
+def run_init(total_bytes: int, reps: int, device: torch.device, dtype: torch.dtype,
+             detail: bool = True) -> List[Row]:
+    """Fill one pre-touched ~total_bytes buffer (rows of 128) every way, same run. Without
+    ``detail`` (the plot's smaller sizes) only the rows, no tables and no per-kernel or
+    fresh-page sections."""
     cols = 128
     rows_n = max(1, total_bytes // (cols * torch.empty((), dtype=dtype).element_size()))
     buf = torch.empty(rows_n, cols, dtype=dtype, device=device)
@@ -32,12 +35,16 @@ def run_init(total_bytes: int, reps: int, device: torch.device, dtype: torch.dty
         ("torch normal_", lambda: buf.normal_(0.0, 0.1)),
     ] + [(f"metamat {name}", lambda d=d: metamat.fill_(buf, d, key="t")) for name, d in DISTS]
     dt = str(dtype).replace("torch.", "")
+    progress(f"init: {n / 2**30:.3g} GiB {dt} on {device}: torch fill_/uniform_/normal_, "
+             f"metamat Uniform/Normal/TruncatedNormal{'' if detail else ' (plot sweep)'}")
     rows = [Row("init", name, n, timeit(fn, reps, device), reps, extra=dt) for name, fn in cases]
     if device.type == "cuda":
         rows += _gpu_rows(total_bytes, reps, device)
     for r in rows:
         r.peak_rss_gib = peak_rss_gib()  # the buffer is shared: process peak
     finish(rows, "torch uniform_", "torch fill_ (write ceiling)")
+    if not detail:
+        return rows
     print_table(f"init: {n / 2**30:.2f} GiB {dtype} on {device}", rows,
                 "torch uniform_", "torch fill_ (write ceiling)")
     if device.type == "cpu":
@@ -63,6 +70,8 @@ def _cpu_kernels(buf: torch.Tensor, reps: int) -> List[Row]:
     dt = str(buf.dtype).replace("torch.", "")
     out: List[Row] = []
     old = torch.get_num_threads()
+    progress(f"init: every CPU kernel ({', '.join(core().cpu_kernels())}) at "
+             f"{' and '.join(map(str, sorted({old, 1}, reverse=True)))} thread(s)")
     try:
         for threads in sorted({old, 1}, reverse=True):
             torch.set_num_threads(threads)
@@ -101,6 +110,7 @@ def _fresh_pages(total_bytes: int, reps: int, dtype: torch.dtype) -> List[Row]:
     cpu = torch.device("cpu")
     old_threads, old_env = torch.get_num_threads(), os.environ.get("METAMAT_PREFAULT")
     rows: List[Row] = []
+    progress("init: into fresh pages, 1 thread, prefault on/off")
     try:
         torch.set_num_threads(1)
         rows.append(Row("init", "torch fill_ fresh (1t)", n,

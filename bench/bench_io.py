@@ -26,6 +26,7 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from metamat import _pagecache  # noqa: E402
 from metamat._ext import core  # noqa: E402
 
 C = core()
@@ -70,14 +71,8 @@ def make_file(path: str, size: int) -> None:
 
 
 def evict(path: str) -> tuple:
-    before = C.resident_fraction(path)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-    return before, C.resident_fraction(path)
+    ev = _pagecache.evict(path)
+    return ev.before, ev.after
 
 
 def warm(path: str) -> None:

@@ -26,6 +26,7 @@ import numpy as np
 import xxhash
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from metamat import _pagecache  # noqa: E402
 from metamat._ext import core  # noqa: E402
 
 C = core()
@@ -53,12 +54,7 @@ def blocks_of(path, off, n):
 
 
 def evict(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+    _pagecache.evict(path, check=False)
 
 
 def main(argv=None) -> int:

@@ -17,6 +17,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from _common import env_header, write_csv  # noqa: E402
+from _quiet import quiet  # noqa: E402
 
 MODES = ("init", "dmp", "load")  # "all"; "tp" (DTensor tensor parallel) runs on its own
 
@@ -24,11 +25,17 @@ MODES = ("init", "dmp", "load")  # "all"; "tp" (DTensor tensor parallel) runs on
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mode", choices=MODES + ("tp", "all"), default="all")
-    p.add_argument("--quick", action="store_true", help="small sizes, 3 reps (for CI)")
+    p.add_argument("--quick", action="store_true", help="small sizes, at most 3 reps (for CI)")
     p.add_argument("--size-gib", type=float, default=2.0, help="bytes per rank to fill or load")
     p.add_argument("--tables", type=int, default=5, help="embedding tables (dmp, load)")
     p.add_argument("--dim", type=int, default=128, help="embedding dim (dmp, load)")
     p.add_argument("--ranks", type=int, default=2, help="gloo ranks (dmp, load)")
+    p.add_argument("--kernel", choices=("fused", "dense"), default="fused",
+                   help="TorchRec compute kernel (dmp, load): fused (with row-wise Adagrad "
+                        "optimizer state, materialized and loaded too) or dense")
+    p.add_argument("--cold", action="store_true",
+                   help="load: evict the checkpoint's pages before every repetition and add "
+                        "the raw O_DIRECT ceiling vs io=buffered/direct x 1/2/4/8 threads table")
     p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     p.add_argument("--reps", type=int, default=3, help="repetitions (median reported)")
@@ -39,12 +46,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="with --out: also run init at size/sweep .. size (x4 steps) for the plot")
     a = p.parse_args(argv)
     if a.quick:
-        a.size_gib, a.reps = min(a.size_gib, 1 / 16), 3
+        a.size_gib, a.reps = min(a.size_gib, 1 / 16), min(a.reps, 3)
     return a
 
 
 def main(argv=None) -> int:
     a = parse_args(argv)
+    quiet()  # third-party warnings and TorchRec's per-table log lines (bench processes only)
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = getattr(torch, a.dtype)
     print(env_header(device))
@@ -57,7 +65,7 @@ def main(argv=None) -> int:
             while a.out and sizes[0] > a.size_gib / a.sweep:  # smaller sizes for the plot
                 sizes.insert(0, sizes[0] / 4)
             for gib in sizes:
-                rows += run_init(int(gib * 2**30), a.reps, device, dtype)
+                rows += run_init(int(gib * 2**30), a.reps, device, dtype, detail=gib == a.size_gib)
         elif mode == "dmp":
             from bench_dmp import run_dmp
             rows += run_dmp(a, device)
@@ -72,12 +80,15 @@ def main(argv=None) -> int:
             rows += run_tp(a, device)
     if a.out and rows:
         from _plot import plot
-        write_csv(os.path.join(a.out, "results.csv"), rows)
+        csv_path = os.path.abspath(os.path.join(a.out, "results.csv"))
+        write_csv(csv_path, rows)
         try:
             plot(rows, os.path.join(a.out, "throughput.png"))
-            print(f"\nwrote {os.path.join(a.out, 'results.csv')} and throughput.png")
+            print(f"\nwrote {csv_path} and {os.path.join(os.path.dirname(csv_path), 'throughput.png')}")
         except ImportError as e:  # a GPU box may lack matplotlib: the CSV is what matters
-            print(f"\nwrote {os.path.join(a.out, 'results.csv')} (no plot: {e})")
+            print(f"\nwrote {csv_path} (no plot: {e})")
+    elif rows:
+        print("\n(no --out: CSV and plot not written)")
     return 0
 
 

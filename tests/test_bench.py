@@ -17,6 +17,12 @@ def test_bench_quick_writes_every_column(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     assert "metamat Uniform" in r.stdout and "TorchRec DMP" in r.stdout
     assert "dcp.load" in r.stdout and "read amplification" in r.stdout
+    assert "fused kernel" in r.stdout  # the default model carries row-wise Adagrad state
+    # quiet: no third-party warnings or TorchRec per-table log lines, a progress line per method
+    out = r.stdout + r.stderr
+    assert "caching params will be ignored" not in out and "Warning" not in out, out[-3000:]
+    assert r.stdout.count("] load: ") >= 5 and r.stdout.count("] dmp: ") == 2
+    assert "results.csv" in r.stdout.splitlines()[-1]
     assert (tmp_path / "throughput.png").stat().st_size > 1000
     with open(tmp_path / "results.csv") as f:
         rows = list(csv.DictReader(f))
@@ -41,4 +47,21 @@ def test_bench_tp_quick(tmp_path):
         rows = list(csv.DictReader(f))
     methods = {row["method"] for row in rows}
     assert any("metamat" in m for m in methods) and any("dcp.load" in m for m in methods)
+    assert all(float(row["gbps"]) > 0 for row in rows)
+
+
+@pytest.mark.multiprocess
+def test_bench_load_cold_quick(tmp_path):
+    """--mode load --cold: the raw O_DIRECT ceiling and buffered/direct x 1/2/4/8 threads."""
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "materialize.py"), "--quick",
+                        "--mode", "load", "--cold", "--reps", "1", "--kernel", "dense",
+                        "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "raw O_DIRECT 8 thr x 32 MiB" in r.stdout and "best direct:" in r.stdout
+    with open(tmp_path / "results.csv") as f:
+        rows = [row for row in csv.DictReader(f) if row["mode"] == "load_cold"]
+    names = {row["method"] for row in rows}
+    for io in ("buffered", "direct"):
+        for t in (1, 2, 4, 8):
+            assert f"metamat io={io} {t} thr/rank" in names
     assert all(float(row["gbps"]) > 0 for row in rows)

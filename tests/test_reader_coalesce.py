@@ -3,11 +3,10 @@ the gaps while that is cheaper than one pread per row (measured: bench/bench_coa
 coalesce_gap overrides it, and every choice lands the same bytes."""
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 
+from metamat._pagecache import evict
 from reader_ops import POISON, addr, expected_rows, ops, poisoned
 
 ROWS = 300
@@ -100,12 +99,6 @@ def test_auto_io_uses_the_rule_of_the_path_it_takes(reader, data):
     with open(path, "rb") as f:
         f.read()
     assert _read(reader, data, 64, 65536, io="auto") == 64 * ROWS
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-    if reader.resident_fraction(path) > 0.1:
+    if evict(path).after > 0.1:
         pytest.skip("posix_fadvise(DONTNEED) did not evict the pages here")
     assert _read(reader, data, 64, 65536, io="auto") > 64 * ROWS

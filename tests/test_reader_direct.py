@@ -9,6 +9,7 @@ import os
 import numpy as np
 import pytest
 
+from metamat._pagecache import evict, resident
 from reader_ops import BF16, F16, F32, POISON, addr, expected_rows, ops, poisoned
 
 MODES = ("buffered", "direct", "auto")
@@ -141,7 +142,7 @@ def test_errors_in_direct_mode(reader, data_file, monkeypatch, io, mode, nth):
     path, body = data_file
     monkeypatch.setenv("METAMAT_IO_FAULT", f"{nth}:{mode}")
     shape = _shapes(body)[0]
-    _evict(reader, path)
+    evict(path)
     r, *_ = _run(reader, path, shape, io, task_bytes=256 << 10, threads=2)
     if io == "auto" and r["files"][0]["bytes_direct"] == 0 and r["ok"]:
         pytest.skip("pages stayed cached: auto read buffered")  # eviction is best effort
@@ -159,32 +160,22 @@ def test_retried_faults_in_direct_mode(reader, data_file, monkeypatch, mode, nth
         assert r["ok"] and got == shape[-1], (shape[0], r["error"])
 
 
-def _evict(reader, path) -> float:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-    return reader.resident_fraction(path)
-
-
 def test_auto_reads_cached_buffered_and_cold_direct(reader, data_file):
     path, body = data_file
     shape = _shapes(body)[0]
     with open(path, "rb") as f:
         f.read()  # warm
-    assert reader.resident_fraction(path) > 0.9
+    assert resident(path) > 0.9
     r, got, *_ = _run(reader, path, shape, "auto")
     assert r["ok"] and got == shape[-1]
     assert r["files"][0]["mode"] == "buffered", r["files"]
-    if _evict(reader, path) > 0.1:
+    if evict(path).after > 0.1:
         pytest.skip("posix_fadvise(DONTNEED) did not evict the pages here")
     r, got, *_ = _run(reader, path, shape, "auto")
     assert r["ok"] and got == shape[-1]
     assert r["files"][0]["bytes_direct"] > 0, r["files"]
     # small reads stay buffered even when cold
-    _evict(reader, path)
+    evict(path)
     r, got, *_ = _run(reader, path, _shapes(body)[3], "auto")
     assert r["ok"] and r["files"][0]["mode"] == "buffered"
 
