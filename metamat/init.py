@@ -17,7 +17,7 @@ import torch
 from ._ext import core
 from .dtypes import CODES as _DTYPE_CODES
 from .keys import philox_key
-from .spec import Dist, TruncatedNormal
+from .spec import Dist
 
 __all__ = ["fill_", "fill_many_", "SEGMENT_DTYPE"]
 

@@ -7,6 +7,7 @@ the load planner (``metamat.load``) only ever sees this representation.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 

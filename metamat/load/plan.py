@@ -15,7 +15,6 @@ requires every saved tensor to have that dtype.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 

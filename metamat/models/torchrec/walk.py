@@ -14,7 +14,7 @@ Nothing is allocated here. The result is a ``TorchRecPlan``:
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, List, Mapping, Optional, Set, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 import torch
 from torch import nn
