@@ -14,8 +14,12 @@ Two serialization formats exist:
 """
 from __future__ import annotations
 
+import io
 import json
+import mmap
 import os
+import struct
+import zlib
 from typing import Dict, List, Tuple
 
 import torch
@@ -25,7 +29,8 @@ from .errors import (CheckpointError, DtypeMismatchError, InvalidHeaderError,
                      InvalidOffsetError, ShapeMismatchError,
                      TruncatedFileError, UnsupportedFormatError)
 from .safetensors import read_header
-from .torch_save import TensorRef, parse_torch_save, tensor_chunk
+from .torch_save import (TensorRef, TorchSaveArchive, _RestrictedUnpickler, parse_torch_save,
+                         tensor_chunk)
 
 __all__ = ["open_dcp", "is_dcp_dir"]
 
@@ -109,8 +114,7 @@ def open_dcp(path: str) -> Checkpoint:
                 raise UnsupportedFormatError("mixed TORCH_SAVE and SAFETENSORS files", file=f)
             fmt = file_fmt
             if file_fmt == "dcp":
-                for fqn, offs, sizes, info in items:
-                    _add_torch_save_chunk(entries[fqn], f, fh, offs, sizes, info)
+                _add_torch_save_chunks(entries, f, fh, fsize, items)
             else:
                 _add_safetensors_chunks(entries, f, items)
     return Checkpoint(fmt or "dcp", path, entries)
@@ -142,11 +146,110 @@ def _check_range(f: str, fsize: int, fqn: str, offs, info) -> None:
                                  f"has {fsize}", file=f, tensor=fqn)
 
 
+def _add_torch_save_chunks(entries: Dict[str, TensorEntry], f: str, fh, fsize: int,
+                           items) -> None:
+    """Locate every torch.save blob of one data file: the file is mapped once and each blob's
+    zip end record, central directory and local headers are read with ``struct`` (no
+    ``zipfile`` object, no syscall per chunk); identical ``data.pkl`` records (chunks of one
+    shape and dtype) are unpickled once. A blob this fast path does not recognise goes
+    through :func:`parse_torch_save`, which accepts it or raises the named error."""
+    mm = None
+    if fsize:
+        try:
+            mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+        except (OSError, ValueError):
+            mm = None
+    pickles: Dict[bytes, object] = {}
+    try:
+        for fqn, offs, sizes, info in items:
+            arch = _fast_blob(mm, f, info.offset, info.length, pickles) if mm is not None \
+                else None
+            if arch is None:
+                _add_torch_save_chunk(entries[fqn], f, fh, offs, sizes, info)
+            else:
+                _add_parsed_chunk(entries[fqn], f, arch, offs, sizes, info)
+    finally:
+        if mm is not None:
+            mm.close()
+
+
+_EOCD = struct.Struct("<4sHHHHIIH")
+_CDIR = struct.Struct("<4sHHHHHHIIIHHHHHII")
+_LOCAL = struct.Struct("<4sHHHHHIIIHH")
+
+
+def _fast_blob(mm, f: str, base: int, length: int, pickles: Dict[bytes, object]):
+    """The ``TorchSaveArchive`` of the plain zip at ``[base, base+length)`` of the mapped
+    file, or None if anything is unusual (a comment, zip64 sizes, compression, duplicate or
+    missing records, a CRC mismatch, a pickle that does not load...)."""
+    try:
+        end = base + length
+        if length < _EOCD.size or end > len(mm):
+            return None
+        sig, _, _, n_here, n, cd_size, cd_off, comment = _EOCD.unpack_from(mm, end - 22)
+        if sig != b"PK\x05\x06" or comment or n != n_here or cd_off + cd_size > length:
+            return None
+        pos, names = base + cd_off, {}
+        for _ in range(n):
+            (sig, _, _, _, method, _, _, crc, csize, usize, nlen, elen, clen, _, _, _,
+             lho) = _CDIR.unpack_from(mm, pos)
+            if sig != b"PK\x01\x02" or method != 0 or csize != usize or usize == 0xFFFFFFFF \
+                    or lho == 0xFFFFFFFF:
+                return None
+            name = mm[pos + 46:pos + 46 + nlen].decode("utf-8")
+            if name in names:
+                return None
+            names[name] = (lho, usize, crc)
+            pos += 46 + nlen + elen + clen
+        if pos > base + cd_off + cd_size:
+            return None
+        pkl = [k for k in names if k.endswith("/data.pkl") and k.count("/") == 1]
+        if len(pkl) != 1:
+            return None
+        prefix = pkl[0][: -len("data.pkl")]
+
+        def record(name):  # (absolute data offset, size, crc) after checking the local header
+            lho, usize, crc = names[name]
+            sig, _, _, method, _, _, _, _, _, nl, el = _LOCAL.unpack_from(mm, base + lho)
+            start = lho + 30 + nl + el
+            if sig != b"PK\x03\x04" or method != 0 or start + usize > length:
+                raise ValueError(name)
+            return base + start, usize, crc
+
+        bo = names.get(prefix + "byteorder")
+        if bo is not None:
+            o, sz, crc = record(prefix + "byteorder")
+            data = mm[o:o + sz]
+            if zlib.crc32(data) != crc or data.strip() != b"little":
+                return None
+        o, sz, crc = record(pkl[0])
+        data = mm[o:o + sz]
+        obj = pickles.get(data)
+        if obj is None:
+            if zlib.crc32(data) != crc:
+                return None
+            obj = _RestrictedUnpickler(io.BytesIO(data), f).load()
+            pickles[data] = obj
+        records = {}
+        dprefix = prefix + "data/"
+        for name in names:
+            if name.startswith(dprefix) and "/" not in name[len(dprefix):]:
+                o, sz, _ = record(name)
+                records[name[len(dprefix):]] = (o, sz)
+        return TorchSaveArchive(f, obj, records)
+    except Exception:  # noqa: BLE001 - anything odd: the careful parser decides
+        return None
+
+
 def _add_torch_save_chunk(entry: TensorEntry, f: str, fh, offs, sizes, info) -> None:
     try:
         arch = parse_torch_save(f, base=info.offset, length=info.length, f=fh)
     except CheckpointError as e:
         raise e.with_tensor(entry.name) from e.__cause__
+    _add_parsed_chunk(entry, f, arch, offs, sizes, info)
+
+
+def _add_parsed_chunk(entry: TensorEntry, f: str, arch, offs, sizes, info) -> None:
     if not isinstance(arch.obj, TensorRef):
         raise InvalidHeaderError(f"blob at {info.offset} holds {type(arch.obj).__name__}, "
                                  "not a tensor", file=f, tensor=entry.name)

@@ -15,6 +15,7 @@ requires every saved tensor to have that dtype.
 """
 from __future__ import annotations
 
+import bisect
 import os
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple, Union
@@ -114,16 +115,52 @@ def _chunk_row_stride(entry: TensorEntry, ch: Chunk) -> int:
 
 
 def _check_overlaps(entry: TensorEntry, boxes: List[Tuple[int, int, int, int, Chunk]]) -> None:
-    """Raise if two chunk boxes (r0, r1, c0, c1, chunk) overlap."""
-    boxes = sorted(boxes, key=lambda b: (b[0], b[2]))
-    for i, a in enumerate(boxes):
-        for b in boxes[i + 1:]:
-            if b[0] >= a[1]:
-                break
-            if b[2] < a[3] and a[2] < b[3]:
-                raise OverlappingChunksError(
-                    f"chunks at {tuple(a[4].offsets)} and {tuple(b[4].offsets)} overlap",
-                    file=b[4].file, tensor=entry.name)
+    """Raise if two chunk boxes (r0, r1, c0, c1, chunk) overlap; boxes that only touch are
+    fine. Empty boxes hold nothing and are ignored.
+
+    A sweep over rows, O(n log n): each box is inserted at its first row and removed after
+    its last; the active boxes (those crossing the sweep row) are pairwise disjoint in
+    columns, kept sorted by first column, so a new box overlaps one of them iff it overlaps
+    its neighbour on either side. At one row, removals come before insertions (a box ending
+    where another starts only touches it). Removals run from the last column down and
+    insertions from the first column up, so the common layouts (row chunks, column chunks,
+    grids) insert at the end and delete from the end of the active list.
+    """
+    n = len(boxes)
+    if n < 2:
+        return
+    if all(b[2] == boxes[0][2] and b[3] == boxes[0][3] for b in boxes):  # row chunks
+        rows = sorted((b[0], b[1], i) for i, b in enumerate(boxes) if b[0] < b[1])
+        for (_, a1, ia), (b0, _, ib) in zip(rows, rows[1:]):
+            if b0 < a1:
+                _overlap(entry, boxes[ia], boxes[ib])
+        return
+    events = []
+    for i, (r0, r1, c0, c1, _) in enumerate(boxes):
+        if r0 < r1 and c0 < c1:
+            events.append((r0, 1, c0, i))
+            events.append((r1, 0, -c0, i))  # removals: last column first
+    events.sort()
+    starts: List[int] = []  # first column of each active box, ascending
+    active: List[int] = []  # the boxes, same order
+    for _, insert, _, i in events:
+        c0, c1 = boxes[i][2], boxes[i][3]
+        pos = bisect.bisect_left(starts, c0)
+        if not insert:
+            del starts[pos], active[pos]
+            continue
+        if pos < len(starts) and starts[pos] < c1:
+            _overlap(entry, boxes[active[pos]], boxes[i])
+        if pos > 0 and boxes[active[pos - 1]][3] > c0:
+            _overlap(entry, boxes[active[pos - 1]], boxes[i])
+        starts.insert(pos, c0)
+        active.insert(pos, i)
+
+
+def _overlap(entry: TensorEntry, a, b) -> None:
+    raise OverlappingChunksError(
+        f"chunks at {tuple(a[4].offsets)} and {tuple(b[4].offsets)} overlap",
+        file=b[4].file, tensor=entry.name)
 
 
 def _dst_row_stride(t: Target) -> int:
