@@ -268,28 +268,39 @@ def plan_load(targets: Sequence[Target], ckpt: Checkpoint, *, strict: bool = Tru
         D = _dst_row_stride(t)
         area = 0
         boxes = []
+        tr1, tc1 = tr0 + tnr, tc0 + tnc
+        sdt, ddt = e.dtype, t.dtype
+        strides: Dict[Tuple[tuple, tuple], int] = {}  # (sizes, strides) -> row stride
         for ch in e.chunks:
-            cr0, cc0 = _off2d(ch.offsets)
-            cnr, cnc = _as2d(ch.sizes)
-            r0, r1 = max(tr0, cr0), min(tr0 + tnr, cr0 + cnr)
-            c0, c1 = max(tc0, cc0), min(tc0 + tnc, cc0 + cnc)
+            o = ch.offsets
+            cr0, cc0 = (o[0], o[1]) if len(o) == 2 else _off2d(o)
+            z = ch.sizes
+            cnr, cnc = (z[0], z[1]) if len(z) == 2 else _as2d(z)
+            r0 = tr0 if tr0 > cr0 else cr0
+            r1 = tr1 if tr1 < cr0 + cnr else cr0 + cnr
+            c0 = tc0 if tc0 > cc0 else cc0
+            c1 = tc1 if tc1 < cc0 + cnc else cc0 + cnc
             if r0 >= r1 or c0 >= c1:
                 continue
             boxes.append((cr0, cr0 + cnr, cc0, cc0 + cnc, ch))
             area += (r1 - r0) * (c1 - c0)
-            S = _chunk_row_stride(e, ch)
-            fi = file_index.setdefault(ch.file, len(files))
-            if fi == len(files):
+            sk = (z, ch.strides)
+            S = strides.get(sk)
+            if S is None:
+                S = strides[sk] = _chunk_row_stride(e, ch)
+            fi = file_index.get(ch.file)
+            if fi is None:
+                fi = file_index[ch.file] = len(files)
                 files.append(ch.file)
             src_off = ch.byte_offset + ((r0 - cr0) * S + (c0 - cc0)) * sisz
             dst_off = ((r0 - tr0) * D + (c0 - tc0)) * disz
             rows, width = r1 - r0, c1 - c0
             if rows == 1 or (width == S and width == D):
                 ops.append(ReadOp(fi, src_off, rows * width * sisz, 1, 0, di, dst_off, 0,
-                                  e.dtype, t.dtype))
+                                  sdt, ddt))
             else:
                 ops.append(ReadOp(fi, src_off, width * sisz, rows, S * sisz, di, dst_off,
-                                  D * disz, e.dtype, t.dtype))
+                                  D * disz, sdt, ddt))
         _check_overlaps(e, boxes)
         if area != tnr * tnc:
             raise CoverageError(
