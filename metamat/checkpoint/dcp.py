@@ -24,6 +24,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from .._gcpause import gc_paused
 from .base import Checkpoint, Chunk, TensorEntry, open_binary
 from .errors import (CheckpointError, DtypeMismatchError, InvalidHeaderError,
                      InvalidOffsetError, ShapeMismatchError,
@@ -59,6 +60,12 @@ def open_dcp(path: str) -> Checkpoint:
         InvalidHeaderError, MissingFileError, TruncatedFileError, ShapeMismatchError,
         DtypeMismatchError: the metadata and the files disagree.
     """
+    with gc_paused():  # millions of live objects: collections would make this super-linear
+        return _open_dcp(path)
+
+
+def _open_dcp(path: str) -> Checkpoint:
+    """:func:`open_dcp` with the collector paused."""
     from torch.distributed.checkpoint.metadata import (Metadata, MetadataIndex,
                                                         TensorStorageMetadata)
 

@@ -26,6 +26,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.overrides import TorchFunctionMode
 
+from ..._gcpause import gc_paused
 from .compat import check_versions
 from .tbe import FACTORIES, floating_factory_call
 
@@ -242,7 +243,7 @@ def shard_on_meta(
         _to_meta_inplace(module)
         for mod in ddp_users:
             mod.DistributedDataParallel = MetaDDP
-        with MetaFactoryMode():
+        with MetaFactoryMode(), gc_paused():  # ~100 live objects per table: see _gcpause
             dmp = DistributedModelParallel(
                 module,
                 env=env,
