@@ -102,6 +102,8 @@ def test_chunks_and_tensors_scale_linearly(pg):
             assert g <= 2.0, (case, method, g, res)
 
 
+# TorchRec's ShardedTensor warns that it is deprecated (metamat reads it, as DMP builds it)
+@pytest.mark.filterwarnings("ignore::FutureWarning")
 def test_tables_scale_linearly(pg):
     pytest.importorskip("torchrec")
     from bench_scale import run_tables
@@ -112,6 +114,7 @@ def test_tables_scale_linearly(pg):
         assert g <= 2.0, (method, g, res)
 
 
+@pytest.mark.filterwarnings("ignore::FutureWarning")
 def test_bench_scale_mode_quick(tmp_path, monkeypatch):
     """bench/materialize.py --mode scale --quick runs end to end and writes its CSV."""
     import bench_scale
