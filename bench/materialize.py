@@ -20,11 +20,13 @@ from _common import env_header, write_csv  # noqa: E402
 from _quiet import quiet  # noqa: E402
 
 MODES = ("init", "dmp", "load")  # "all"; "tp" (DTensor tensor parallel) runs on its own
+# "scale" (time against table/chunk/tensor counts, bench_scale.py) also runs on its own:
+# it takes minutes (seconds with --quick).
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mode", choices=MODES + ("tp", "all"), default="all")
+    p.add_argument("--mode", choices=MODES + ("tp", "scale", "all"), default="all")
     p.add_argument("--quick", action="store_true", help="small sizes, at most 3 reps (for CI)")
     p.add_argument("--size-gib", type=float, default=2.0, help="bytes per rank to fill or load")
     p.add_argument("--tables", type=int, default=5, help="embedding tables (dmp, load)")
@@ -78,6 +80,9 @@ def main(argv=None) -> int:
         elif mode == "tp":
             from bench_tp import run_tp
             rows += run_tp(a, device)
+        elif mode == "scale":
+            from bench_scale import run_scale
+            rows += run_scale(a, device)
     if a.out and rows:
         from _plot import plot
         csv_path = os.path.abspath(os.path.join(a.out, "results.csv"))

@@ -20,6 +20,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, 
 import torch
 from torch import nn
 
+from ._gcpause import gc_paused
 from .allocate import allocate
 from .checkpoint.base import Checkpoint
 from .checkpoint.errors import MissingTensorError, UnexpectedTensorError
@@ -245,6 +246,34 @@ def materialize(
             a checkpoint problem). In every case the model is unchanged on every rank.
         metamat.PartialLoadError: only with ``inplace=True``, after writes began.
     """
+    with gc_paused():  # many live objects per table or tensor: see metamat._gcpause
+        return _materialize(
+            model, ckpt, device=device, strict=strict, dtype=dtype, io_threads=io_threads,
+            staging_bytes=staging_bytes, progress=progress, seed=seed, init=init, rename=rename,
+            verify=verify, ignore_unexpected=ignore_unexpected, inplace=inplace,
+            timeout=timeout, io=io, storage_options=storage_options)
+
+
+def _materialize(
+    model: nn.Module,
+    ckpt: Any = None,
+    *,
+    device: Optional[Union[str, torch.device]] = None,
+    strict: bool = True,
+    dtype: Union[None, str, torch.dtype] = None,
+    io_threads: Optional[int] = None,
+    staging_bytes: int = 256 << 20,
+    progress: Union[None, bool, Callable[[int, int], None]] = None,
+    seed: int = 0,
+    init: Optional[Mapping[str, Any]] = None,
+    rename: Rename = None,
+    verify: bool = False,
+    ignore_unexpected: Sequence[str] = (),
+    inplace: bool = False,
+    timeout: Optional[float] = None,
+    io: str = "auto",
+    storage_options: Optional[Mapping[str, Any]] = None,
+) -> Report:
     if verify and ckpt is None:
         raise ValueError("materialize: verify=True needs a checkpoint")
     from .load.execute import IO_MODES
@@ -339,7 +368,7 @@ def materialize(
     sec["register"] = time.perf_counter() - t
     _fill_report(report, parts, ld, executed, alloc, shadows)
     for w in report.warnings:
-        _warnings.warn(w, stacklevel=2)
+        _warnings.warn(w, stacklevel=3)
     _log.info("metamat.materialize: %s", report.summary())
     _log.debug("materialize phases: %s", report.seconds)
     return report

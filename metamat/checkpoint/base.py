@@ -7,6 +7,7 @@ the load planner (``metamat.load``) only ever sees this representation.
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
@@ -32,6 +33,7 @@ def open_binary(path: str, what: str = "file", tensor: Optional[str] = None):
     return open_regular(path, what, tensor)
 
 
+@functools.lru_cache(maxsize=None)  # called per chunk: a tensor per call adds up
 def itemsize(dtype: torch.dtype) -> int:
     """Bytes per element of ``dtype``."""
     return torch.empty((), dtype=dtype).element_size()

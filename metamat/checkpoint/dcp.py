@@ -14,19 +14,25 @@ Two serialization formats exist:
 """
 from __future__ import annotations
 
+import io
+import mmap
 import os
-from typing import Dict, List, Tuple
+import struct
+import zlib
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
 from . import storage as fs
+from .._gcpause import gc_paused
 from .base import Checkpoint, Chunk, TensorEntry, open_binary
 from .errors import (CheckpointError, DtypeMismatchError, InvalidHeaderError,
                      InvalidOffsetError, ShapeMismatchError,
                      TruncatedFileError, UnsupportedFormatError)
 from .limits import METADATA_BYTES, check, contained_path, loads_json, open_regular
 from .safetensors import read_header
-from .torch_save import TensorRef, parse_torch_save, tensor_chunk
+from .torch_save import (TensorRef, TorchSaveArchive, _RestrictedUnpickler, parse_torch_save,
+                         tensor_chunk)
 
 __all__ = ["open_dcp", "is_dcp_dir"]
 
@@ -75,6 +81,12 @@ def open_dcp(path: str) -> Checkpoint:
         InvalidHeaderError, MissingFileError, TruncatedFileError, ShapeMismatchError,
         DtypeMismatchError: the metadata and the files disagree.
     """
+    with gc_paused():  # millions of live objects: collections would make this super-linear
+        return _open_dcp(path)
+
+
+def _open_dcp(path: str) -> Checkpoint:
+    """:func:`open_dcp` with the collector paused."""
     from torch.distributed.checkpoint.metadata import (Metadata, MetadataIndex,
                                                         TensorStorageMetadata)
 
@@ -90,6 +102,7 @@ def open_dcp(path: str) -> Checkpoint:
     entries: Dict[str, TensorEntry] = {}
     meta = fs.join(path, ".metadata")
     fqn = None
+    files: Dict[object, str] = {}  # relative path -> checked absolute path
     try:
         for fqn, tmd in md.state_dict_metadata.items():
             if not isinstance(tmd, TensorStorageMetadata):
@@ -100,18 +113,21 @@ def open_dcp(path: str) -> Checkpoint:
                                          tensor=fqn)
             entries[fqn] = TensorEntry(fqn, tuple(int(s) for s in tmd.size), dtype)
             for ch in tmd.chunks:
-                offs = tuple(int(o) for o in ch.offsets)
+                offs = tuple(map(int, ch.offsets))
                 info = storage.get(MetadataIndex(fqn, ch.offsets))
                 if info is None:
                     raise InvalidHeaderError(f"no storage entry for chunk at {offs}",
                                              file=meta, tensor=fqn)
-                f = _data_file(path, info, fqn)
+                rel = info.relative_path
+                f = files.get(rel) if isinstance(rel, str) else None
+                if f is None:
+                    f = files[rel] = _data_file(path, info, fqn)
                 if getattr(info, "transform_descriptors", None):
                     raise UnsupportedFormatError(
                         f"chunk uses storage transforms {list(info.transform_descriptors)}",
                         file=f, tensor=fqn)
                 per_file.setdefault(f, []).append(
-                    (fqn, offs, tuple(int(s) for s in ch.sizes), info))
+                    (fqn, offs, tuple(map(int, ch.sizes)), info))
     except (TypeError, ValueError, AttributeError) as e:
         # a pickle that loads but is not DCP metadata (or holds the wrong field types)
         raise InvalidHeaderError(f"malformed DCP metadata ({type(e).__name__}: {e})",
@@ -130,8 +146,7 @@ def open_dcp(path: str) -> Checkpoint:
                 raise UnsupportedFormatError("mixed TORCH_SAVE and SAFETENSORS files", file=f)
             fmt = file_fmt
             if file_fmt == "dcp":
-                for fqn, offs, sizes, info in items:
-                    _add_torch_save_chunk(entries[fqn], f, fh, offs, sizes, info)
+                _add_torch_save_chunks(entries, f, fh, fsize, items)
             else:
                 _add_safetensors_chunks(entries, f, items)
     return Checkpoint(fmt or "dcp", path, entries)
@@ -155,11 +170,146 @@ def _check_range(f: str, fsize: int, fqn: str, offs, info) -> None:
                                  f"has {fsize}", file=f, tensor=fqn)
 
 
+def _add_torch_save_chunks(entries: Dict[str, TensorEntry], f: str, fh, fsize: int,
+                           items) -> None:
+    """Locate every torch.save blob of one data file: the file is mapped once and each blob's
+    zip end record, central directory and local headers are read with ``struct`` (no
+    ``zipfile`` object, no syscall per chunk); identical ``data.pkl`` records (chunks of one
+    shape and dtype) are unpickled once. A blob this fast path does not recognise goes
+    through :func:`parse_torch_save`, which accepts it or raises the named error."""
+    mm = None
+    if fsize:
+        try:
+            mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
+        except (OSError, ValueError):
+            mm = None
+    pickles: Dict[bytes, object] = {}
+    located: Dict[tuple, tuple] = {}  # (TensorRef, record size) -> (offset in record, Chunk)
+    templates: Dict[tuple, tuple] = {}  # central directories seen
+    try:
+        for fqn, offs, sizes, info in items:
+            arch = _fast_blob(mm, f, info.offset, info.length, pickles, templates) if mm is not None \
+                else None
+            if arch is None:
+                _add_torch_save_chunk(entries[fqn], f, fh, offs, sizes, info)
+            else:
+                _add_parsed_chunk(entries[fqn], f, arch, offs, sizes, info, located)
+    finally:
+        if mm is not None:
+            mm.close()
+
+
+_EOCD = struct.Struct("<4sHHHHIIH")
+_CDIR = struct.Struct("<4sHHHHHHIIIHHHHHII")
+_LOCAL = struct.Struct("<4sHHHHHIIIHH")
+_CRC = struct.Struct("<I")
+
+
+def _central_directory(mm, start: int, size: int, n: int, templates: Dict[tuple, tuple]):
+    """name -> (local header offset, size, crc) of the ``n`` stored entries of the central
+    directory at ``[start, start+size)``, or None if it is unusual. DCP's blobs of one shape
+    have the same directory but for the CRCs: once one was parsed, a directory equal to it
+    outside the CRC fields is read from that template."""
+    key = (size, n)
+    tmpl = templates.get(key)
+    if tmpl is not None:
+        segs, masked, entries, _ = tmpl
+        cd = mm[start:start + size]
+        if b"".join([cd[a:b] for a, b in segs]) == masked:
+            crc = _CRC.unpack_from
+            return {name: (lho, usize, crc(cd, cpos)[0]) for name, lho, usize, cpos in entries}, \
+                tmpl
+    pos, end, names, entries, crcs = start, start + size, {}, [], []
+    for _ in range(n):
+        (sig, _, _, _, method, _, _, crc, csize, usize, nlen, elen, clen, _, _, _,
+         lho) = _CDIR.unpack_from(mm, pos)
+        if sig != b"PK\x01\x02" or method != 0 or csize != usize or usize == 0xFFFFFFFF \
+                or lho == 0xFFFFFFFF:
+            return None, None
+        name = mm[pos + 46:pos + 46 + nlen].decode("utf-8")
+        if name in names:
+            return None, None
+        names[name] = (lho, usize, crc)
+        entries.append((name, lho, usize, pos + 16 - start))
+        crcs.append(pos + 16 - start)
+        pos += 46 + nlen + elen + clen
+    if pos > end:
+        return None, None
+    cuts = [0] + [c for p in crcs for c in (p, p + 4)] + [size]
+    segs = list(zip(cuts[::2], cuts[1::2]))
+    cd = mm[start:end]
+    tmpl = templates[key] = (segs, b"".join([cd[a:b] for a, b in segs]), entries, {})
+    return names, tmpl
+
+
+def _fast_blob(mm, f: str, base: int, length: int, pickles: Dict[bytes, object],
+               templates: Dict[tuple, tuple]):
+    """The ``TorchSaveArchive`` of the plain zip at ``[base, base+length)`` of the mapped
+    file, or None if anything is unusual (a comment, zip64 sizes, compression, duplicate or
+    missing records, a CRC mismatch, a pickle that does not load...)."""
+    try:
+        end = base + length
+        if length < _EOCD.size or end > len(mm):
+            return None
+        sig, _, _, n_here, n, cd_size, cd_off, comment = _EOCD.unpack_from(mm, end - 22)
+        if sig != b"PK\x05\x06" or comment or n != n_here or cd_off + cd_size > length:
+            return None
+        names, tmpl = _central_directory(mm, base + cd_off, cd_size, n, templates)
+        if names is None:
+            return None
+        layout = tmpl[3]  # what the names say, worked out once per directory template
+        if not layout:
+            pkl = [k for k in names if k.endswith("/data.pkl") and k.count("/") == 1]
+            if len(pkl) != 1:
+                return None
+            prefix = pkl[0][: -len("data.pkl")]
+            dprefix = prefix + "data/"
+            layout.update(pkl=pkl[0], bo=prefix + "byteorder" if prefix + "byteorder" in names
+                          else None, data=[(k, k[len(dprefix):]) for k in names
+                                           if k.startswith(dprefix) and "/" not in k[len(dprefix):]])
+
+        def record(name):  # (absolute data offset, size, crc) after checking the local header
+            lho, usize, crc = names[name]
+            sig, _, _, method, _, _, _, _, _, nl, el = _LOCAL.unpack_from(mm, base + lho)
+            start = lho + 30 + nl + el
+            if sig != b"PK\x03\x04" or method != 0 or start + usize > length:
+                raise ValueError(name)
+            return base + start, usize, crc
+
+        if layout["bo"] is not None:
+            o, sz, crc = record(layout["bo"])
+            data = mm[o:o + sz]
+            if zlib.crc32(data) != crc or data.strip() != b"little":
+                return None
+        o, sz, crc = record(layout["pkl"])
+        data = mm[o:o + sz]
+        known = pickles.get(data)
+        if known is None:
+            if zlib.crc32(data) != crc:
+                return None
+            known = pickles[data] = (_RestrictedUnpickler(io.BytesIO(data), f).load(), crc)
+        elif known[1] != crc:
+            return None
+        obj = known[0]
+        records = {}
+        for name, key in layout["data"]:
+            o, sz, _ = record(name)
+            records[key] = (o, sz)
+        return TorchSaveArchive(f, obj, records)
+    except Exception:  # noqa: BLE001 - anything odd: the careful parser decides
+        return None
+
+
 def _add_torch_save_chunk(entry: TensorEntry, f: str, fh, offs, sizes, info) -> None:
     try:
         arch = parse_torch_save(f, base=info.offset, length=info.length, f=fh)
     except CheckpointError as e:
         raise e.with_tensor(entry.name) from e.__cause__
+    _add_parsed_chunk(entry, f, arch, offs, sizes, info)
+
+
+def _add_parsed_chunk(entry: TensorEntry, f: str, arch, offs, sizes, info,
+                      located: Optional[Dict[tuple, tuple]] = None) -> None:
     if not isinstance(arch.obj, TensorRef):
         raise InvalidHeaderError(f"blob at {info.offset} holds {type(arch.obj).__name__}, "
                                  "not a tensor", file=f, tensor=entry.name)
@@ -170,7 +320,19 @@ def _add_torch_save_chunk(entry: TensorEntry, f: str, fh, offs, sizes, info) -> 
     if ref.size != sizes:
         raise ShapeMismatchError(f"chunk at {offs} has shape {ref.size}, metadata says {sizes}",
                                  file=f, tensor=entry.name)
-    entry.chunks.append(tensor_chunk(arch, ref, offs, entry.name))
+    rec = arch.records.get(ref.storage.key)
+    if located is not None and rec is not None:
+        # chunks of one shape share one TensorRef (one data.pkl): check the view once
+        known = located.get((ref, rec[1]))
+        if known is not None:
+            delta, ch = known
+            entry.chunks.append(Chunk(f, rec[0] + delta, ch.nbytes, tuple(offs), ch.sizes,
+                                      ch.strides))
+            return
+    ch = tensor_chunk(arch, ref, offs, entry.name)
+    if located is not None:
+        located[(ref, rec[1])] = (ch.byte_offset - rec[0], ch)
+    entry.chunks.append(ch)
 
 
 def _add_safetensors_chunks(entries: Dict[str, TensorEntry], f: str, items) -> None:

@@ -15,6 +15,7 @@ requires every saved tensor to have that dtype.
 """
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
@@ -114,16 +115,52 @@ def _chunk_row_stride(entry: TensorEntry, ch: Chunk) -> int:
 
 
 def _check_overlaps(entry: TensorEntry, boxes: List[Tuple[int, int, int, int, Chunk]]) -> None:
-    """Raise if two chunk boxes (r0, r1, c0, c1, chunk) overlap."""
-    boxes = sorted(boxes, key=lambda b: (b[0], b[2]))
-    for i, a in enumerate(boxes):
-        for b in boxes[i + 1:]:
-            if b[0] >= a[1]:
-                break
-            if b[2] < a[3] and a[2] < b[3]:
-                raise OverlappingChunksError(
-                    f"chunks at {tuple(a[4].offsets)} and {tuple(b[4].offsets)} overlap",
-                    file=b[4].file, tensor=entry.name)
+    """Raise if two chunk boxes (r0, r1, c0, c1, chunk) overlap; boxes that only touch are
+    fine. Empty boxes hold nothing and are ignored.
+
+    A sweep over rows, O(n log n): each box is inserted at its first row and removed after
+    its last; the active boxes (those crossing the sweep row) are pairwise disjoint in
+    columns, kept sorted by first column, so a new box overlaps one of them iff it overlaps
+    its neighbour on either side. At one row, removals come before insertions (a box ending
+    where another starts only touches it). Removals run from the last column down and
+    insertions from the first column up, so the common layouts (row chunks, column chunks,
+    grids) insert at the end and delete from the end of the active list.
+    """
+    n = len(boxes)
+    if n < 2:
+        return
+    if all(b[2] == boxes[0][2] and b[3] == boxes[0][3] for b in boxes):  # row chunks
+        rows = sorted((b[0], b[1], i) for i, b in enumerate(boxes) if b[0] < b[1])
+        for (_, a1, ia), (b0, _, ib) in zip(rows, rows[1:]):
+            if b0 < a1:
+                _overlap(entry, boxes[ia], boxes[ib])
+        return
+    events = []
+    for i, (r0, r1, c0, c1, _) in enumerate(boxes):
+        if r0 < r1 and c0 < c1:
+            events.append((r0, 1, c0, i))
+            events.append((r1, 0, -c0, i))  # removals: last column first
+    events.sort()
+    starts: List[int] = []  # first column of each active box, ascending
+    active: List[int] = []  # the boxes, same order
+    for _, insert, _, i in events:
+        c0, c1 = boxes[i][2], boxes[i][3]
+        pos = bisect.bisect_left(starts, c0)
+        if not insert:
+            del starts[pos], active[pos]
+            continue
+        if pos < len(starts) and starts[pos] < c1:
+            _overlap(entry, boxes[active[pos]], boxes[i])
+        if pos > 0 and boxes[active[pos - 1]][3] > c0:
+            _overlap(entry, boxes[active[pos - 1]], boxes[i])
+        starts.insert(pos, c0)
+        active.insert(pos, i)
+
+
+def _overlap(entry: TensorEntry, a, b) -> None:
+    raise OverlappingChunksError(
+        f"chunks at {tuple(a[4].offsets)} and {tuple(b[4].offsets)} overlap",
+        file=b[4].file, tensor=entry.name)
 
 
 def _dst_row_stride(t: Target) -> int:
@@ -231,28 +268,39 @@ def plan_load(targets: Sequence[Target], ckpt: Checkpoint, *, strict: bool = Tru
         D = _dst_row_stride(t)
         area = 0
         boxes = []
+        tr1, tc1 = tr0 + tnr, tc0 + tnc
+        sdt, ddt = e.dtype, t.dtype
+        strides: Dict[Tuple[tuple, tuple], int] = {}  # (sizes, strides) -> row stride
         for ch in e.chunks:
-            cr0, cc0 = _off2d(ch.offsets)
-            cnr, cnc = _as2d(ch.sizes)
-            r0, r1 = max(tr0, cr0), min(tr0 + tnr, cr0 + cnr)
-            c0, c1 = max(tc0, cc0), min(tc0 + tnc, cc0 + cnc)
+            o = ch.offsets
+            cr0, cc0 = (o[0], o[1]) if len(o) == 2 else _off2d(o)
+            z = ch.sizes
+            cnr, cnc = (z[0], z[1]) if len(z) == 2 else _as2d(z)
+            r0 = tr0 if tr0 > cr0 else cr0
+            r1 = tr1 if tr1 < cr0 + cnr else cr0 + cnr
+            c0 = tc0 if tc0 > cc0 else cc0
+            c1 = tc1 if tc1 < cc0 + cnc else cc0 + cnc
             if r0 >= r1 or c0 >= c1:
                 continue
             boxes.append((cr0, cr0 + cnr, cc0, cc0 + cnc, ch))
             area += (r1 - r0) * (c1 - c0)
-            S = _chunk_row_stride(e, ch)
-            fi = file_index.setdefault(ch.file, len(files))
-            if fi == len(files):
+            sk = (z, ch.strides)
+            S = strides.get(sk)
+            if S is None:
+                S = strides[sk] = _chunk_row_stride(e, ch)
+            fi = file_index.get(ch.file)
+            if fi is None:
+                fi = file_index[ch.file] = len(files)
                 files.append(ch.file)
             src_off = ch.byte_offset + ((r0 - cr0) * S + (c0 - cc0)) * sisz
             dst_off = ((r0 - tr0) * D + (c0 - tc0)) * disz
             rows, width = r1 - r0, c1 - c0
             if rows == 1 or (width == S and width == D):
                 ops.append(ReadOp(fi, src_off, rows * width * sisz, 1, 0, di, dst_off, 0,
-                                  e.dtype, t.dtype))
+                                  sdt, ddt))
             else:
                 ops.append(ReadOp(fi, src_off, width * sisz, rows, S * sisz, di, dst_off,
-                                  D * disz, e.dtype, t.dtype))
+                                  D * disz, sdt, ddt))
         _check_overlaps(e, boxes)
         if area != tnr * tnc:
             raise CoverageError(

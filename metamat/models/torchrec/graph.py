@@ -25,7 +25,6 @@ _LEAF_TYPES = (str, bytes, int, float, bool, complex, type(None), torch.device, 
                types.MethodType, type, range, slice)
 
 
-@dataclasses.dataclass(frozen=True)
 class Slot:
     """One reference to an object: ``holder`` refers to it through ``kind``/``key``.
 
@@ -34,9 +33,13 @@ class Slot:
     (element ``key`` of a tuple: immutable, cannot be swapped).
     """
 
-    holder: Any
-    kind: str
-    key: Any
+    __slots__ = ("holder", "kind", "key")  # scan builds one per reference: keep it cheap
+
+    def __init__(self, holder: Any, kind: str, key: Any) -> None:
+        self.holder, self.kind, self.key = holder, kind, key
+
+    def __repr__(self) -> str:
+        return f"Slot({type(self.holder).__name__}, {self.kind!r}, {self.key!r})"
 
     def set(self, new: Any) -> None:
         """Make this slot refer to ``new``."""
@@ -67,11 +70,19 @@ def is_wrapper_tensor(t: torch.Tensor) -> bool:
     return hasattr(t, "_local_shards") or hasattr(t, "_local_tensor")
 
 
-def _slot_names(obj: Any) -> Iterator[str]:
-    for cls in type(obj).__mro__:
-        for name in getattr(cls, "__slots__", ()):
-            if isinstance(name, str) and name not in ("__dict__", "__weakref__"):
-                yield name
+_SLOT_NAMES: Dict[type, Tuple[str, ...]] = {}
+
+
+def _slot_names(obj: Any) -> Tuple[str, ...]:
+    cls = type(obj)
+    names = _SLOT_NAMES.get(cls)
+    if names is None:
+        names = _SLOT_NAMES[cls] = tuple(
+            name for c in cls.__mro__ for name in
+            ((c.__dict__.get("__slots__", ()),) if isinstance(c.__dict__.get("__slots__"), str)
+             else c.__dict__.get("__slots__", ()))
+            if isinstance(name, str) and name not in ("__dict__", "__weakref__"))
+    return names
 
 
 def _walkable_object(obj: Any) -> bool:
@@ -79,6 +90,29 @@ def _walkable_object(obj: Any) -> bool:
         return True
     mod = type(obj).__module__ or ""
     return mod.split(".")[0] in _WALK_MODULE_PREFIXES or dataclasses.is_dataclass(obj)
+
+
+# type -> 0: not recorded (leaf), 1: recorded and walked, 2: a plain tensor (recorded, its
+# contents not walked). The answer depends on the type alone, so scan decides once per type.
+_KIND: Dict[type, int] = {}
+
+
+def _kind_of(obj: Any) -> int:
+    cls = type(obj)
+    k = _KIND.get(cls)
+    if k is None:
+        if isinstance(obj, _LEAF_TYPES) or cls.__name__ in _UNWALKED_TYPES:
+            k = 0
+        elif cls is torch.Tensor or cls is nn.Parameter and not is_wrapper_tensor(obj):
+            k = 2 if cls is torch.Tensor else 1
+        elif isinstance(obj, (torch.Tensor, dict, list, tuple, set, frozenset)) \
+                or _walkable_object(obj):
+            k = 1
+        else:
+            k = 0
+        if not isinstance(obj, torch.Tensor) or cls in (torch.Tensor, nn.Parameter):
+            _KIND[cls] = k  # other tensor subclasses: wrapper or not is per object
+    return k
 
 
 def _children(obj: Any) -> Iterator[Tuple[str, Any, Any]]:
@@ -119,12 +153,42 @@ class Graph:
     def __init__(self) -> None:
         self.objects: Dict[int, Any] = {}
         self.slots: Dict[int, List[Slot]] = defaultdict(list)
-        self.paths: Dict[int, str] = {}
+        self._parents: Dict[int, Tuple[Any, str, Any]] = {}  # first holder of each object
+        self._root_names: Dict[int, str] = {}
+        self._paths: Dict[int, str] = {}
+        self._tensors: List[torch.Tensor] = []  # every tensor object reached, in scan order
+
+    @property
+    def paths(self) -> Dict[int, str]:
+        """id -> readable path of every object (computed on first use)."""
+        for i in self.objects:
+            self._path_of(i)
+        return self._paths
+
+    def _path_of(self, i: int) -> str:
+        p = self._paths.get(i)
+        if p is not None:
+            return p
+        chain = []
+        while i not in self._root_names and i in self._parents and i not in self._paths:
+            chain.append(i)
+            i = id(self._parents[i][0])
+        p = self._paths.get(i) or self._root_names.get(i, "?")
+        for c in reversed(chain):
+            _, kind, key = self._parents[c]
+            name = key if isinstance(key, (str, int)) else type(key).__name__
+            base = "" if p == "<model>" else p
+            if kind in ("item", "tuple") and isinstance(key, int):
+                p = f"{base}[{key}]"
+            else:
+                p = f"{base}.{name}" if base else str(name)
+            self._paths[c] = p
+        return p
 
     def tensors(self) -> Iterator[torch.Tensor]:
         """Every storage-backed tensor reached (wrapper tensors excluded)."""
-        for obj in self.objects.values():
-            if isinstance(obj, torch.Tensor) and not is_wrapper_tensor(obj):
+        for obj in self._tensors:
+            if not is_wrapper_tensor(obj):
                 yield obj
 
     def meta_tensors(self) -> List[torch.Tensor]:
@@ -135,7 +199,10 @@ class Graph:
         return [o for o in self.objects.values() if isinstance(o, cls)]
 
     def path(self, obj: Any) -> str:
-        return self.paths.get(id(obj), "?")
+        i = id(obj)
+        if i not in self.objects:
+            return "?"
+        return self._path_of(i)
 
 
 def scan(root: Any, *extra_roots: Any) -> Graph:
@@ -149,28 +216,36 @@ def scan(root: Any, *extra_roots: Any) -> Graph:
         A ``Graph``.
     """
     g = Graph()
-    stack: List[Tuple[Any, str]] = [(r, "" if i == 0 else f"<root{i}>")
-                                    for i, r in enumerate((root,) + extra_roots)]
-    for r, p in stack:
-        g.objects[id(r)] = r
-        g.paths[id(r)] = p or "<model>"
+    objects, slots, parents = g.objects, g.slots, g._parents
+    roots = (root,) + extra_roots
+    stack: List[Any] = list(roots)
+    tensors = g._tensors
+    for i, r in enumerate(roots):
+        objects[id(r)] = r
+        if isinstance(r, torch.Tensor):
+            tensors.append(r)
+        g._root_names[id(r)] = "<model>" if i == 0 else f"<root{i}>"
+    kind_of, kinds = _kind_of, _KIND
     while stack:
-        obj, path = stack.pop()
-        if isinstance(obj, torch.Tensor) and not is_wrapper_tensor(obj) and type(obj) is torch.Tensor:
+        obj = stack.pop()
+        if type(obj) is torch.Tensor:
             continue  # plain tensors hold nothing else worth walking
         for kind, key, child in _children(obj):
-            if isinstance(child, _LEAF_TYPES) or type(child).__name__ in _UNWALKED_TYPES:
+            k = kinds.get(type(child))
+            if k is None:
+                k = kind_of(child)
+            if not k:
                 continue
-            if isinstance(child, torch.Tensor) or isinstance(child, (dict, list, tuple, set, frozenset)) \
-                    or _walkable_object(child):
-                g.slots[id(child)].append(Slot(obj, kind, key))
-                if id(child) not in g.objects:
-                    g.objects[id(child)] = child
-                    name = key if isinstance(key, (str, int)) else type(key).__name__
-                    if kind in ("item", "tuple") and isinstance(key, int):
-                        cpath = f"{path}[{key}]"
-                    else:
-                        cpath = f"{path}.{name}" if path else str(name)
-                    g.paths[id(child)] = cpath
-                    stack.append((child, cpath))
+            cid = id(child)
+            slots[cid].append(Slot(obj, kind, key))
+            if cid not in objects:
+                objects[cid] = child
+                parents[cid] = (obj, kind, key)
+                if k == 2:
+                    tensors.append(child)
+                elif isinstance(child, torch.Tensor):
+                    tensors.append(child)
+                    stack.append(child)
+                else:
+                    stack.append(child)
     return g

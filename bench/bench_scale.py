@@ -1,0 +1,325 @@
+"""--mode scale: time against the count of things (issue 17), one process, world size 1.
+
+Three sweeps, each with its baselines measured in the same run:
+
+* ``tables``: N tiny tables (100 rows x 16 dims, table-wise, FUSED) -> shard_on_meta +
+  materialize against TorchRec's eager ``DistributedModelParallel(device=cpu)``; the
+  ``plan`` phase of materialize is reported on its own.
+* ``rows`` / ``cols``: one tensor saved by DCP as N row (or column) chunks -> open_checkpoint
+  and materialize-load against ``dcp.load`` and DCP's own ``read_metadata``.
+* ``tensors``: N small tensors (16 floats) in one DCP checkpoint -> open + materialize-load
+  against ``dcp.load`` into real tensors.
+
+Prints seconds and microseconds per item against the count, writes ``scale.csv`` and a
+log-log ``scale.png`` under ``--out``. ``METAMAT_SCALE_CLOCK=cpu`` measures this process's CPU
+time instead of wall time (for a shared, overloaded machine, where wall time is mostly
+waiting for a core; the tests use it).
+"""
+from __future__ import annotations
+
+import contextlib
+import csv
+import gc
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+TABLE_COUNTS = (10, 100, 1000, 10000)
+CHUNK_COUNTS = (100, 1000, 10000, 100000)
+QUICK_TABLE_COUNTS = (10, 100, 300)  # --quick: under a minute on an idle 2-core box
+QUICK_CHUNK_COUNTS = (100, 1000, 3000)
+
+
+@contextlib.contextmanager
+def process_group():
+    """A world-size-1 gloo group for TorchRec and DCP (kept if one exists already)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        yield
+        return
+    d = tempfile.mkdtemp(prefix="metamat-scale-pg-")
+    dist.init_process_group("gloo", init_method=f"file://{d}/store", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def clock() -> float:
+    """Wall time, or this process's CPU time with ``METAMAT_SCALE_CLOCK=cpu``."""
+    if os.environ.get("METAMAT_SCALE_CLOCK") == "cpu":
+        return time.process_time()
+    return time.perf_counter()
+
+
+def _median(fn: Callable[[], None], reps: int, setup: Optional[Callable[[], object]] = None):
+    times = []
+    for _ in range(reps):
+        arg = setup() if setup else None
+        gc.collect()
+        t0 = clock()
+        fn(arg) if setup else fn()
+        times.append(clock() - t0)
+    return statistics.median(times)
+
+
+# ---------------------------------------------------------------------------------------------
+# tables
+
+
+def _ebc(n: int, rows: int = 100, dim: int = 16):
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    cfgs = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=dim, num_embeddings=rows,
+                               feature_names=[f"f{i}"]) for i in range(n)]
+    return EmbeddingBagCollection(tables=cfgs, device=torch.device("meta"))
+
+
+def _sharder_and_plan(ebc):
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
+    from torchrec.distributed.types import ShardingPlan
+
+    sharder = EmbeddingBagCollectionSharder(fused_params={
+        "optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.05})
+    mp = construct_module_sharding_plan(
+        ebc, {c.name: table_wise(rank=0) for c in ebc.embedding_bag_configs()},
+        local_size=1, world_size=1, device_type="cpu", sharder=sharder)
+    for _, ps in mp.items():
+        ps.compute_kernel = "fused"
+    return sharder, ShardingPlan({"": mp})
+
+
+def run_tables(counts: Sequence[int], reps: int, log=print) -> List[dict]:
+    """Eager DMP vs shard_on_meta + materialize for each table count."""
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.types import ShardingEnv
+
+    import metamat
+
+    out = []
+    import torch.distributed as dist
+    env = ShardingEnv.from_process_group(dist.group.WORLD)
+    for n in counts:
+        sharder, plan = _sharder_and_plan(_ebc(n))
+        r = max(1, reps if n <= 1000 else min(reps, 2))
+
+        def eager(_):
+            DistributedModelParallel(_ebc(n), env=env, device=torch.device("cpu"), plan=plan,
+                                     sharders=[sharder])
+
+        phases: Dict[str, List[float]] = {}
+
+        def meta(_):
+            dmp = metamat.shard_on_meta(_ebc(n), env=env, plan=plan, sharders=[sharder])
+            t0 = clock()
+            rep = metamat.materialize(dmp, device="cpu")
+            phases.setdefault("materialize", []).append(clock() - t0)
+            for k, v in rep.seconds.items():
+                phases.setdefault(k, []).append(v)
+
+        t_eager = _median(eager, r, setup=lambda: None)
+        t_meta = _median(meta, r, setup=lambda: None)
+        ph = {k: statistics.median(v) for k, v in phases.items()}
+        out.append(dict(case="tables", method="torchrec-dmp (eager)", count=n, seconds=t_eager))
+        out.append(dict(case="tables", method="metamat shard_on_meta+materialize", count=n,
+                        seconds=t_meta))
+        out.append(dict(case="tables", method="metamat materialize", count=n,
+                        seconds=ph["materialize"]))
+        out.append(dict(case="tables", method="metamat plan phase", count=n,
+                        seconds=ph.get("plan", float("nan"))))
+        log(f"tables {n:>7}: eager DMP {t_eager:8.3f} s  metamat {t_meta:8.3f} s "
+            f"({t_meta / t_eager:.2f}x)  materialize {ph['materialize']:.3f} s  plan "
+            f"{ph.get('plan', float('nan')) * 1e6 / n:.1f} us/table")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# chunks and tensors
+
+
+def save_chunked(path: str, n: int, layout: str, width: int = 16) -> torch.Size:
+    """One tensor "w" saved by DCP as ``n`` row chunks (n x width) or column chunks
+    (4 x n)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
+
+    if layout == "rows":
+        shape = torch.Size([n, width])
+        boxes = [([i, 0], [1, width]) for i in range(n)]
+    else:
+        shape = torch.Size([4, n])
+        boxes = [([0, i], [4, 1]) for i in range(n)]
+    full = torch.arange(shape.numel(), dtype=torch.float32).reshape(shape)
+    shards = [Shard(full[o[0]:o[0] + s[0], o[1]:o[1] + s[1]].contiguous(),
+                    ShardMetadata(o, s, "rank:0/cpu")) for o, s in boxes]
+    st = ShardedTensor._init_from_local_shards(shards, shape)
+    dcp.save({"w": st}, checkpoint_id=path)
+    return shape
+
+
+def save_many(path: str, n: int, numel: int = 16) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({f"p{i}": torch.full((numel,), float(i)) for i in range(n)}, checkpoint_id=path)
+
+
+class _Many(nn.Module):
+    def __init__(self, n: int, numel: int = 16):
+        super().__init__()
+        for i in range(n):
+            self.register_parameter(f"p{i}", nn.Parameter(torch.empty(numel, device="meta")))
+
+
+class _One(nn.Module):
+    def __init__(self, shape):
+        super().__init__()
+        self.w = nn.Parameter(torch.empty(shape, device="meta"))
+
+
+def _dcp_metadata(path: str) -> None:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    FileSystemReader(path).read_metadata()
+
+
+def _load_case(case: str, path: str, n: int, reps: int, make_model, make_sd, log) -> List[dict]:
+    import torch.distributed.checkpoint as dcp
+
+    import metamat
+
+    r = max(1, reps if n <= 10000 else min(reps, 2))
+    t_meta_read = _median(lambda: _dcp_metadata(path), r)
+    t_dcp = _median(lambda sd: dcp.load(sd, checkpoint_id=path), r, setup=make_sd)
+    t_open = _median(lambda: metamat.open_checkpoint(path), r)
+    t_load = _median(lambda m: metamat.materialize(m, path, device="cpu"), r, setup=make_model)
+    rows = [dict(case=case, method="dcp read_metadata", count=n, seconds=t_meta_read),
+            dict(case=case, method="dcp.load", count=n, seconds=t_dcp),
+            dict(case=case, method="metamat open_checkpoint", count=n, seconds=t_open),
+            dict(case=case, method="metamat materialize(load)", count=n, seconds=t_load)]
+    log(f"{case:<7} {n:>7}: dcp metadata {t_meta_read:7.3f} s  dcp.load {t_dcp:7.3f} s  "
+        f"open {t_open:7.3f} s ({t_open * 1e6 / n:6.1f} us/item)  materialize {t_load:7.3f} s "
+        f"({t_load / t_dcp:.2f}x dcp.load)")
+    return rows
+
+
+def run_chunks(counts: Sequence[int], reps: int, layout: str = "rows", log=print) -> List[dict]:
+    out = []
+    for n in counts:
+        d = tempfile.mkdtemp(prefix="metamat-scale-")
+        try:
+            shape = save_chunked(d, n, layout)
+            out += _load_case(layout, d, n, reps, lambda: _One(shape),
+                              lambda: {"w": torch.empty(shape)}, log)
+        finally:
+            shutil.rmtree(d, ignore_errors=True)
+    return out
+
+
+def run_tensors(counts: Sequence[int], reps: int, log=print) -> List[dict]:
+    out = []
+    for n in counts:
+        d = tempfile.mkdtemp(prefix="metamat-scale-")
+        try:
+            save_many(d, n)
+            out += _load_case("tensors", d, n, reps, lambda: _Many(n),
+                              lambda: {f"p{i}": torch.empty(16) for i in range(n)}, log)
+        finally:
+            shutil.rmtree(d, ignore_errors=True)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# report
+
+
+def write_scale_csv(path: str, results: List[dict]) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=["case", "method", "count", "seconds", "us_per_item"])
+        w.writeheader()
+        for r in results:
+            w.writerow(dict(r, us_per_item=r["seconds"] * 1e6 / r["count"]))
+
+
+def plot_scale(results: List[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cases = sorted({r["case"] for r in results})
+    fig, axes = plt.subplots(1, len(cases), figsize=(5 * len(cases), 4.5), squeeze=False)
+    for ax, case in zip(axes[0], cases):
+        lines: Dict[str, list] = {}
+        for r in results:
+            if r["case"] == case:
+                lines.setdefault(r["method"], []).append((r["count"], r["seconds"]))
+        for m, pts in sorted(lines.items()):
+            pts.sort()
+            ax.plot([p[0] for p in pts], [p[1] for p in pts],
+                    "-o" if m.startswith("metamat") else "--s", label=m)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel(f"count ({case})")
+        ax.set_ylabel("seconds")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def per_item_growth(results: List[dict], case: str, method: str) -> float:
+    """Marginal time per item between the two largest counts over the marginal time per item
+    between the smallest and the second largest (differences remove the fixed overhead).
+    1.0 is linear; the tests require <= 2."""
+    pts = sorted((r["count"], r["seconds"]) for r in results
+                 if r["case"] == case and r["method"] == method)
+    (n0, t0), (n1, t1) = pts[0], pts[-1]
+    if len(pts) < 3:
+        return 1.0
+    nm, tm = pts[-2]
+    first = (tm - t0) / (nm - n0)
+    last = (t1 - tm) / (n1 - nm)
+    return last / first if first > 0 else float("inf")
+
+
+def run_scale(a, device=None, log=print) -> list:
+    """The --mode scale entry point of bench/materialize.py."""
+    tc = QUICK_TABLE_COUNTS if a.quick else TABLE_COUNTS
+    cc = QUICK_CHUNK_COUNTS if a.quick else CHUNK_COUNTS
+    reps = 1 if a.quick else max(1, a.reps)
+    results: List[dict] = []
+    log("\n== scale: seconds against the count (one process, world size 1; "
+        f"{'CPU' if os.environ.get('METAMAT_SCALE_CLOCK') == 'cpu' else 'wall'} time)")
+    with process_group():
+        results += run_tables(tc, reps, log=log)
+        results += run_chunks(cc, reps, "rows", log=log)
+        results += run_chunks(cc[:-1] if not a.quick else cc, reps, "cols", log=log)
+        results += run_tensors(cc, reps, log=log)
+    if a.out:
+        write_scale_csv(os.path.join(a.out, "scale.csv"), results)
+        try:
+            plot_scale(results, os.path.join(a.out, "scale.png"))
+            log(f"wrote {os.path.join(a.out, 'scale.csv')} and scale.png")
+        except ImportError as e:
+            log(f"wrote {os.path.join(a.out, 'scale.csv')} (no plot: {e})")
+    # scale.csv / scale.png above are this mode's results; the GB/s rows and plot of the
+    # other modes do not fit counts, so nothing is returned to them.
+    return []

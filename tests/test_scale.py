@@ -1,0 +1,128 @@
+"""Issue 17: time grows linearly with the count of things (tables, chunks, tensors), and the
+chunk-overlap check is a sweep (n log n) that still finds every overlap."""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import pytest
+import torch
+
+from metamat.checkpoint.base import Chunk, TensorEntry
+from metamat.checkpoint.errors import OverlappingChunksError
+from metamat.load.plan import _check_overlaps
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+
+
+@pytest.fixture(autouse=True)
+def _cpu_clock(monkeypatch):
+    # wall time on a shared, overloaded box is mostly waiting: measure CPU time
+    monkeypatch.setenv("METAMAT_SCALE_CLOCK", "cpu")
+
+
+def _boxes(spec):
+    return [(r0, r1, c0, c1, Chunk("/f", 0, 0, (r0, c0), (r1 - r0, c1 - c0)))
+            for r0, r1, c0, c1 in spec]
+
+
+def _entry():
+    return TensorEntry("w", (100, 100), torch.float32)
+
+
+@pytest.mark.parametrize("spec", [
+    [(0, 1, 0, 10), (1, 2, 0, 10), (2, 3, 0, 10)],                    # rows, adjacent
+    [(0, 4, 0, 1), (0, 4, 1, 2), (0, 4, 2, 3)],                       # columns, adjacent
+    [(0, 2, 0, 2), (0, 2, 2, 4), (2, 4, 0, 2), (2, 4, 2, 4)],         # a grid
+    [(0, 4, 0, 2), (0, 2, 2, 4), (2, 4, 2, 4)],                       # mixed bands
+    [(0, 1, 0, 10), (0, 0, 0, 10), (5, 5, 0, 3)],                     # empty boxes ignored
+    [(0, 3, 0, 1), (3, 6, 0, 1), (0, 6, 1, 2)],                       # touching at a corner
+])
+def test_overlap_check_accepts_adjacent(spec):
+    _check_overlaps(_entry(), _boxes(spec))
+    _check_overlaps(_entry(), _boxes(list(reversed(spec))))
+
+
+@pytest.mark.parametrize("spec", [
+    [(0, 2, 0, 10), (1, 3, 0, 10)],                                   # rows overlap by one
+    [(0, 10, 0, 10), (3, 4, 0, 10)],                                  # a row inside another
+    [(0, 4, 0, 2), (0, 4, 1, 3)],                                     # columns overlap by one
+    [(0, 2, 0, 2), (1, 3, 1, 3)],                                     # corners overlap
+    [(0, 2, 0, 2), (0, 2, 2, 4), (1, 2, 3, 5)],                       # overlaps a non-first
+    [(0, 10, 5, 6), (0, 1, 0, 1), (1, 2, 0, 1), (9, 10, 0, 10)],      # long box crossed late
+    [(0, 1, 0, 1), (0, 1, 0, 1)],                                     # identical
+])
+def test_overlap_check_finds_overlaps(spec):
+    for s in (spec, list(reversed(spec))):
+        with pytest.raises(OverlappingChunksError) as ei:
+            _check_overlaps(_entry(), _boxes(s))
+        assert "w" in str(ei.value) and "overlap" in str(ei.value)
+
+
+def test_overlap_check_is_not_quadratic():
+    """50,000 column chunks (all crossing every row) and 50,000 row chunks in well under a
+    second each; the old pairwise check took minutes for the columns."""
+    n = 50_000
+    for spec in ([(0, 4, i, i + 1) for i in range(n)], [(i, i + 1, 0, 4) for i in range(n)]):
+        boxes = _boxes(spec)
+        t0 = time.process_time()
+        _check_overlaps(_entry(), boxes)
+        assert time.process_time() - t0 < 5.0  # ~0.1 s on a loaded 2-core Zen 3
+    bad = _boxes([(0, 4, i, i + 1) for i in range(n)] + [(2, 3, n - 1, n)])
+    with pytest.raises(OverlappingChunksError):
+        _check_overlaps(_entry(), bad)
+
+
+def _growth(results, case, method):
+    from bench_scale import per_item_growth
+
+    return per_item_growth(results, case, method)
+
+
+@pytest.fixture(scope="module")
+def pg():
+    from bench_scale import process_group
+
+    with process_group():
+        yield
+
+
+def test_chunks_and_tensors_scale_linearly(pg):
+    """Time per chunk / tensor at the largest count stays within 2x of the smaller counts'
+    marginal cost (fixed overhead removed)."""
+    from bench_scale import run_chunks, run_tensors
+
+    res = run_chunks((500, 2000, 8000), 3, "rows", log=lambda *a: None)
+    res += run_chunks((500, 2000, 8000), 3, "cols", log=lambda *a: None)
+    res += run_tensors((250, 1000, 4000), 3, log=lambda *a: None)
+    for case in ("rows", "cols", "tensors"):
+        for method in ("metamat open_checkpoint", "metamat materialize(load)"):
+            g = _growth(res, case, method)
+            assert g <= 2.0, (case, method, g, res)
+
+
+# TorchRec's ShardedTensor warns that it is deprecated (metamat reads it, as DMP builds it)
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_tables_scale_linearly(pg):
+    pytest.importorskip("torchrec")
+    from bench_scale import run_tables
+
+    res = run_tables((50, 200, 800), 3, log=lambda *a: None)
+    for method in ("metamat shard_on_meta+materialize", "metamat plan phase"):
+        g = _growth(res, "tables", method)
+        assert g <= 2.0, (method, g, res)
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+def test_bench_scale_mode_quick(tmp_path, monkeypatch):
+    """bench/materialize.py --mode scale --quick runs end to end and writes its CSV."""
+    import bench_scale
+    import materialize as bench_main
+
+    monkeypatch.setattr(bench_scale, "QUICK_TABLE_COUNTS", (10, 40))
+    monkeypatch.setattr(bench_scale, "QUICK_CHUNK_COUNTS", (100, 400))
+    assert bench_main.main(["--mode", "scale", "--quick", "--out", str(tmp_path)]) == 0
+    lines = (tmp_path / "scale.csv").read_text().splitlines()
+    assert lines[0] == "case,method,count,seconds,us_per_item"
+    assert len(lines) > 10
