@@ -51,7 +51,7 @@ test: build
 	$(VPY) -m pytest -q
 
 bench: build
-	$(VPY) bench/materialize.py
+	$(VPY) bench/materialize.py --out bench_out
 endif
 
 clean:

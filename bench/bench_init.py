@@ -20,10 +20,11 @@ SHORT = {"TruncatedNormal": "TruncNormal"}  # table column width
 
 
 def run_init(total_bytes: int, reps: int, device: torch.device, dtype: torch.dtype,
-             detail: bool = True) -> List[Row]:
+             detail: bool = True, kernels: bool = True) -> List[Row]:
     """Fill one pre-touched ~total_bytes buffer (rows of 128) every way, same run. Without
     ``detail`` (the plot's smaller sizes) only the rows, no tables and no per-kernel or
-    fresh-page sections."""
+    fresh-page sections; without ``kernels`` no forced-kernel section (every CPU build at
+    2 and 1 threads: the longest part of the init mode)."""
     cols = 128
     rows_n = max(1, total_bytes // (cols * torch.empty((), dtype=dtype).element_size()))
     buf = torch.empty(rows_n, cols, dtype=dtype, device=device)
@@ -47,7 +48,7 @@ def run_init(total_bytes: int, reps: int, device: torch.device, dtype: torch.dty
         return rows
     print_table(f"init: {n / 2**30:.2f} GiB {dtype} on {device}", rows,
                 "torch uniform_", "torch fill_ (write ceiling)")
-    if device.type == "cpu":
+    if device.type == "cpu" and kernels:
         rows += _cpu_kernels(buf, reps)
         del buf
         rows += _fresh_pages(total_bytes, reps, dtype)

@@ -28,6 +28,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mode", choices=MODES + ("tp", "scale", "all"), default="all")
     p.add_argument("--quick", action="store_true", help="small sizes, at most 3 reps (for CI)")
+    p.add_argument("--kernels", action="store_true",
+                   help="init: also time every CPU kernel build forced, at 2 and 1 threads "
+                        "(always on with --mode init; off in the default all-modes run)")
     p.add_argument("--size-gib", type=float, default=2.0, help="bytes per rank to fill or load")
     p.add_argument("--tables", type=int, default=5, help="embedding tables (dmp, load)")
     p.add_argument("--dim", type=int, default=128, help="embedding dim (dmp, load)")
@@ -67,7 +70,8 @@ def main(argv=None) -> int:
             while a.out and sizes[0] > a.size_gib / a.sweep:  # smaller sizes for the plot
                 sizes.insert(0, sizes[0] / 4)
             for gib in sizes:
-                rows += run_init(int(gib * 2**30), a.reps, device, dtype, detail=gib == a.size_gib)
+                rows += run_init(int(gib * 2**30), a.reps, device, dtype, detail=gib == a.size_gib,
+                                 kernels=a.kernels or a.mode == "init")
         elif mode == "dmp":
             from bench_dmp import run_dmp
             rows += run_dmp(a, device)
