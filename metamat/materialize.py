@@ -160,6 +160,7 @@ def _bind_reads(ld: _Load, alloc, inplace: bool) -> List[Tuple[torch.Tensor, tor
     return shadows
 
 
+@gc_paused()  # many live objects per table or tensor: see metamat._gcpause
 def materialize(
     model: nn.Module,
     ckpt: Any = None,
@@ -246,34 +247,6 @@ def materialize(
             a checkpoint problem). In every case the model is unchanged on every rank.
         metamat.PartialLoadError: only with ``inplace=True``, after writes began.
     """
-    with gc_paused():  # many live objects per table or tensor: see metamat._gcpause
-        return _materialize(
-            model, ckpt, device=device, strict=strict, dtype=dtype, io_threads=io_threads,
-            staging_bytes=staging_bytes, progress=progress, seed=seed, init=init, rename=rename,
-            verify=verify, ignore_unexpected=ignore_unexpected, inplace=inplace,
-            timeout=timeout, io=io, storage_options=storage_options)
-
-
-def _materialize(
-    model: nn.Module,
-    ckpt: Any = None,
-    *,
-    device: Optional[Union[str, torch.device]] = None,
-    strict: bool = True,
-    dtype: Union[None, str, torch.dtype] = None,
-    io_threads: Optional[int] = None,
-    staging_bytes: int = 256 << 20,
-    progress: Union[None, bool, Callable[[int, int], None]] = None,
-    seed: int = 0,
-    init: Optional[Mapping[str, Any]] = None,
-    rename: Rename = None,
-    verify: bool = False,
-    ignore_unexpected: Sequence[str] = (),
-    inplace: bool = False,
-    timeout: Optional[float] = None,
-    io: str = "auto",
-    storage_options: Optional[Mapping[str, Any]] = None,
-) -> Report:
     if verify and ckpt is None:
         raise ValueError("materialize: verify=True needs a checkpoint")
     from .load.execute import IO_MODES
@@ -368,7 +341,7 @@ def _materialize(
     sec["register"] = time.perf_counter() - t
     _fill_report(report, parts, ld, executed, alloc, shadows)
     for w in report.warnings:
-        _warnings.warn(w, stacklevel=3)
+        _warnings.warn(w, stacklevel=3)  # 3: past gc_paused's wrapper
     _log.info("metamat.materialize: %s", report.summary())
     _log.debug("materialize phases: %s", report.seconds)
     return report

@@ -19,6 +19,7 @@ from ..checkpoint.errors import ReadError
 from . import ops as _ops
 from .ops import ReadOp, batches, op_array
 from .plan import LoadPlan
+from .verify import block_index
 
 __all__ = ["Executed", "execute_plan", "run_reader", "IO_MODES"]
 
@@ -110,10 +111,7 @@ def execute_plan(plan: LoadPlan, budget: StagingBudget, *,
         KeyboardInterrupt: between batches; no reader thread is left running.
     """
     ptrs = [t.tensor.data_ptr() for t in plan.targets]
-    index = None
-    if verify is not None:
-        from .verify import BlockIndex
-        index = BlockIndex(verify, plan.files)
+    index = block_index(verify, plan.files)
     total = plan.src_bytes
     done = 0
     out = Executed()

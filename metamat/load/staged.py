@@ -32,6 +32,7 @@ from .execute import IO_MODES, TASK_BYTES, Executed
 from . import ops as _ops
 from .ops import batches, op_array
 from .plan import LoadPlan
+from .verify import block_index
 
 __all__ = ["execute_plan_staged"]
 
@@ -87,10 +88,7 @@ def execute_plan_staged(plan: LoadPlan, budget: StagingBudget, *,
     sink_index: Dict[torch.device, int] = {d: i for i, d in enumerate(devices)}
     sink_of_target = [sink_index[t.tensor.device] for t in plan.targets]
     ptrs = [t.tensor.data_ptr() for t in plan.targets]
-    index = None
-    if verify is not None:
-        from .verify import BlockIndex
-        index = BlockIndex(verify, plan.files)
+    index = block_index(verify, plan.files)
     total = plan.src_bytes
     done = 0
     out = Executed()

@@ -65,6 +65,11 @@ def resolve_manifest(ckpt: Checkpoint, verify) -> Optional[Manifest]:
     raise TypeError(f"verify must be a bool or a Manifest, got {type(verify).__name__}")
 
 
+def block_index(verify: Optional[Manifest], files) -> Optional["BlockIndex"]:
+    """The reader's block array for a load plan's ``files``, or None when not verifying."""
+    return None if verify is None else BlockIndex(verify, files)
+
+
 class BlockIndex:
     """The manifest's blocks, indexed by the plan's files.
 
