@@ -8,18 +8,12 @@
 #include <string>
 
 #include "check.h"
+#include "cuda_check.h"
 #include "fill.h"
 #include "fill_sink_cuda.cuh"
 #include "fill_unit_work.h"
 #include "fill_units.h"
 
-#define MM_CUDA_CHECK(expr)                                                                \
-  do {                                                                                     \
-    cudaError_t err_ = (expr);                                                             \
-    if (err_ != cudaSuccess)                                                               \
-      ::metamat::fail(__FILE__, __LINE__,                                                  \
-                      std::string(#expr) + " failed: " + cudaGetErrorString(err_));        \
-  } while (0)
 
 namespace metamat {
 namespace {

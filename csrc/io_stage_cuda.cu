@@ -9,15 +9,9 @@
 #include <vector>
 
 #include "check.h"
+#include "cuda_check.h"
 #include "io_stage.h"
 
-#define MM_STAGE_CUDA(expr)                                                               \
-  do {                                                                                    \
-    cudaError_t err_ = (expr);                                                            \
-    if (err_ != cudaSuccess)                                                              \
-      ::metamat::fail(__FILE__, __LINE__,                                                 \
-                      std::string(#expr) + " failed: " + cudaGetErrorString(err_));       \
-  } while (0)
 
 namespace metamat {
 namespace io {
@@ -32,9 +26,9 @@ namespace {
 class DeviceGuard {
  public:
   explicit DeviceGuard(int dev) {
-    MM_STAGE_CUDA(cudaGetDevice(&prev_));
+    MM_CUDA_CHECK(cudaGetDevice(&prev_));
     if (prev_ != dev) {
-      MM_STAGE_CUDA(cudaSetDevice(dev));
+      MM_CUDA_CHECK(cudaSetDevice(dev));
       set_ = true;
     }
   }
@@ -60,7 +54,7 @@ using EventPtr = std::unique_ptr<CUevent_st, EventDel>;
 
 EventPtr new_event() {
   cudaEvent_t e = nullptr;
-  MM_STAGE_CUDA(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+  MM_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
   return EventPtr(e);
 }
 
@@ -74,14 +68,14 @@ class CudaCopySink final : public CopySink {
         recorded_(size_t(ring), false) {
     DeviceGuard g(dev_);
     cudaStream_t s = nullptr;
-    MM_STAGE_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    MM_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
     stream_.reset(s);
     for (int k = 0; k < ring; ++k) events_.push_back(new_event());
     start_ = new_event();
     done_ = new_event();
     // The caller may still be using the memory the copies overwrite: copy after its work.
-    MM_STAGE_CUDA(cudaEventRecord(start_.get(), caller_));
-    MM_STAGE_CUDA(cudaStreamWaitEvent(stream_.get(), start_.get(), 0));
+    MM_CUDA_CHECK(cudaEventRecord(start_.get(), caller_));
+    MM_CUDA_CHECK(cudaStreamWaitEvent(stream_.get(), start_.get(), 0));
     stats_.began = true;
   }
   ~CudaCopySink() override {
@@ -93,15 +87,15 @@ class CudaCopySink final : public CopySink {
     DeviceGuard g(dev_);
     auto* dst = reinterpret_cast<void*>(c.dst);
     if (c.rows == 1 || c.dst_stride == c.row_bytes) {
-      MM_STAGE_CUDA(cudaMemcpyAsync(dst, c.src, size_t(c.rows * c.row_bytes),
+      MM_CUDA_CHECK(cudaMemcpyAsync(dst, c.src, size_t(c.rows * c.row_bytes),
                                     cudaMemcpyHostToDevice, stream_.get()));
     } else if (c.dst_stride <= kMaxPitch && c.row_bytes <= kMaxPitch) {
-      MM_STAGE_CUDA(cudaMemcpy2DAsync(dst, size_t(c.dst_stride), c.src, size_t(c.row_bytes),
+      MM_CUDA_CHECK(cudaMemcpy2DAsync(dst, size_t(c.dst_stride), c.src, size_t(c.row_bytes),
                                       size_t(c.row_bytes), size_t(c.rows),
                                       cudaMemcpyHostToDevice, stream_.get()));
     } else {
       for (int64_t r = 0; r < c.rows; ++r)
-        MM_STAGE_CUDA(cudaMemcpyAsync(static_cast<unsigned char*>(dst) + r * c.dst_stride,
+        MM_CUDA_CHECK(cudaMemcpyAsync(static_cast<unsigned char*>(dst) + r * c.dst_stride,
                                       c.src + r * c.row_bytes, size_t(c.row_bytes),
                                       cudaMemcpyHostToDevice, stream_.get()));
     }
@@ -110,23 +104,23 @@ class CudaCopySink final : public CopySink {
   }
   void record(int buffer) override {
     DeviceGuard g(dev_);
-    MM_STAGE_CUDA(cudaEventRecord(events_[size_t(buffer)].get(), stream_.get()));
+    MM_CUDA_CHECK(cudaEventRecord(events_[size_t(buffer)].get(), stream_.get()));
     recorded_[size_t(buffer)] = true;
     ++stats_.records;
   }
   void wait(int buffer) override {
     if (!recorded_[size_t(buffer)]) return;
     DeviceGuard g(dev_);
-    MM_STAGE_CUDA(cudaEventSynchronize(events_[size_t(buffer)].get()));
+    MM_CUDA_CHECK(cudaEventSynchronize(events_[size_t(buffer)].get()));
     ++stats_.waits;
   }
   void finish() override {
     DeviceGuard g(dev_);
     // Work the caller queues after the load sees the loaded bytes.
-    MM_STAGE_CUDA(cudaEventRecord(done_.get(), stream_.get()));
-    MM_STAGE_CUDA(cudaStreamWaitEvent(caller_, done_.get(), 0));
+    MM_CUDA_CHECK(cudaEventRecord(done_.get(), stream_.get()));
+    MM_CUDA_CHECK(cudaStreamWaitEvent(caller_, done_.get(), 0));
     // The staging buffers are freed next: every copy out of them must be done.
-    MM_STAGE_CUDA(cudaStreamSynchronize(stream_.get()));
+    MM_CUDA_CHECK(cudaStreamSynchronize(stream_.get()));
     stats_.finished = true;
   }
   void drain() noexcept override {
@@ -156,7 +150,7 @@ void* pinned_alloc(int64_t bytes, int device) {
   DeviceGuard g(device);
   void* p = nullptr;
   // Under unified addressing page-locked memory is usable by every device (portable).
-  MM_STAGE_CUDA(cudaHostAlloc(&p, size_t(bytes), cudaHostAllocDefault));
+  MM_CUDA_CHECK(cudaHostAlloc(&p, size_t(bytes), cudaHostAllocDefault));
   return p;
 }
 
