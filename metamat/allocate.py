@@ -61,6 +61,7 @@ class Allocation:
         self.nbytes = 0
         self._twins: Dict[int, torch.Tensor] = {}
         self._by_ptr: Optional[Dict[int, int]] = None
+        self._by_ptr_n = 0  # len(self.storages) when _by_ptr was built
 
     def has(self, old: torch.Tensor) -> bool:
         """True if ``old``'s storage was allocated here."""
@@ -105,8 +106,11 @@ class Allocation:
 
     def key_of(self, x: torch.Tensor) -> Optional[int]:
         """The plan key of the new storage that real tensor ``x`` views, else None."""
-        if self._by_ptr is None or len(self._by_ptr) != len(self.storages):
+        # rebuilt when storages were added (adopt); empty storages are left out of the map, so
+        # compare against the count it was built from, not its own length
+        if self._by_ptr is None or self._by_ptr_n != len(self.storages):
             self._by_ptr = {st.data_ptr(): k for k, st in self.storages.items() if st.nbytes()}
+            self._by_ptr_n = len(self.storages)
         return self._by_ptr.get(x.untyped_storage().data_ptr())
 
     def twins(self) -> Dict[int, torch.Tensor]:

@@ -135,7 +135,9 @@ def _table_configs(sm: nn.Module) -> Dict[str, Any]:
 def _local_blocks(value: Any) -> List[Tuple[torch.Tensor, Tuple[int, ...], Tuple[int, ...]]]:
     """(local tensor, offsets, global shape) for a state_dict value."""
     if hasattr(value, "local_shards"):
-        gshape = tuple(value.size())
+        # ShardedTensor.size() goes through __torch_function__ (~150 µs); its metadata is plain
+        md = getattr(value, "metadata", None)
+        gshape = tuple(md().size) if callable(md) else tuple(value.size())
         return [(s.tensor, tuple(s.metadata.shard_offsets), gshape) for s in value.local_shards()]
     if hasattr(value, "_local_tensor"):  # DTensor
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
