@@ -28,34 +28,34 @@ int64_t element_cut(const ReadOp& o, int64_t x) {
   return within % dtype_size(DType(o.src_dtype));
 }
 
+// Calls fn(row, x, y) for each non-empty piece [x, y) of file range [a, b) that op o reads.
+template <class Fn>
+void for_each_piece(const ReadOp& o, int64_t a, int64_t b, Fn&& fn) {
+  const int64_t stride = o.rows > 1 ? o.src_stride : 0;
+  int64_t r = (a > o.file_offset && stride > 0) ? (a - o.file_offset) / stride : 0;
+  for (; r < o.rows; ++r) {
+    const int64_t rs = o.file_offset + r * stride;
+    if (rs >= b) break;
+    const int64_t x = std::max(a, rs), y = std::min(b, rs + o.row_bytes);
+    if (x < y) fn(r, rs, x, y);
+  }
+}
+
 // Copies/converts the bytes of file range [a, b) (at `src`) that op o needs.
 void deliver(const ReadOp& o, const unsigned char* src, int64_t a, int64_t b) {
   const DType s = DType(o.src_dtype), d = DType(o.dst_dtype);
   const int64_t ssz = s != d ? dtype_size(s) : 1, dsz = s != d ? dtype_size(d) : 1;
   auto* dst0 = reinterpret_cast<unsigned char*>(o.dst);
-  const int64_t stride = o.rows > 1 ? o.src_stride : 0;
-  int64_t r = (a > o.file_offset && stride > 0) ? (a - o.file_offset) / stride : 0;
-  for (; r < o.rows; ++r) {
-    const int64_t rs = o.file_offset + r * stride;
-    if (rs >= b) break;
-    const int64_t x = std::max(a, rs), y = std::min(b, rs + o.row_bytes);
-    if (x >= y) continue;
+  for_each_piece(o, a, b, [&](int64_t r, int64_t rs, int64_t x, int64_t y) {
     unsigned char* dst = dst0 + r * o.dst_stride + (x - rs) / ssz * dsz;
     if (s != d) convert(src + (x - a), s, dst, d, (y - x) / ssz);
     else std::memcpy(dst, src + (x - a), size_t(y - x));
-  }
+  });
 }
 
 // Appends the intervals of [a, b) that op o reads.
 void needed(const ReadOp& o, int64_t a, int64_t b, std::vector<std::pair<int64_t, int64_t>>* out) {
-  const int64_t stride = o.rows > 1 ? o.src_stride : 0;
-  int64_t r = (a > o.file_offset && stride > 0) ? (a - o.file_offset) / stride : 0;
-  for (; r < o.rows; ++r) {
-    const int64_t rs = o.file_offset + r * stride;
-    if (rs >= b) break;
-    const int64_t x = std::max(a, rs), y = std::min(b, rs + o.row_bytes);
-    if (x < y) out->push_back({x, y});
-  }
+  for_each_piece(o, a, b, [&](int64_t, int64_t, int64_t x, int64_t y) { out->push_back({x, y}); });
 }
 
 // Bytes of [a, b) that at least one op of `bops` reads (their union: ops may overlap).
