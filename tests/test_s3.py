@@ -281,6 +281,11 @@ def test_unreachable_store_is_a_named_read_error():
     assert "hidden-secret" not in str(ei.value)
 
 
+def test_url_without_bucket_is_a_named_read_error():
+    with pytest.raises(ReadError, match="no bucket"):
+        open_checkpoint("s3:///key")
+
+
 def test_library_imports_without_client():
     code = ("import sys, metamat, metamat.checkpoint, metamat.load; "
             "assert 'obstore' not in sys.modules; "

@@ -92,6 +92,8 @@ def open_regular(path: str, what: str = "file", tensor: Optional[str] = None):
         except OSError as e:
             raise ReadError(f"cannot open {what} ({e.strerror or e})", file=path,
                             tensor=tensor) from None
+        except ValueError as e:  # not a usable URL (no bucket)
+            raise ReadError(str(e), file=path, tensor=tensor) from None
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:

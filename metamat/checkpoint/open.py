@@ -43,7 +43,7 @@ def open_checkpoint(path, *, storage_options=None) -> Checkpoint:
                 ck = _open(path)
             except CheckpointError:
                 raise
-            except OSError as e:  # the store unreachable, access denied (named, no secrets)
+            except (OSError, ValueError) as e:  # unreachable, denied, no bucket (no secrets)
                 raise ReadError(str(e), file=path) from None
             # what the reads will require (If-Match): this open's ETags, not a later one's
             ck.remote_meta = {f: fs.remote_meta(f) for f in ck.files}

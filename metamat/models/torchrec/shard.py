@@ -67,6 +67,7 @@ class MetaFactoryMode(TorchFunctionMode):
         (the CUDA compute-device path of ``shard_on_meta``)."""
         super().__init__()
         self.cuda = cuda
+        self._uvm: Optional[Dict[Any, str]] = None  # fbgemm's UVM ops, looked up once
 
     def _aimed_here(self, device: Any) -> bool:
         if _is_cpu(device):
@@ -76,9 +77,12 @@ class MetaFactoryMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
         if self.cuda:
-            uvm = uvm_factory_on_meta(func, args, kwargs)
-            if uvm is not None:
-                return uvm
+            if self._uvm is None:
+                self._uvm = _uvm_ops_or_none()
+            if func in self._uvm:
+                uvm = uvm_factory_on_meta(func, args, kwargs, self._uvm)
+                if uvm is not None:
+                    return uvm
         if func not in FACTORIES and func not in self._RECORD:
             # every torch call of a DMP construction lands here (~100 per table): let the
             # ones that are neither factories nor recorded through at once
@@ -133,14 +137,20 @@ def _uvm_ops() -> Dict[Any, str]:
     return out
 
 
-def uvm_factory_on_meta(func, args, kwargs) -> Optional[torch.Tensor]:
+def _uvm_ops_or_none() -> Dict[Any, str]:
+    try:
+        return _uvm_ops()
+    except Exception:  # noqa: BLE001 - torch.ops lookups may raise without the library
+        return {}
+
+
+def uvm_factory_on_meta(func, args, kwargs, ops: Optional[Dict[Any, str]] = None
+                        ) -> Optional[torch.Tensor]:
     """A meta tensor for a call of fbgemm's UVM factories (``new_unified_tensor(self, sizes,
     is_host_mapped)``, ``new_managed_tensor(self, sizes)``: a tensor of ``sizes`` with
     ``self``'s dtype), else None (not such a call)."""
-    try:
-        ops = _uvm_ops()
-    except Exception:  # noqa: BLE001 - torch.ops lookups may raise without the library
-        return None
+    if ops is None:
+        ops = _uvm_ops_or_none()
     if func not in ops:
         return None
     proto = args[0] if args else kwargs.get("self")
