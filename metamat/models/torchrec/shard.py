@@ -29,6 +29,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..._gcpause import gc_paused
 from .compat import check_versions
+from .fastbuild import linear_table_optimizers
 from .tbe import FACTORIES, floating_factory_call
 
 __all__ = ["shard_on_meta", "MetaFactoryMode", "MetaDDP"]
@@ -340,6 +341,7 @@ def shard_on_meta(
                                              if torch.cuda.is_available() else None)))
             stack.enter_context(MetaFactoryMode(cuda=cuda_layout))
             stack.enter_context(gc_paused())  # ~100 live objects per table: see _gcpause
+            stack.enter_context(linear_table_optimizers())  # TorchRec's is quadratic
             dmp = DistributedModelParallel(
                 module,
                 env=env,
