@@ -23,23 +23,15 @@ _META = torch.device("meta")
 
 
 def _fix_devices(plan: Plan, device: torch.device) -> None:
-    rd_type = getattr(torch.distributed, "_remote_device", None)
-    for obj in list(plan.graph.objects.values()):
-        if rd_type is not None and isinstance(obj, rd_type):
-            dev = getattr(obj, "_device", None)
-            if isinstance(dev, torch.device) and dev.type == "meta":
-                obj._device = device
-            continue
-        if isinstance(obj, torch.Tensor):
-            continue
-        d = getattr(obj, "__dict__", None)
-        if not isinstance(d, dict):
-            continue
-        for k, v in list(d.items()):
-            if isinstance(v, torch.device) and v.type == "meta":
-                d[k] = device
-            elif isinstance(v, str) and v == "meta" and k in ("device", "_device"):
-                d[k] = device
+    """Meta devices in attributes (``_remote_device`` placements of shard metadata, modules'
+    and TBEs' ``device``) name the real device; the scan listed every such attribute."""
+    for holder, key in plan.graph.device_refs:
+        d = holder.__dict__
+        v = d.get(key)
+        if isinstance(v, torch.device) and v.type == "meta":
+            d[key] = device
+        elif isinstance(v, str) and v == "meta" and key in ("device", "_device"):
+            d[key] = device
 
 
 def _rebuild_ddps(plan: Plan) -> None:

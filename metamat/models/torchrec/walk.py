@@ -272,8 +272,8 @@ def _extent(t: torch.Tensor) -> int:
     return (last + 1) * t.element_size()
 
 
-def _known_values(graph: Graph, sharded: List[Tuple[str, nn.Module]], device: torch.device
-                  ) -> Dict[int, torch.Tensor]:
+def _known_values(meta: List[torch.Tensor], sharded: List[Tuple[str, nn.Module]],
+                  device: torch.device) -> Dict[int, torch.Tensor]:
     """storage key -> real tensor with the storage's content, for metadata we can produce."""
     from .tbe import rebuild_tbe_metadata
     from .values import torchrec_known_values
@@ -298,7 +298,7 @@ def _known_values(graph: Graph, sharded: List[Tuple[str, nn.Module]], device: to
                 put(own[name], new)
         for old, new in torchrec_known_values(sm):
             put(old, new)
-    for t in graph.meta_tensors():
+    for t in meta:
         v = t.__dict__.get("_metamat_value") if hasattr(t, "__dict__") else None
         if isinstance(v, torch.Tensor):
             put(t, v)
@@ -357,9 +357,10 @@ def build_plan(model: nn.Module, device: torch.device, init=None, *, claimed=fro
     optim_names: Set[str] = set()
     targets = _table_targets(sharded, init, warnings, loading, refill, names)
     targets += _optimizer_targets(model, loading, optim_names)
-    values = _known_values(graph, sharded, device)
+    meta = graph.meta_tensors()  # ~25 tensor objects per table: listed once
+    values = _known_values(meta, sharded, device)
 
-    for p in graph.meta_tensors():
+    for p in meta:
         for slot in graph.slots[id(p)]:
             if slot.kind == "tuple":
                 raise UnsupportedError(
@@ -368,7 +369,7 @@ def build_plan(model: nn.Module, device: torch.device, init=None, *, claimed=fro
                 )
 
     storages: Dict[int, StorageGroup] = {}
-    for t in graph.meta_tensors():
+    for t in meta:
         k = storage_key(t)
         if k in claimed:
             continue

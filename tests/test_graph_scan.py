@@ -1,0 +1,136 @@
+"""The object-graph walk in C (graph.scan, csrc/bindings_graph.cpp) equals its Python
+specification (graph.scan_reference): same objects, slots in the same order, same first
+parents and paths, same tensors in the same order."""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import os
+import sys
+import tempfile
+
+import pytest
+import torch
+from torch import nn
+
+from metamat.models.torchrec.graph import Slot, scan, scan_reference
+
+
+def _summary(g):
+    def key(k):
+        return ("tensor", id(k)) if isinstance(k, torch.Tensor) else k
+
+    slots = {i: [(id(s.holder), s.kind, key(s.key)) for s in v] for i, v in g.slots.items() if v}
+    parents = {i: (id(h), kind, key(k)) for i, (h, kind, k) in g._parents.items()}
+    return (list(g.objects), slots, parents, [id(t) for t in g._tensors], g.paths,
+            g._root_names, [(id(h), k) for h, k in g.device_refs])
+
+
+def _same(*roots):
+    want, got = scan_reference(*roots), scan(*roots)
+    assert _summary(got) == _summary(want)
+    return got
+
+
+@dataclasses.dataclass(slots=True)  # walked: a dataclass; its fields are __slots__
+class WithSlots:
+    a: object
+    b: object
+    unset: object = dataclasses.field(default=None)
+
+
+@dataclasses.dataclass
+class Config:
+    w: torch.Tensor
+    name: str = "x"
+
+
+class Holder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 2, device="meta")
+        self.buf = torch.empty(4, device="meta")
+        self.register_buffer("b", torch.zeros(2, device="meta"))
+        shared = torch.empty(5, device="meta")
+        self.views = [shared, shared[1:], (shared, 3, "s"), {shared: "as key", "k": shared}]
+        self.cfg = Config(shared)
+        self.slotted = WithSlots(shared, [self.lin.weight])
+        del self.slotted.unset  # an empty slot is skipped
+        self.sets = {frozenset({1, 2}), ("t", self.buf)}
+        od = collections.OrderedDict(a=self.buf, b=shared, c=[self])  # a cycle back
+        od.move_to_end("a")  # the OrderedDict's order differs from its dict storage's
+        self.od = od
+        self.dd = collections.defaultdict(list, x=[shared])
+        self.p = nn.Parameter(torch.empty(2, device="meta"))
+        self.p.extra = torch.empty(1, device="meta")  # a tensor's own __dict__
+        self.cfg.device, self.where = torch.device("meta"), "meta"  # device attributes
+
+
+def test_c_walk_equals_python_on_every_container_kind():
+    m = Holder()
+    g = _same(m)
+    assert sum(1 for t in g.tensors() if t.device.type == "meta") >= 7
+    assert any(s.kind == "dictkey" for v in g.slots.values() for s in v)
+    assert any(s.kind == "slot" for v in g.slots.values() for s in v)
+    assert {k for h, k in g.device_refs if h is m.cfg or h is m} >= {"device", "where"}
+
+
+def test_extra_roots_tensor_roots_and_roots_reached_again():
+    m = Holder()
+    opt_like = {"state": {m.p: {"m": torch.empty(2, device="meta")}}, "model": m}
+    _same(m, opt_like)
+    _same(m.buf, m)  # a tensor as the first root
+    g = _same(m, m.od)  # a root that the first root also reaches
+    assert id(m.od) in g.slots and g.slots[id(m.od)]
+
+
+def test_slot_set_swaps_every_kind():
+    m = Holder()
+    g = scan(m)
+    old = m.cfg.w
+    new = torch.zeros(5)
+    for s in g.slots[id(old)]:
+        if s.kind != "tuple":
+            s.set(new)
+    assert m.cfg.w is new and m.slotted.a is new and m.views[0] is new
+    assert m.views[2][0] is old  # a tuple element cannot be swapped
+    assert any(k is new for k in m.views[3]) and m.views[3]["k"] is new
+    assert isinstance(Slot(1, "attr", "x"), tuple) and Slot(1, "attr", "x").key == "x"
+
+
+def test_errors_in_the_walk_propagate():
+    class Bad:
+        @property
+        def __dict__(self):
+            raise RuntimeError("no dict for you")
+
+    Bad.__module__ = "metamat.fake"  # walked like metamat's own objects
+
+    # Python's getattr(obj, "__dict__", None) lets RuntimeError through too
+    for walk in (scan_reference, scan):
+        with pytest.raises(RuntimeError, match="no dict"):
+            walk(nn.ModuleList(), [Bad()])
+
+
+@pytest.fixture(scope="module")
+def env():
+    pytest.importorskip("torchrec")
+    import torch.distributed as dist
+    from torchrec.distributed.types import ShardingEnv
+
+    if not dist.is_initialized():
+        d = tempfile.mkdtemp(prefix="metamat-scan-")
+        dist.init_process_group("gloo", init_method=f"file://{d}/store", rank=0, world_size=1)
+    return ShardingEnv.from_process_group(dist.group.WORLD)
+
+
+def test_c_walk_equals_python_on_a_sharded_model(env):
+    import metamat
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+    import bench_scale as bs
+
+    sharder, plan = bs._sharder_and_plan(bs._ebc(20))
+    dmp = metamat.shard_on_meta(bs._ebc(20), env=env, plan=plan, sharders=[sharder])
+    g = _same(dmp, dmp.fused_optimizer)
+    assert len(g.meta_tensors()) >= 20
