@@ -3,7 +3,7 @@
 // table. Torch-free: tensors are recognised by the type objects Python passes in. The Python
 // `scan_reference` is the specification; tests compare the two on real models.
 //
-// Visit order, slot order and first parents are Python's: a stack of objects, each object's
+// Visit order and slot order (an object's first slot is where it was first reached) are Python's: a stack of objects, each object's
 // references in the order `_children` yields them (dict: a tensor key's "dictkey" before its
 // "item"; then attributes of __dict__, then __slots__ names).
 #include <pybind11/pybind11.h>
@@ -18,7 +18,6 @@ namespace {
 struct Walk {
   PyObject* objects;     // dict: id -> object
   PyObject* slots;       // dict (a defaultdict): id -> list of Slot
-  PyObject* parents;     // dict: id -> (holder, kind, key)
   PyObject* tensors;     // list of tensors reached, in scan order
   PyObject* kinds;       // dict: type -> 0/1/2 (graph._KIND)
   PyObject* kind_of;     // graph._kind_of(obj) for a type not in `kinds`
@@ -90,10 +89,7 @@ struct Walk {
     py::list fresh(1);
     PyList_SET_ITEM(fresh.ptr(), 0, slot.release().ptr());
     if (PyDict_SetItem(slots, cid.ptr(), fresh.ptr()) < 0) throw py::error_already_set();
-    py::tuple parent = py::make_tuple(py::handle(holder), py::handle(kind_name), py::handle(key));
-    if (PyDict_SetItem(objects, cid.ptr(), child) < 0 ||
-        PyDict_SetItem(parents, cid.ptr(), parent.ptr()) < 0)
-      throw py::error_already_set();
+    if (PyDict_SetItem(objects, cid.ptr(), child) < 0) throw py::error_already_set();
     if (k == 2) {
       if (PyList_Append(tensors, child) < 0) throw py::error_already_set();
       return;
@@ -171,14 +167,14 @@ struct Walk {
 void metamat_bind_graph(py::module_& m) {
   m.def(
       "scan_graph",
-      [](py::list roots, py::dict objects, py::dict slots, py::dict parents, py::list tensors,
+      [](py::list roots, py::dict objects, py::dict slots, py::list tensors,
          py::dict kinds, py::object kind_of, py::object slot_names, py::object slot_type,
          py::object tensor, py::object device, py::list device_refs) {
         if (!PyType_Check(slot_type.ptr()) ||
             !PyType_IsSubtype((PyTypeObject*)slot_type.ptr(), &PyTuple_Type))
           throw py::type_error("scan_graph: slot_type must be a tuple subclass");
         Walk w;
-        w.objects = objects.ptr(), w.slots = slots.ptr(), w.parents = parents.ptr();
+        w.objects = objects.ptr(), w.slots = slots.ptr();
         w.tensors = tensors.ptr(), w.kinds = kinds.ptr(), w.kind_of = kind_of.ptr();
         w.slot_names = slot_names.ptr(), w.slot_type = slot_type.ptr(), w.tensor = tensor.ptr();
         w.device = device.ptr(), w.device_refs = device_refs.ptr();
@@ -209,5 +205,5 @@ void metamat_bind_graph(py::module_& m) {
         }
       },
       "Walk the object graph from `roots` (already recorded in `objects`) and fill `objects`, "
-      "`slots`, `parents`, `tensors` and `device_refs` as graph.scan_reference does.");
+      "`slots`, `tensors` and `device_refs` as graph.scan_reference does.");
 }

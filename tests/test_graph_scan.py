@@ -1,6 +1,6 @@
 """The object-graph walk in C (graph.scan, csrc/bindings_graph.cpp) equals its Python
-specification (graph.scan_reference): same objects, slots in the same order, same first
-parents and paths, same tensors in the same order."""
+specification (graph.scan_reference): same objects, slots in the same order (an object's
+first slot is where it was first reached), same paths, same tensors in the same order."""
 from __future__ import annotations
 
 import collections
@@ -21,8 +21,7 @@ def _summary(g):
         return ("tensor", id(k)) if isinstance(k, torch.Tensor) else k
 
     slots = {i: [(id(s.holder), s.kind, key(s.key)) for s in v] for i, v in g.slots.items() if v}
-    parents = {i: (id(h), kind, key(k)) for i, (h, kind, k) in g._parents.items()}
-    return (list(g.objects), slots, parents, [id(t) for t in g._tensors], g.paths,
+    return (list(g.objects), slots, [id(t) for t in g._tensors], g.paths,
             g._root_names, [(id(h), k) for h, k in g.device_refs])
 
 

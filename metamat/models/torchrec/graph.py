@@ -161,7 +161,6 @@ class Graph:
     def __init__(self) -> None:
         self.objects: Dict[int, Any] = {}
         self.slots: Dict[int, List[Slot]] = defaultdict(list)
-        self._parents: Dict[int, Tuple[Any, str, Any]] = {}  # first holder of each object
         self._root_names: Dict[int, str] = {}
         self._paths: Dict[int, str] = {}
         self._tensors: List[torch.Tensor] = []  # every tensor object reached, in scan order
@@ -181,12 +180,14 @@ class Graph:
         if p is not None:
             return p
         chain = []
-        while i not in self._root_names and i in self._parents and i not in self._paths:
+        slots = self.slots
+        # the first slot of a non-root object is the reference it was first reached through
+        while i not in self._root_names and slots.get(i) and i not in self._paths:
             chain.append(i)
-            i = id(self._parents[i][0])
+            i = id(slots[i][0].holder)
         p = self._paths.get(i) or self._root_names.get(i, "?")
         for c in reversed(chain):
-            _, kind, key = self._parents[c]
+            _, kind, key = slots[c][0]
             name = key if isinstance(key, (str, int)) else type(key).__name__
             base = "" if p == "<model>" else p
             if kind in ("item", "tuple") and isinstance(key, int):
@@ -244,7 +245,7 @@ def scan(root: Any, *extra_roots: Any) -> Graph:
 
     roots = (root,) + extra_roots
     g = _start(roots)
-    core().scan_graph(list(roots), g.objects, g.slots, g._parents, g._tensors, _KIND,
+    core().scan_graph(list(roots), g.objects, g.slots, g._tensors, _KIND,
                            _kind_of, _slot_names, Slot, torch.Tensor, torch.device, g.device_refs)
     return g
 
@@ -253,7 +254,7 @@ def scan_reference(root: Any, *extra_roots: Any) -> Graph:
     """``scan`` in Python: the specification the C walk is tested against."""
     roots = (root,) + extra_roots
     g = _start(roots)
-    objects, slots, parents, tensors = g.objects, g.slots, g._parents, g._tensors
+    objects, slots, tensors = g.objects, g.slots, g._tensors
     stack: List[Any] = list(roots)
     kind_of, kinds = _kind_of, _KIND
     while stack:
@@ -273,7 +274,6 @@ def scan_reference(root: Any, *extra_roots: Any) -> Graph:
             slots[cid].append(Slot(obj, kind, key))
             if cid not in objects:
                 objects[cid] = child
-                parents[cid] = (obj, kind, key)
                 if k == 2:
                     tensors.append(child)
                 elif isinstance(child, torch.Tensor):
