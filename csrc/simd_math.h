@@ -107,8 +107,9 @@ MM_SIMD void sincos_word(PI<N> w, PF<N>* s_out, PF<N>* c_out) {
 // The log and the sin/cos are independent chains, so they are written step by step side by
 // side rather than one call after the other: the core overlaps the log's 9-step Horner chain
 // with the sin/cos polynomials (Normal ~1.1x faster on Zen 3). Each value still goes through
-// exactly the operations of log_core and sincos_word (see there); tests/test_simd_math.py
-// checks box_muller against philox.h on all 2^24 radius and angle words.
+// the rounded operations of log_core and sincos_word (see there; two exact rewrites noted
+// below); tests/test_simd_math.py checks box_muller against philox.h on all 2^24 radius and
+// angle words.
 //
 // The log's split: x = n * 2^-24 with n = (w0 >> 8) + 1 in [1, 2^24] is exact and normal, so
 // its bits are those of float(n) (exact) with the exponent field lowered by 24: the split
@@ -124,7 +125,9 @@ MM_SIMD void box_muller(PI<N> w0, PI<N> w1, PF<N>* z0, PF<N>* z1) {
   const PF<N> small = lt(m, MM_K(0.707106781186547524f));
   const PF<N> zs = phi * phi;
   const PF<N> e = to_float(ei + as_int(small));
-  m = select(small, m + m, m) - MM_K(1.0f);
+  // log_core's select(small, m + m, m) as m + (small ? m : +0): m + 0 == m for m in
+  // [0.5, 1), and an and is no multiply-port blend (~1% faster).
+  m = (m + as_float(as_int(m) & as_int(small))) - MM_K(1.0f);
   const PF<N> z = m * m;
   PF<N> y = MM_K(7.0376836292e-2f);
   PF<N> s = MM_K(-1.9515295891e-4f);
@@ -157,7 +160,7 @@ MM_SIMD void box_muller(PI<N> w0, PI<N> w1, PF<N>* z0, PF<N>* z1) {
   y = y + z * MM_K(-0.5f);
   PF<N> r = m + y;
   r = r + e * MM_K(0.693359375f);
-  r = sqrt(MM_K(-2.0f) * r);
+  r = sqrt(-(r + r));  // -2 * r: doubling and negation are exact, so the same float
   *z0 = r * as_float(as_int(bc) ^ ((v ^ swap) & sign));  // r * cos
   *z1 = r * as_float(as_int(bs) ^ (v & sign));           // r * sin
 }
