@@ -120,7 +120,10 @@ inline void generate_pass(const SegCtx& ctx, [[maybe_unused]] const PhiloxRow& p
     }
     // Long transforms: all Philox words of the pass first, then four vectors in lockstep
     // (simd_pack.h), so independent chains sit back to back and the core stays busy.
+    // Unrolled: as a loop, GCC copied the 20 round-key vectors to the stack on every pass
+    // (Normal ~1.1x faster unrolled, together with box_muller's interleaving).
     VI w[kGroups][4];
+#pragma GCC unroll 4
     for (int j = 0; j < kGroups; ++j) philox(j, w[j]);
     for (int j = 0; j < kGroups; j += 2) {  // groups j, j + 1
       if constexpr (K == DistKind::kNormal) {
