@@ -7,13 +7,14 @@ import collections
 import dataclasses
 import os
 import sys
-import tempfile
 
 import pytest
 import torch
 from torch import nn
 
 from metamat.models.torchrec.graph import Slot, scan, scan_reference
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
 
 
 def _summary(g):
@@ -113,20 +114,21 @@ def test_errors_in_the_walk_propagate():
 
 @pytest.fixture(scope="module")
 def env():
+    """A world-size-1 gloo group for this module's tests, destroyed after them (later test
+    modules must not inherit a default group)."""
     pytest.importorskip("torchrec")
     import torch.distributed as dist
     from torchrec.distributed.types import ShardingEnv
 
-    if not dist.is_initialized():
-        d = tempfile.mkdtemp(prefix="metamat-scan-")
-        dist.init_process_group("gloo", init_method=f"file://{d}/store", rank=0, world_size=1)
-    return ShardingEnv.from_process_group(dist.group.WORLD)
+    import bench_scale
+
+    with bench_scale.process_group():
+        yield ShardingEnv.from_process_group(dist.group.WORLD)
 
 
 def test_c_walk_equals_python_on_a_sharded_model(env):
     import metamat
 
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
     import bench_scale as bs
 
     sharder, plan = bs._sharder_and_plan(bs._ebc(20))

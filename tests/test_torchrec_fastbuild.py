@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import sys
-import tempfile
 
 import pytest
 import torch
@@ -16,13 +15,16 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 @pytest.fixture(scope="module")
 def env():
+    """A world-size-1 gloo group for this module's tests, destroyed after them (later test
+    modules must not inherit a default group)."""
+    pytest.importorskip("torchrec")
     import torch.distributed as dist
     from torchrec.distributed.types import ShardingEnv
 
-    if not dist.is_initialized():
-        d = tempfile.mkdtemp(prefix="metamat-fastbuild-")
-        dist.init_process_group("gloo", init_method=f"file://{d}/store", rank=0, world_size=1)
-    return ShardingEnv.from_process_group(dist.group.WORLD)
+    import bench_scale
+
+    with bench_scale.process_group():
+        yield ShardingEnv.from_process_group(dist.group.WORLD)
 
 
 def _model_and_plan(optimizer):
