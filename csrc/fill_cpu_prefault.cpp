@@ -73,6 +73,15 @@ void prefault_span(const Segment& s, int64_t begin, int64_t end) {
   madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_POPULATE_WRITE);  // on error: write faults
 }
 
+void prefault_bytes(void* p, int64_t n) {
+  if (n < kSpanMinBytes) return;
+  const uintptr_t page = page_size();
+  const uintptr_t lo = (reinterpret_cast<uintptr_t>(p) + page - 1) & ~(page - 1);
+  const uintptr_t hi = (reinterpret_cast<uintptr_t>(p) + static_cast<uintptr_t>(n)) & ~(page - 1);
+  if (hi < lo + kSpanMinBytes || !prefault_enabled() || page_resident(lo)) return;
+  madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_POPULATE_WRITE);  // on error: write faults
+}
+
 PrefaultAhead::PrefaultAhead(const Segment* segs, const std::vector<int64_t>& seg_begin,
                              const std::atomic<int64_t>* progress)
     : progress_(progress) {

@@ -32,6 +32,12 @@ bool prefault_enabled();
 // contiguous, the range is at least a few pages and its first page is not mapped yet.
 void prefault_span(const Segment& s, int64_t begin, int64_t end);
 
+// The same for the whole pages inside bytes [p, p + n) that a writer is about to overwrite
+// completely (the reader's destinations): populated when prefaulting is enabled, the range is
+// at least a few pages and its first page is not mapped yet; errors leave the faults to the
+// writer.
+void prefault_bytes(void* p, int64_t n);
+
 // A helper thread that populates the destination just ahead of a single writer.
 class PrefaultAhead {
  public:
