@@ -61,6 +61,8 @@ class OpReader {
   std::string hold(int64_t fi);
   bool coalesce_rows(const ReadOp& o, int64_t row0, int64_t rows);
   bool use_direct(int64_t fi, int64_t off, int64_t len);
+  bool cold(int64_t off, int64_t len);
+  bool stream(int64_t fi, int64_t off, int64_t len);
   int direct_fd(int64_t fi);
   std::string direct_cover(int64_t fi, int fd, int64_t a0, int64_t alen, int64_t need,
                            bool* refused);
@@ -73,7 +75,8 @@ class OpReader {
   void settle() {
     if (ahead_) ahead_->drain();
   }
-  std::string buffered_to(int64_t fi, int64_t off, int64_t len, unsigned char* dst);
+  std::string buffered_to(int64_t fi, int64_t off, int64_t len, unsigned char* dst,
+                          bool stream);
   std::string pread_full(int fd, unsigned char* buf, int64_t len, int64_t off);
   std::string read_rows(const ReadOp& o, int64_t row0, int64_t rows);
   std::string read_run(const ReadOp& o, int64_t byte0, int64_t bytes);
@@ -85,6 +88,10 @@ class OpReader {
   std::unique_ptr<unsigned char, FreeDeleter> bounce_;
   int64_t cap_ = 0;
   FileTable::Lease lease_;
+  bool readahead_ = true;     // METAMAT_IO_READAHEAD != 0
+  bool auto_direct_ = false;  // METAMAT_IO_AUTO=direct: io=auto reads cold ranges direct
+  int sequential_fd_ = -1;    // the descriptor (of file sequential_fi_) last given the
+  int64_t sequential_fi_ = -1;  // SEQUENTIAL readahead hint
   // The piece expect() announced (op null: none).
   const ReadOp* next_op_ = nullptr;
   int64_t next_byte0_ = 0, next_bytes_ = 0;
