@@ -22,21 +22,13 @@
 #include <vector>
 
 #include "fill.h"
+#include "io_prefault.h"  // prefault_enabled, page_mapped, prefault_bytes (shared with the reader)
 
 namespace metamat {
-
-// True unless METAMAT_PREFAULT=0 or the kernel lacks MADV_POPULATE_WRITE.
-bool prefault_enabled();
 
 // Populates the whole pages of elements [begin, end) of segment s (row-major offsets) if s is
 // contiguous, the range is at least a few pages and its first page is not mapped yet.
 void prefault_span(const Segment& s, int64_t begin, int64_t end);
-
-// The same for the whole pages inside bytes [p, p + n) that a writer is about to overwrite
-// completely (the reader's destinations): populated when prefaulting is enabled, the range is
-// at least a few pages and its first page is not mapped yet; errors leave the faults to the
-// writer.
-void prefault_bytes(void* p, int64_t n);
 
 // A helper thread that populates the destination just ahead of a single writer.
 class PrefaultAhead {

@@ -9,8 +9,8 @@
 #include <algorithm>
 #include <cstring>
 
-#include "fill_cpu_prefault.h"
 #include "io_direct.h"
+#include "io_prefault.h"
 
 namespace metamat {
 namespace io {
@@ -63,13 +63,14 @@ std::string OpReader::init() {
     return "cannot allocate the bounce buffer (" + std::to_string(cap) + " bytes)";
   bounce_.reset(static_cast<unsigned char*>(p));
   cap_ = cap;
+  readahead_ = !env_is("METAMAT_IO_READAHEAD", "0");
+  auto_direct_ = env_is("METAMAT_IO_AUTO", "direct");
   // Direct reads: two slots of half the buffer each (the budget stays what the caller gave),
   // [b, b + half) and [b + half, b + 2 * half) with half <= cap / 2 + kSlack (inside the
   // cap + 2 * kSlack bytes allocated).
-  readahead_ = !env_is("METAMAT_IO_READAHEAD", "0");
-  auto_direct_ = env_is("METAMAT_IO_AUTO", "direct");
   const int64_t half = align_up(cap / 2, kSlack);
-  const bool direct = s_.opt.io == IoMode::kDirect || (s_.opt.io == IoMode::kAuto && auto_direct_);
+  const bool direct =
+      s_.opt.io == IoMode::kDirect || (s_.opt.io == IoMode::kAuto && auto_direct_);
   if (direct && half >= kPipelineMinWindow && overlap_enabled()) {
     std::unique_ptr<DirectAhead> ahead(new (std::nothrow) DirectAhead(s_.fault));
     if (ahead && ahead->start(bounce_.get(), bounce_.get() + half, half))

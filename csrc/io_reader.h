@@ -55,11 +55,13 @@ static_assert(sizeof(ReadOp) == 9 * sizeof(int64_t), "ReadOp must be 9 packed in
 // are "cold": read buffered with sequential readahead, then their whole pages are dropped
 // from the page cache (POSIX_FADV_DONTNEED), so the cache is left as it was, as with O_DIRECT;
 // other reads are plain buffered. A file is judged once per call, by its first large read
-// (mincore cannot judge the later ones: the readahead of the earlier ones fills them). Why not direct: measured cold on this project's VM (virtio
-// disk; bench/bench_cold.py, same runs), buffered + readahead read 1.1-1.3x faster than
-// pipelined O_DIRECT at 2 threads per rank. METAMAT_IO_AUTO=direct makes kAuto read cold
-// ranges with O_DIRECT instead (storage where direct wins). Destinations are prefaulted
-// (MADV_POPULATE_WRITE, fill_cpu_prefault.h; METAMAT_PREFAULT=0: off) before they are written.
+// (mincore cannot judge the later ones: the readahead of the earlier ones fills them). Why
+// not direct: measured cold on this project's VM (virtio disk; bench/bench_cold.py, same
+// runs), buffered + readahead read 1.1-1.5x faster than pipelined O_DIRECT at 1-8 threads
+// per rank, and past the raw O_DIRECT whole-file ceiling. METAMAT_IO_AUTO=direct makes kAuto
+// read cold ranges with O_DIRECT instead (storage where direct wins). Destinations are
+// prefaulted (MADV_POPULATE_WRITE, fill_cpu_prefault.h; METAMAT_PREFAULT=0: off) before they
+// are written.
 enum class IoMode : int { kBuffered = 0, kDirect = 1, kAuto = 2 };
 
 constexpr int64_t kCoalesceAuto = INT64_MIN;
