@@ -22,31 +22,8 @@ constexpr int64_t kAheadBytes = int64_t{16} << 20;   // helper: lead over the wr
 constexpr int64_t kHelperMinBytes = int64_t{32} << 20;  // smaller fills: not worth a thread
 constexpr int64_t kSpanMinBytes = int64_t{256} << 10;   // smaller spans: not worth a syscall
 
-uintptr_t page_size() {
-  static const uintptr_t page = static_cast<uintptr_t>(sysconf(_SC_PAGESIZE));
-  return page;
-}
-
-// Whether this kernel knows MADV_POPULATE_WRITE, probed once on a page of our own (an EINVAL
-// later may come from the caller's memory, e.g. a PFN map, and only skips that range).
-bool populate_supported() {
-  static const bool ok = [] {
-    void* p = mmap(nullptr, page_size(), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
-                   -1, 0);
-    if (p == MAP_FAILED) return false;
-    const bool works = madvise(p, page_size(), MADV_POPULATE_WRITE) == 0;
-    munmap(p, page_size());
-    return works;
-  }();
-  return ok;
-}
-
-// True when the page at `p` is already mapped (a filled or pre-touched buffer): the range is
-// then most likely resident, and populating it would only walk its page tables again.
-bool page_resident(uintptr_t p) {
-  unsigned char v = 0;
-  return mincore(reinterpret_cast<void*>(p), page_size(), &v) == 0 && (v & 1);
-}
+uintptr_t page_size() { return prefault_page_size(); }
+bool page_resident(uintptr_t p) { return page_mapped(p); }
 
 // The whole pages of elements [begin, end) of a contiguous segment (lo >= hi when none).
 void page_range(const Segment& s, int64_t begin, int64_t end, uintptr_t* lo, uintptr_t* hi) {
@@ -59,11 +36,6 @@ void page_range(const Segment& s, int64_t begin, int64_t end, uintptr_t* lo, uin
 bool contiguous(const Segment& s) { return s.rows <= 1 || s.row_stride == s.cols; }
 
 }  // namespace
-
-bool prefault_enabled() {
-  const char* v = std::getenv("METAMAT_PREFAULT");
-  return (v == nullptr || std::strcmp(v, "0") != 0) && populate_supported();
-}
 
 void prefault_span(const Segment& s, int64_t begin, int64_t end) {
   if (!contiguous(s)) return;  // strided rows leave gaps the fill does not write

@@ -22,11 +22,9 @@
 #include <vector>
 
 #include "fill.h"
+#include "io_prefault.h"  // prefault_enabled, page_mapped, prefault_bytes (shared with the reader)
 
 namespace metamat {
-
-// True unless METAMAT_PREFAULT=0 or the kernel lacks MADV_POPULATE_WRITE.
-bool prefault_enabled();
 
 // Populates the whole pages of elements [begin, end) of segment s (row-major offsets) if s is
 // contiguous, the range is at least a few pages and its first page is not mapped yet.

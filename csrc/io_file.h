@@ -74,6 +74,15 @@ class FileTable {
   bool direct_refused(int64_t fi) const { return files_[size_t(fi)].refused.load(); }
   std::string refuse_reason(int64_t fi) const;
 
+  // io=auto: whether file fi is read as cold (1) or cached (2) in this call, 0 until its first
+  // large read decides (decide_auto: the first decision stored wins, and is returned).
+  int auto_state(int64_t fi) const { return files_[size_t(fi)].auto_state.load(); }
+  int decide_auto(int64_t fi, int state) {
+    int none = 0;
+    files_[size_t(fi)].auto_state.compare_exchange_strong(none, state);
+    return files_[size_t(fi)].auto_state.load();
+  }
+
   // Bytes read from file fi by each path (the per-file mode report).
   void count_bytes(int64_t fi, bool direct, int64_t n) {
     (direct ? files_[size_t(fi)].bytes_direct : files_[size_t(fi)].bytes_buffered) += n;
@@ -110,6 +119,7 @@ class FileTable {
     bool validated = false;
     int64_t align = 4096;
     std::atomic<bool> refused{false};
+    std::atomic<int> auto_state{0};
     std::string refuse_why;
     std::atomic<int64_t> bytes_direct{0}, bytes_buffered{0};
     int fd[2] = {-1, -1};  // buffered, direct

@@ -8,6 +8,7 @@
 #include <memory>
 #include <string>
 
+#include "io_ahead.h"
 #include "io_fault.h"
 #include "io_file.h"
 #include "io_reader.h"
@@ -39,6 +40,14 @@ class OpReader {
   // single row (rows == 1 ops), into o's destination. The op must have passed validation.
   std::string read(const ReadOp& o, int64_t row0, int64_t rows, int64_t byte0, int64_t bytes);
 
+  // Read-ahead (direct reads with a helper thread, see io_ahead.h): the piece this reader will
+  // read() next, so the first window of it can be read while this one is copied out. Only a
+  // hint: a piece read some other way just leaves the window unused (and uncounted). `o`
+  // must stay alive until that read().
+  void expect(const ReadOp* o, int64_t byte0, int64_t bytes);
+  // True when direct reads are pipelined through a helper thread (worth calling expect()).
+  bool pipelined() const { return ahead_ != nullptr; }
+
   // File bytes [off, off + len) of file fi, exactly, into `dst`.
   std::string read_to(int64_t fi, int64_t off, int64_t len, unsigned char* dst);
   // File bytes [off, off + len) into the bounce buffer; `*out` points at the first one.
@@ -52,12 +61,22 @@ class OpReader {
   std::string hold(int64_t fi);
   bool coalesce_rows(const ReadOp& o, int64_t row0, int64_t rows);
   bool use_direct(int64_t fi, int64_t off, int64_t len);
+  bool cold(int64_t off, int64_t len);
+  bool stream(int64_t fi, int64_t off, int64_t len);
   int direct_fd(int64_t fi);
   std::string direct_cover(int64_t fi, int fd, int64_t a0, int64_t alen, int64_t need,
                            bool* refused);
   std::string direct_to(int64_t fi, int fd, int64_t off, int64_t len, unsigned char* dst,
                         bool* refused);
-  std::string buffered_to(int64_t fi, int64_t off, int64_t len, unsigned char* dst);
+  DirectAhead::Window window(int64_t fi, int fd, int64_t p, int64_t q, int64_t size) const;
+  DirectAhead::Window next_window();
+  std::string pipelined_to(int64_t fi, int fd, int64_t off, int64_t p, int64_t q,
+                           unsigned char* dst, bool last, bool* refused);
+  void settle() {
+    if (ahead_) ahead_->drain();
+  }
+  std::string buffered_to(int64_t fi, int64_t off, int64_t len, unsigned char* dst,
+                          bool stream);
   std::string pread_full(int fd, unsigned char* buf, int64_t len, int64_t off);
   std::string read_rows(const ReadOp& o, int64_t row0, int64_t rows);
   std::string read_run(const ReadOp& o, int64_t byte0, int64_t bytes);
@@ -69,6 +88,15 @@ class OpReader {
   std::unique_ptr<unsigned char, FreeDeleter> bounce_;
   int64_t cap_ = 0;
   FileTable::Lease lease_;
+  bool readahead_ = true;     // METAMAT_IO_READAHEAD != 0
+  bool auto_direct_ = false;  // METAMAT_IO_AUTO=direct: io=auto reads cold ranges direct
+  int sequential_fd_ = -1;    // the descriptor (of file sequential_fi_) last given the
+  int64_t sequential_fi_ = -1;  // SEQUENTIAL readahead hint
+  // The piece expect() announced (op null: none).
+  const ReadOp* next_op_ = nullptr;
+  int64_t next_byte0_ = 0, next_bytes_ = 0;
+  // Last: destroyed (helper joined) before the bounce buffer and the descriptors it reads.
+  std::unique_ptr<DirectAhead> ahead_;
 };
 
 }  // namespace io

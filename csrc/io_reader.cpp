@@ -185,15 +185,28 @@ struct Pool {
       fail(tasks.empty() ? -1 : tasks[0].op, e);  // (op -1 names no file)
       return;
     }
+    // Pipelined direct reads: a thread claims its next task before reading the current one,
+    // so the helper can read the next task's first window while this one is copied out.
+    const bool ahead = vplan == nullptr && reader.pipelined();
+    int64_t i = next.fetch_add(1);
     for (;;) {
       if (shared.cancel.load(std::memory_order_relaxed)) return;
-      const int64_t i = next.fetch_add(1);
       if (i >= count()) return;
       if (vplan != nullptr) {
         if (!run_block(reader, i)) return;
+        i = next.fetch_add(1);
         continue;
       }
       const Task& t = tasks[size_t(i)];
+      if (ahead) {
+        i = next.fetch_add(1);
+        if (i < count()) {
+          const Task& u = tasks[size_t(i)];
+          reader.expect(&ops[u.op], u.byte0, u.bytes);
+        } else {
+          reader.expect(nullptr, 0, 0);
+        }
+      }
       try {
         e = reader.read(ops[t.op], t.row0, t.rows, t.byte0, t.bytes);
       } catch (const std::exception& ex) {
@@ -203,6 +216,7 @@ struct Pool {
         fail(t.op, e);
         return;
       }
+      if (!ahead) i = next.fetch_add(1);
     }
   }
 };

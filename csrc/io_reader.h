@@ -44,12 +44,24 @@ struct ReadOp {
 };
 static_assert(sizeof(ReadOp) == 9 * sizeof(int64_t), "ReadOp must be 9 packed int64");
 
-// How data files are read. kBuffered: pread through the page cache. kDirect: O_DIRECT into
-// aligned bounce buffers (or straight into the destination where it and the range line up),
-// falling back to buffered reads per file where the file system refuses O_DIRECT (EINVAL on
-// open or read: some FUSE, file systems that report no direct-I/O support). kAuto: direct
-// for reads of at least ReadOptions::auto_direct_min bytes whose pages are mostly not in the
-// page cache (mincore), buffered otherwise.
+// How data files are read. kBuffered: pread through the page cache (reads of 1 MiB or more
+// ask for sequential readahead: posix_fadvise SEQUENTIAL; METAMAT_IO_READAHEAD=0: no hint).
+// kDirect: O_DIRECT into aligned bounce buffers (or straight into the destination where it
+// and the range line up), pipelined: a helper thread per reader thread reads the next window
+// while the previous one is copied out (io_ahead.h; METAMAT_IO_OVERLAP=0: serial), falling
+// back to buffered reads per file where the file system refuses O_DIRECT (EINVAL on open or
+// read: some FUSE, file systems that report no direct-I/O support). kAuto: reads of at least
+// ReadOptions::auto_direct_min bytes whose pages are mostly not in the page cache (mincore)
+// are "cold": read buffered with sequential readahead, then their whole pages are dropped
+// from the page cache (POSIX_FADV_DONTNEED), so the cache is left as it was, as with O_DIRECT;
+// other reads are plain buffered. A file is judged once per call, by its first large read
+// (mincore cannot judge the later ones: the readahead of the earlier ones fills them). Why
+// not direct: measured cold on this project's VM (virtio disk; bench/bench_cold.py, same
+// runs), buffered + readahead read 1.1-1.5x faster than pipelined O_DIRECT at 1-8 threads
+// per rank, and past the raw O_DIRECT whole-file ceiling. METAMAT_IO_AUTO=direct makes kAuto
+// read cold ranges with O_DIRECT instead (storage where direct wins). Destinations are
+// prefaulted (MADV_POPULATE_WRITE, fill_cpu_prefault.h; METAMAT_PREFAULT=0: off) before they
+// are written.
 enum class IoMode : int { kBuffered = 0, kDirect = 1, kAuto = 2 };
 
 constexpr int64_t kCoalesceAuto = INT64_MIN;
@@ -76,8 +88,8 @@ struct ReadOptions {
   // recently used closed first). <= 0: max(16, RLIMIT_NOFILE soft limit / 4).
   int64_t max_open_files = 0;
   IoMode io = IoMode::kBuffered;
-  // kAuto: reads shorter than this stay buffered (a direct read costs a whole aligned
-  // request; small reads are cheaper from the page cache even when cold).
+  // kAuto: reads shorter than this are never "cold" (plain buffered reads: small reads are
+  // cheaper from the page cache, and dropping them would only cost syscalls).
   int64_t auto_direct_min = int64_t(1) << 20;
 };
 

@@ -225,8 +225,10 @@ def materialize(
         inplace: with ``ckpt``, write already-real tensors in place instead of into shadow
             copies: no transient memory, but a failure after the first write raises
             :class:`PartialLoadError` naming what may have changed.
-        io: how checkpoint bytes are read: ``"auto"`` (``O_DIRECT`` for large ranges that
-            are not in the page cache, buffered otherwise), ``"buffered"`` or ``"direct"``.
+        io: how checkpoint bytes are read: ``"auto"`` (large ranges of files that are not in
+            the page cache stream through it with sequential readahead and are dropped from
+            it behind the reader, so the cache is left as it was; cached or small ranges are
+            plain buffered reads), ``"buffered"`` or ``"direct"`` (``O_DIRECT``, pipelined).
         storage_options: for an ``s3://bucket/prefix`` ``ckpt``: credentials, endpoint and
             read settings (see ``docs/S3.md``); default: the ``AWS_*`` environment.
         timeout: seconds a rank waits for its peers at each agreement point before raising

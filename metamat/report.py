@@ -42,7 +42,8 @@ class Report:
             or ``ignore_unexpected``); like ``load_state_dict``'s ``unexpected_keys``.
         buffers: buffer fqn -> where its value came from ("checkpoint", "rule",
             "reset", "init= ...", "recorded", "kept (real)", "moved to ...").
-        bytes_direct: checkpoint bytes read with O_DIRECT (``io="auto"|"direct"``), the rest
+        bytes_direct: checkpoint bytes read with O_DIRECT (``io="direct"``, or ``"auto"`` with
+            ``METAMAT_IO_AUTO=direct``), the rest
             through the page cache.
         bytes_transient: host/device bytes of shadow copies the load used to keep the model
             unchanged until every rank succeeded (already-real tensors; 0 with

@@ -61,7 +61,7 @@ def test_bench_load_cold_quick(tmp_path):
     with open(tmp_path / "results.csv") as f:
         rows = [row for row in csv.DictReader(f) if row["mode"] == "load_cold"]
     names = {row["method"] for row in rows}
-    for io in ("buffered", "direct"):
+    for io in ("buffered", "direct", "auto"):
         for t in (1, 2, 4, 8):
             assert f"metamat io={io} {t} thr/rank" in names
     assert all(float(row["gbps"]) > 0 for row in rows)

@@ -92,9 +92,11 @@ def test_read_ops_keeps_its_default(reader, data):
     assert ok and nread == 16 * ROWS
 
 
-def test_auto_io_uses_the_rule_of_the_path_it_takes(reader, data):
+def test_auto_io_uses_the_rule_of_the_path_it_takes(reader, data, monkeypatch):
     """io='auto' on a cached file reads buffered, so the buffered crossover applies (a 64 KiB
-    gap is not read through); evicted, it reads direct and coalesces wide gaps."""
+    gap is not read through); evicted, with METAMAT_IO_AUTO=direct it reads direct and
+    coalesces wide gaps (without it, cold reads are buffered too: test_reader_auto.py)."""
+    monkeypatch.setenv("METAMAT_IO_AUTO", "direct")
     path, body = data
     with open(path, "rb") as f:
         f.read()

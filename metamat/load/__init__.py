@@ -93,8 +93,8 @@ def execute(plan: LoadPlan, *, io_threads: Optional[int] = None,
         progress: ``progress(bytes_done, bytes_total)`` between batches.
         verify: None or a checksum ``Manifest`` (:func:`resolve_manifest`).
         staged: send host destinations through the staging ring too (tests).
-        io: ``"auto"`` (O_DIRECT for large reads not in the page cache), ``"buffered"``,
-            ``"direct"``.
+        io: ``"auto"`` (large reads not in the page cache stream through it and are dropped
+            behind; see :data:`~metamat.load.execute.IO_MODES`), ``"buffered"``, ``"direct"``.
 
     Returns:
         :class:`~metamat.load.execute.Executed`.
