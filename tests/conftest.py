@@ -34,6 +34,24 @@ def reader():
     return C
 
 
+@pytest.fixture(scope="module")
+def world1_env():
+    """A world-size-1 gloo group and TorchRec ShardingEnv for one test module, destroyed after
+    it (later modules must not inherit a default group: DCP, for one, behaves differently)."""
+    pytest.importorskip("torchrec")
+    import os
+    import sys
+
+    import torch.distributed as dist
+    from torchrec.distributed.types import ShardingEnv
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+    import bench_scale
+
+    with bench_scale.process_group():
+        yield ShardingEnv.from_process_group(dist.group.WORLD)
+
+
 def bits(t: torch.Tensor) -> torch.Tensor:
     """Integer view of a float tensor, for bit-exact comparison."""
     return t.contiguous().view({8: torch.int64, 4: torch.int32, 2: torch.int16}[t.element_size()])

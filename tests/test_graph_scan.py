@@ -112,26 +112,12 @@ def test_errors_in_the_walk_propagate():
             walk(nn.ModuleList(), [Bad()])
 
 
-@pytest.fixture(scope="module")
-def env():
-    """A world-size-1 gloo group for this module's tests, destroyed after them (later test
-    modules must not inherit a default group)."""
-    pytest.importorskip("torchrec")
-    import torch.distributed as dist
-    from torchrec.distributed.types import ShardingEnv
-
-    import bench_scale
-
-    with bench_scale.process_group():
-        yield ShardingEnv.from_process_group(dist.group.WORLD)
-
-
-def test_c_walk_equals_python_on_a_sharded_model(env):
+def test_c_walk_equals_python_on_a_sharded_model(world1_env):
     import metamat
 
     import bench_scale as bs
 
     sharder, plan = bs._sharder_and_plan(bs._ebc(20))
-    dmp = metamat.shard_on_meta(bs._ebc(20), env=env, plan=plan, sharders=[sharder])
+    dmp = metamat.shard_on_meta(bs._ebc(20), env=world1_env, plan=plan, sharders=[sharder])
     g = _same(dmp, dmp.fused_optimizer)
     assert len(g.meta_tensors()) >= 20

@@ -13,20 +13,6 @@ pytest.importorskip("torchrec")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
 
 
-@pytest.fixture(scope="module")
-def env():
-    """A world-size-1 gloo group for this module's tests, destroyed after them (later test
-    modules must not inherit a default group)."""
-    pytest.importorskip("torchrec")
-    import torch.distributed as dist
-    from torchrec.distributed.types import ShardingEnv
-
-    import bench_scale
-
-    with bench_scale.process_group():
-        yield ShardingEnv.from_process_group(dist.group.WORLD)
-
-
 def _model_and_plan(optimizer):
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
@@ -86,20 +72,20 @@ def _per_table(dmp):
 
 
 @pytest.mark.parametrize("opt", ["EXACT_ROWWISE_ADAGRAD", "EXACT_ADAGRAD", "EXACT_SGD"])
-def test_per_table_optimizers_equal_torchrecs(env, opt):
+def test_per_table_optimizers_equal_torchrecs(world1_env, opt):
     import metamat
     from metamat.models.torchrec import fastbuild
     from torchrec.distributed.model_parallel import DistributedModelParallel
 
     ebc, sharder, plan, EmbOptimType = _model_and_plan(None)
     sharder._fused_params["optimizer"] = getattr(EmbOptimType, opt)
-    eager = DistributedModelParallel(ebc(), env=env, device=torch.device("cpu"), plan=plan,
+    eager = DistributedModelParallel(ebc(), env=world1_env, device=torch.device("cpu"), plan=plan,
                                      sharders=[sharder])
     calls = []
     real = fastbuild._own_entries
     fastbuild._own_entries = lambda *a: calls.append(1) or real(*a)
     try:
-        meta = metamat.shard_on_meta(ebc(), env=env, plan=plan, sharders=[sharder])
+        meta = metamat.shard_on_meta(ebc(), env=world1_env, plan=plan, sharders=[sharder])
     finally:
         fastbuild._own_entries = real
     assert calls, "the linear path was not taken"
@@ -118,7 +104,7 @@ def test_per_table_optimizers_equal_torchrecs(env, opt):
         {k: {sk: _describe(sv) for sk, sv in v.items()} for k, v in b.items()}
 
 
-def test_patch_is_undone_and_unknown_signatures_left_alone(env, monkeypatch):
+def test_patch_is_undone_and_unknown_signatures_left_alone(world1_env, monkeypatch):
     import dataclasses
 
     import torchrec.distributed.batched_embedding_kernel as bek
