@@ -115,8 +115,15 @@ def test_tables_scale_linearly(pg):
     pytest.importorskip("torchrec")
     from bench_scale import run_tables
 
+    # The plan phase takes tens of ms at these counts, so (as for chunks) a case over the
+    # bound is measured once more, and super-linear growth fails both times (CI once measured
+    # 2.6 where the same tree measures 0.9-1.3 on an idle box).
+    methods = ("metamat shard_on_meta+materialize", "metamat plan phase")
     res = run_tables((50, 200, 800), 3, log=lambda *a: None)
-    for method in ("metamat shard_on_meta+materialize", "metamat plan phase"):
+    over = [m for m in methods if _growth(res, "tables", m) > 2.0]
+    if over:
+        res = run_tables((50, 200, 800), 3, log=lambda *a: None)
+    for method in over:
         g = _growth(res, "tables", method)
         assert g <= 2.0, (method, g, res)
 
