@@ -3,9 +3,10 @@
 // table. Torch-free: tensors are recognised by the type objects Python passes in. The Python
 // `scan_reference` is the specification; tests compare the two on real models.
 //
-// Visit order and slot order (an object's first slot is where it was first reached) are Python's: a stack of objects, each object's
-// references in the order `_children` yields them (dict: a tensor key's "dictkey" before its
-// "item"; then attributes of __dict__, then __slots__ names).
+// Visit order and slot order are Python's (an object's first slot is where it was first
+// reached): a stack of objects, each object's references in the order `_children` yields them
+// (dict: a tensor key's "dictkey" before its "item"; then attributes of __dict__, then
+// __slots__ names).
 #include <pybind11/pybind11.h>
 
 #include <unordered_map>
