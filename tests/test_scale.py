@@ -2,7 +2,9 @@
 chunk-overlap check is a sweep (n log n) that still finds every overlap."""
 from __future__ import annotations
 
+import json
 import os
+import subprocess
 import sys
 import time
 
@@ -109,23 +111,31 @@ def test_chunks_and_tensors_scale_linearly(pg):
         assert max(tries[-1].values()) <= 2.0, (case, tries, res)
 
 
-# TorchRec's ShardedTensor warns that it is deprecated (metamat reads it, as DMP builds it)
-@pytest.mark.filterwarnings("ignore::FutureWarning")
-def test_tables_scale_linearly(pg):
+def test_tables_scale_linearly():
+    """Time per table at 800 tables stays within 2x of the smaller counts' marginal cost.
+    Measured in a fresh interpreter: inside the whole suite's process (a heap of everything
+    the earlier tests left) the plan phase, tens of ms here, measured 2.0-2.6 where the same
+    tree measures 0.9-1.3 on its own. A case over the bound is measured once more, and
+    super-linear growth fails both times."""
     pytest.importorskip("torchrec")
-    from bench_scale import run_tables
-
-    # The plan phase takes tens of ms at these counts, so (as for chunks) a case over the
-    # bound is measured once more, and super-linear growth fails both times (CI once measured
-    # 2.6 where the same tree measures 0.9-1.3 on an idle box).
-    methods = ("metamat shard_on_meta+materialize", "metamat plan phase")
-    res = run_tables((50, 200, 800), 3, log=lambda *a: None)
-    over = [m for m in methods if _growth(res, "tables", m) > 2.0]
-    if over:
-        res = run_tables((50, 200, 800), 3, log=lambda *a: None)
-    for method in over:
-        g = _growth(res, "tables", method)
-        assert g <= 2.0, (method, g, res)
+    methods = ["metamat shard_on_meta+materialize", "metamat plan phase"]
+    bench = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench")
+    code = (
+        "import json, os, sys\n"
+        f"sys.path.insert(0, {bench!r}); os.environ['METAMAT_SCALE_CLOCK'] = 'cpu'\n"
+        "import bench_scale as bs\n"
+        "with bs.process_group():\n"
+        "    res = bs.run_tables((50, 200, 800), 3, log=lambda *a: None)\n"
+        f"print(json.dumps({{m: bs.per_item_growth(res, 'tables', m) for m in {methods!r}}}))\n")
+    tries = []
+    for _ in range(2):
+        out = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True,
+                             text=True, timeout=900)
+        assert out.returncode == 0, out.stderr[-3000:]
+        tries.append(json.loads(out.stdout.strip().splitlines()[-1]))
+        if max(tries[-1].values()) <= 2.0:
+            break
+    assert max(tries[-1].values()) <= 2.0, tries
 
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")
