@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -31,8 +32,16 @@ def data_file(tmp_path_factory):
     return str(p), body
 
 
-def _threads() -> int:
-    return len(os.listdir("/proc/self/task"))
+def _threads(expect=None) -> int:
+    """Threads of this process; with ``expect``, waits up to 2 s for that count: a joined
+    thread can stay listed in /proc/self/task for a moment after pthread_join returns (the
+    kernel reaps it after clearing its tid), while a leaked thread never goes."""
+    deadline = time.monotonic() + 2.0
+    while True:
+        n = len(os.listdir("/proc/self/task"))
+        if expect is None or n == expect or time.monotonic() > deadline:
+            return n
+        time.sleep(0.01)
 
 
 # (file offset, length) of plain contiguous ops around every boundary: windows, pages, EOF.
@@ -102,7 +111,7 @@ def test_small_bounce_reads_serially_with_the_same_bytes(reader, data_file):
                     bounce_bytes=64 << 10)
     assert r["ok"], r["error"]
     _check(_ranges(), bufs, body)
-    assert _threads() == before
+    assert _threads(before) == before
 
 
 @pytest.mark.parametrize("mode", ["eio", "eof"])
@@ -129,7 +138,7 @@ def test_every_read_reports_its_fault(reader, data_file, monkeypatch, mode):
                      bounce_bytes=BOUNCE)
         assert not r["ok"] and r["wrote"] and path in r["error"], (nth, r)
         assert r["failed_op"] in (0, 1)
-        assert _threads() == before
+        assert _threads(before) == before
     monkeypatch.setenv("METAMAT_IO_FAULT", f"{n_reads + 1}:{mode}")
     r, _ = _read(reader, path, ranges, "direct", threads=1, task_bytes=task,
                  bounce_bytes=BOUNCE)
@@ -169,11 +178,11 @@ def test_errors_with_several_threads_leave_no_thread(reader, data_file, monkeypa
         r, _ = _read(reader, path, _ranges(), "direct", threads=3, task_bytes=WIN - 4,
                      bounce_bytes=BOUNCE)
         assert not r["ok"] and "Input/output error" in r["error"], nth
-        assert _threads() == before
+        assert _threads(before) == before
 
 
 _CHILD = r"""
-import os, sys
+import os, sys, time
 sys.path.insert(0, {here!r})
 import numpy as np
 from metamat._ext import core
@@ -181,7 +190,13 @@ from reader_ops import ops, poisoned, addr
 C = core()
 path = {path!r}
 data = open(path, "rb").read()
-tasks = lambda: len(os.listdir("/proc/self/task"))
+def tasks(expect=None):  # as _threads: a joined thread may stay listed for a moment
+    deadline = time.monotonic() + 2.0
+    while True:
+        n = len(os.listdir("/proc/self/task"))
+        if expect is None or n == expect or time.monotonic() > deadline:
+            return n
+        time.sleep(0.01)
 base_threads = tasks()
 for it in range({iters}):
     threads = 1 + it % 4
@@ -203,7 +218,7 @@ for it in range({iters}):
             assert bytes(raw[1:1 + ln]) == data[off:off + ln], (it, off)
     else:
         assert "Input/output error" in r["error"], r["error"]
-    assert tasks() == base_threads, (it, tasks(), base_threads)
+    assert tasks(base_threads) == base_threads, (it, tasks(), base_threads)
 print("OK")
 """
 
