@@ -1,6 +1,9 @@
 """Helpers for the tests that drive the C++ reader (metamat._C) directly with op arrays."""
 from __future__ import annotations
 
+import os
+import time
+
 import numpy as np
 
 RAW, F32, F16, BF16 = 0, 1, 2, 3
@@ -23,3 +26,15 @@ def addr(a: np.ndarray, off: int = 0) -> int:
 
 def expected_rows(data: bytes, off: int, row_bytes: int, rows: int, stride: int) -> bytes:
     return b"".join(data[off + r * stride: off + r * stride + row_bytes] for r in range(rows))
+
+
+def os_threads(expect=None) -> int:
+    """Threads of this process; with ``expect``, waits up to 2 s for that count: a joined
+    thread can stay listed in /proc/self/task for a moment after pthread_join returns (the
+    kernel reaps it after clearing its tid), while a leaked thread never goes."""
+    deadline = time.monotonic() + 2.0
+    while True:
+        n = len(os.listdir("/proc/self/task"))
+        if expect is None or n == expect or time.monotonic() > deadline:
+            return n
+        time.sleep(0.01)

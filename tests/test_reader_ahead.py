@@ -11,12 +11,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
 
-from reader_ops import POISON, addr, ops, poisoned
+from reader_ops import POISON, addr, ops, os_threads, poisoned
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BOUNCE = 512 << 10  # two 256 KiB windows per reader thread
@@ -32,16 +31,7 @@ def data_file(tmp_path_factory):
     return str(p), body
 
 
-def _threads(expect=None) -> int:
-    """Threads of this process; with ``expect``, waits up to 2 s for that count: a joined
-    thread can stay listed in /proc/self/task for a moment after pthread_join returns (the
-    kernel reaps it after clearing its tid), while a leaked thread never goes."""
-    deadline = time.monotonic() + 2.0
-    while True:
-        n = len(os.listdir("/proc/self/task"))
-        if expect is None or n == expect or time.monotonic() > deadline:
-            return n
-        time.sleep(0.01)
+_threads = os_threads
 
 
 # (file offset, length) of plain contiguous ops around every boundary: windows, pages, EOF.
@@ -182,21 +172,15 @@ def test_errors_with_several_threads_leave_no_thread(reader, data_file, monkeypa
 
 
 _CHILD = r"""
-import os, sys, time
+import os, sys
 sys.path.insert(0, {here!r})
 import numpy as np
 from metamat._ext import core
-from reader_ops import ops, poisoned, addr
+from reader_ops import ops, os_threads, poisoned, addr
 C = core()
 path = {path!r}
 data = open(path, "rb").read()
-def tasks(expect=None):  # as _threads: a joined thread may stay listed for a moment
-    deadline = time.monotonic() + 2.0
-    while True:
-        n = len(os.listdir("/proc/self/task"))
-        if expect is None or n == expect or time.monotonic() > deadline:
-            return n
-        time.sleep(0.01)
+tasks = os_threads
 base_threads = tasks()
 for it in range({iters}):
     threads = 1 + it % 4

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import random
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -22,14 +21,11 @@ from metamat.load import load_targets, plan_load
 from metamat.load.execute import execute_plan
 from metamat.load.staged import execute_plan_staged
 from metamat.load.verify import load_manifest
+from reader_ops import os_threads as thread_count
 from test_load import expect, same_bits, target
 
 C = core()
 RAW = C.DTYPE_CODES["raw"]
-
-
-def _tasks() -> int:
-    return len(os.listdir("/proc/self/task"))
 
 
 @pytest.fixture
@@ -39,17 +35,14 @@ def no_leaks(request):
     # CUDA tests: the driver and runtime start threads of their own on first use, so only the
     # C++ counters are compared there, not the process's thread count.
     os_threads = request.node.get_closest_marker("cuda") is None
-    t0, py0 = _tasks(), threading.active_count()
+    t0, py0 = thread_count(), threading.active_count()
     b0, s0 = C.stage_live_buffers(), C.stage_live_threads()
     yield
     assert C.stage_live_buffers() == b0, "staging buffers leaked"
     assert C.stage_live_threads() == s0, "copy-sink threads left running"
     assert threading.active_count() == py0
     if os_threads:
-        deadline = time.monotonic() + 2.0  # a joined thread may stay listed for a moment
-        while _tasks() != t0 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert _tasks() == t0, "an OS thread was left running"
+        assert thread_count(t0) == t0, "an OS thread was left running"
 
 
 @pytest.fixture(scope="module")
