@@ -4,7 +4,6 @@ sink, so they are checked here; the CUDA-only parts (pinned ring, copy streams, 
 stream ordering) are the tests marked ``cuda`` at the end."""
 from __future__ import annotations
 
-import os
 import random
 import threading
 
