@@ -1,15 +1,17 @@
 // The object-graph walk of metamat/models/torchrec/graph.py (`scan`), in C: a sharded model
-// holds ~360 references per embedding table, and the Python loop over them cost ~0.5 ms per
-// table. Torch-free: tensors are recognised by the type objects Python passes in. The Python
+// holds ~95 objects and ~140 references per embedding table, and the Python loop over them
+// cost ~0.5 ms per table. Shard metadata (kind 3) is searched for devices only and
+// containers of leaves are not recorded: ~33 objects and ~65 slots per table are. Torch-free: tensors are recognised by the type objects Python passes in. The Python
 // `scan_reference` is the specification; tests compare the two on real models.
 //
 // Visit order and slot order are Python's (an object's first slot is where it was first
 // reached): a stack of objects, each object's references in the order `_children` yields them
 // (dict: a tensor key's "dictkey" before its "item"; then attributes of __dict__, then
-// __slots__ names).
+// __slots__ names); metadata is searched depth-first when reached.
 #include <pybind11/pybind11.h>
 
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 namespace py = pybind11;
@@ -22,7 +24,7 @@ struct Walk {
   PyObject* tensors;     // list of tensors reached, in scan order
   PyObject* kinds;       // dict: type -> 0/1/2 (graph._KIND)
   PyObject* kind_of;     // graph._kind_of(obj) for a type not in `kinds`
-  PyObject* slot_names;  // graph._slot_names(obj) -> tuple of str
+  PyObject* slot_names;  // graph.slot_names(obj) -> tuple of str
   PyObject* slot_type;   // graph.Slot
   PyObject* tensor;      // torch.Tensor
   PyObject* device;      // torch.device
@@ -33,6 +35,27 @@ struct Walk {
       s_dict{"__dict__"}, s_meta{"meta"};
 
   std::unordered_map<PyTypeObject*, bool> tensor_types;  // isinstance(x, torch.Tensor) by type
+  std::unordered_map<PyTypeObject*, bool> dict_types;  // has_dict, by type
+  std::unordered_set<PyObject*> searched;  // metadata objects (and their containers) searched
+
+  static bool is_container(PyObject* o) {
+    return PyDict_Check(o) || PyList_Check(o) || PyTuple_Check(o) || PyAnySet_Check(o);
+  }
+  // graph._holds_nothing: a container whose every element (and key) is a leaf.
+  bool holds_nothing(PyObject* o) {
+    if (PyDict_Check(o)) {
+      Py_ssize_t pos = 0;
+      PyObject *k, *v;
+      while (PyDict_Next(o, &pos, &k, &v))
+        if (kind(k) || kind(v)) return false;
+      return true;
+    }
+    py::object seq = py::reinterpret_steal<py::object>(PySequence_Tuple(o));
+    if (!seq) throw py::error_already_set();
+    for (Py_ssize_t i = 0, n = PyTuple_GET_SIZE(seq.ptr()); i < n; ++i)
+      if (kind(PyTuple_GET_ITEM(seq.ptr(), i))) return false;
+    return true;
+  }
 
   // isinstance(o, torch.Tensor), decided once per type (~200 ns per call in Python: the
   // tensor metaclass); the walk's objects keep their types alive.
@@ -60,8 +83,10 @@ struct Walk {
     return int(PyLong_AsLong(r.ptr()));
   }
 
-  // One reference: holder -(kind, key)-> child.
-  void visit(PyObject* holder, PyObject* kind_name, PyObject* key, PyObject* child) {
+  // One reference: holder -(kind, key)-> child. `in_metadata`: holder is shard metadata (or a
+  // container inside it), searched for device attributes only.
+  void visit(PyObject* holder, PyObject* kind_name, PyObject* key, PyObject* child,
+             bool in_metadata) {
     const int k = kind(child);
     if (!k) {
       if (kind_name == s_attr.ptr() && is_device_value(child)) {
@@ -70,6 +95,11 @@ struct Walk {
       }
       return;
     }
+    if (k == 3 || (in_metadata && k == 1 && is_container(child))) {
+      if (searched.insert(child).second) children(child, true);  // now, not recorded
+      return;
+    }
+    if (k == 1 && is_container(child) && holds_nothing(child)) return;  // not recorded
     py::object cid = py::reinterpret_steal<py::object>(PyLong_FromVoidPtr(child));
     // graph.Slot is a tuple subclass (holder, kind, key): built here without calling Python
     py::object slot = py::reinterpret_steal<py::object>(
@@ -99,16 +129,46 @@ struct Walk {
     stack.append(py::handle(child));
   }
 
-  void children(PyObject* obj) {
+  // f(key, value) for a snapshot of dict `d`'s items in its own order (an exact dict is
+  // read with PyDict_Next: no item tuples; a subclass such as OrderedDict through items()).
+  template <class F>
+  void for_items(PyObject* d, F&& f) {
+    if (PyDict_CheckExact(d)) {
+      std::vector<py::object> kv;
+      kv.reserve(2 * size_t(PyDict_GET_SIZE(d)));
+      Py_ssize_t pos = 0;
+      PyObject *k, *v;
+      while (PyDict_Next(d, &pos, &k, &v))
+        kv.push_back(py::reinterpret_borrow<py::object>(k)),
+            kv.push_back(py::reinterpret_borrow<py::object>(v));
+      for (size_t i = 0; i < kv.size(); i += 2) f(kv[i].ptr(), kv[i + 1].ptr());
+      return;
+    }
+    py::object items = py::reinterpret_steal<py::object>(PyMapping_Items(d));  // d.items()
+    if (!items) throw py::error_already_set();
+    for (Py_ssize_t i = 0, n = PyList_GET_SIZE(items.ptr()); i < n; ++i) {
+      PyObject* kv = PyList_GET_ITEM(items.ptr(), i);
+      f(PyTuple_GET_ITEM(kv, 0), PyTuple_GET_ITEM(kv, 1));
+    }
+  }
+
+  // Whether getattr(obj, "__dict__") can give anything for objects of `type`: an instance
+  // dict, or a `__dict__` the class defines. Asking objects without one costs an
+  // AttributeError each (a formatted message); decided once per type.
+  bool has_dict(PyTypeObject* type) {
+    auto it = dict_types.find(type);
+    if (it != dict_types.end()) return it->second;
+    const bool r = type->tp_dictoffset != 0 || _PyType_Lookup(type, s_dict.ptr()) != nullptr;
+    dict_types.emplace(type, r);
+    return r;
+  }
+
+  void children(PyObject* obj, bool in_metadata) {
     if (PyDict_Check(obj)) {  // list(obj.items()): a snapshot, in the mapping's own order
-      py::object items = py::reinterpret_steal<py::object>(PyMapping_Items(obj));  // obj.items()
-      if (!items) throw py::error_already_set();
-      for (Py_ssize_t i = 0, n = PyList_GET_SIZE(items.ptr()); i < n; ++i) {
-        PyObject* kv = PyList_GET_ITEM(items.ptr(), i);
-        PyObject* k = PyTuple_GET_ITEM(kv, 0);
-        if (is_tensor(k)) visit(obj, s_dictkey.ptr(), k, k);
-        visit(obj, s_item.ptr(), k, PyTuple_GET_ITEM(kv, 1));
-      }
+      for_items(obj, [&](PyObject* k, PyObject* v) {
+        if (is_tensor(k)) visit(obj, s_dictkey.ptr(), k, k, in_metadata);
+        visit(obj, s_item.ptr(), k, v, in_metadata);
+      });
       return;
     }
     if (PyList_Check(obj) || PyTuple_Check(obj)) {
@@ -117,7 +177,8 @@ struct Walk {
       if (!seq) throw py::error_already_set();
       for (Py_ssize_t i = 0, n = PyTuple_GET_SIZE(seq.ptr()); i < n; ++i) {
         py::object idx = py::reinterpret_steal<py::object>(PyLong_FromSsize_t(i));
-        visit(obj, list ? s_item.ptr() : s_tuple.ptr(), idx.ptr(), PyTuple_GET_ITEM(seq.ptr(), i));
+        visit(obj, list ? s_item.ptr() : s_tuple.ptr(), idx.ptr(), PyTuple_GET_ITEM(seq.ptr(), i),
+              in_metadata);
       }
       return;
     }
@@ -125,21 +186,19 @@ struct Walk {
       py::object seq = py::reinterpret_steal<py::object>(PySequence_Tuple(obj));
       if (!seq) throw py::error_already_set();
       for (Py_ssize_t i = 0, n = PyTuple_GET_SIZE(seq.ptr()); i < n; ++i)
-        visit(obj, s_tuple.ptr(), Py_None, PyTuple_GET_ITEM(seq.ptr(), i));
+        visit(obj, s_tuple.ptr(), Py_None, PyTuple_GET_ITEM(seq.ptr(), i), in_metadata);
       return;
     }
-    py::object d = py::reinterpret_steal<py::object>(PyObject_GetAttr(obj, s_dict.ptr()));
-    if (!d) {  // getattr(obj, "__dict__", None): only AttributeError means "none"
-      if (!PyErr_ExceptionMatches(PyExc_AttributeError)) throw py::error_already_set();
-      PyErr_Clear();
-    }
-    if (d && PyDict_Check(d.ptr())) {
-      py::object items = py::reinterpret_steal<py::object>(PyMapping_Items(d.ptr()));
-      if (!items) throw py::error_already_set();
-      for (Py_ssize_t i = 0, n = PyList_GET_SIZE(items.ptr()); i < n; ++i) {
-        PyObject* kv = PyList_GET_ITEM(items.ptr(), i);
-        visit(obj, s_attr.ptr(), PyTuple_GET_ITEM(kv, 0), PyTuple_GET_ITEM(kv, 1));
+    if (has_dict(Py_TYPE(obj))) {
+      py::object d = py::reinterpret_steal<py::object>(PyObject_GetAttr(obj, s_dict.ptr()));
+      if (!d) {  // getattr(obj, "__dict__", None): only AttributeError means "none"
+        if (!PyErr_ExceptionMatches(PyExc_AttributeError)) throw py::error_already_set();
+        PyErr_Clear();
       }
+      if (d && PyDict_Check(d.ptr()))
+        for_items(d.ptr(), [&](PyObject* k, PyObject* v) {
+          visit(obj, s_attr.ptr(), k, v, in_metadata);
+        });
     }
     PyObject* type = (PyObject*)Py_TYPE(obj);
     PyObject* names = PyDict_GetItemWithError(names_of.ptr(), type);  // borrowed
@@ -158,7 +217,7 @@ struct Walk {
         PyErr_Clear();
         continue;
       }
-      visit(obj, s_slot.ptr(), name, v.ptr());
+      visit(obj, s_slot.ptr(), name, v.ptr(), in_metadata);
     }
   }
 };
@@ -197,7 +256,7 @@ void metamat_bind_graph(py::module_& m) {
           if (PyList_SetSlice(w.stack.ptr(), last, last + 1, nullptr) < 0)
             throw py::error_already_set();
           if (Py_TYPE(obj.ptr()) == (PyTypeObject*)tensor.ptr()) continue;  // plain tensors
-          w.children(obj.ptr());
+          w.children(obj.ptr(), false);
         }
         for (const py::object& rid : seeded) {  // a root nothing refers to has no slots
           PyObject* lst = PyDict_GetItemWithError(slots.ptr(), rid.ptr());

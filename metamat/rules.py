@@ -190,7 +190,7 @@ def fix_zero_row(local: torch.Tensor, row: Optional[int], row_offset: int) -> No
 
 @functools.lru_cache(maxsize=64)
 def _signature(fn: Callable) -> inspect.Signature:
-    return inspect.signature(fn)  # ~60 µs; asked once per table
+    return inspect.signature(fn)  # ~60 µs
 
 
 def _bind(fn: Callable, args: tuple, kwargs: dict) -> Dict[str, Any]:
@@ -210,6 +210,22 @@ def dist_from_init_fn(init_fn: Any) -> Optional[Dist]:
     fn, args, kwargs = init_fn, (), {}
     if isinstance(init_fn, functools.partial):
         fn, args, kwargs = init_fn.func, init_fn.args, dict(init_fn.keywords or {})
+    if not all(type(v) in _PLAIN for v in (*args, *kwargs.values())):
+        return _dist_of_call(fn, args, kwargs)  # a tensor, a generator: not cached
+    # every table has its own partial; most are the same call (binding costs ~40 µs)
+    return _dist_of_call_cached((fn, args, tuple(sorted(kwargs.items()))))
+
+
+_PLAIN = (int, float, bool, str, type(None))
+
+
+@functools.lru_cache(maxsize=4096)
+def _dist_of_call_cached(key: tuple) -> Optional[Dist]:
+    fn, args, kwargs = key
+    return _dist_of_call(fn, args, dict(kwargs))
+
+
+def _dist_of_call(fn: Callable, args: tuple, kwargs: dict) -> Optional[Dist]:
     known = {
         torch.nn.init.uniform_: "uniform",
         torch.nn.init.normal_: "normal",

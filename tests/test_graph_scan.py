@@ -121,3 +121,32 @@ def test_c_walk_equals_python_on_a_sharded_model(world1_env):
     dmp = metamat.shard_on_meta(bs._ebc(20), env=world1_env, plan=plan, sharders=[sharder])
     g = _same(dmp, dmp.fused_optimizer)
     assert len(g.meta_tensors()) >= 20
+
+
+def test_shard_metadata_is_searched_for_devices_not_recorded():
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor.metadata import (ShardedTensorMetadata,
+                                                                    TensorProperties)
+
+    m = Holder()
+    sm = ShardMetadata(shard_offsets=[0, 0], shard_sizes=[5, 2], placement="rank:0/meta")
+    m.md = ShardedTensorMetadata(shards_metadata=[sm, sm], size=torch.Size([5, 2]),
+                                 tensor_properties=TensorProperties(dtype=torch.float32))
+    hidden = torch.empty(3, device="meta")
+    sm.shard_sizes = [5, hidden]  # a tensor inside metadata is still found and swappable
+    g = _same(m)
+    assert not g.of_type(ShardMetadata) and not g.of_type(ShardedTensorMetadata)
+    assert (sm.placement, "_device") in [(h, k) for h, k in g.device_refs]
+    assert sum(1 for h, _ in g.device_refs if h is sm.placement) == 1  # shared: searched once
+    (slot,) = g.slots[id(hidden)]
+    assert slot.holder is sm.shard_sizes and slot.key == 1
+
+
+def test_containers_of_leaves_are_not_recorded():
+    m = Holder()
+    m.names, m.empty, m.mixed = ["a", "b", 3], {}, [1, "x", m.buf]
+    m.leaf_dict = {"k": 1.0, 2: None}
+    g = _same(m)
+    for leafy in (m.names, m.empty, m.leaf_dict):
+        assert id(leafy) not in g.objects
+    assert id(m.mixed) in g.objects and g.slots[id(m.buf)]

@@ -5,7 +5,9 @@ lists, fbgemm keeps tensors as plain attributes, the fused optimizer keys its st
 ShardedTensor, ShardedTensors hold Shards (``__slots__`` dataclasses). ``scan`` walks the
 object graph instead: modules, optimizers, containers, tensors' own ``__dict__``/slots,
 and objects of torch/torchrec/fbgemm classes. For each object it records the slots that
-refer to it, so the register stage can swap in a replacement everywhere at once.
+refer to it, so the register stage can swap in a replacement everywhere at once. What can
+hold nothing to swap is not recorded: containers of leaves (str, int, ...), and torch's
+shard metadata, which is only searched for the devices its placements name.
 """
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ class Slot(tuple):
     (``holder[key]`` of a dict or list), "dictkey" (a key of dict ``holder``), "tuple"
     (element ``key`` of a tuple: immutable, cannot be swapped).
 
-    A tuple ``(holder, kind, key)``: scan builds one per reference (~140 per table of a
+    A tuple ``(holder, kind, key)``: scan builds one per recorded reference (~65 per table of a
     sharded model), and the C walk makes them without running Python code.
     """
 
@@ -67,6 +69,20 @@ class Slot(tuple):
             raise TypeError(f"cannot replace an element of an immutable {type(holder).__name__}")
 
 
+# torch's shard metadata (~40 objects per table of a sharded model: a ShardedTensor's
+# metadata, its sharding spec, their ShardMetadata lists, offsets and sizes) holds no tensor,
+# but its placements name the device. The walk searches it for device attributes only and
+# does not record it (kind 3): it was more than half of the objects recorded.
+_METADATA_TYPES = frozenset({
+    "torch.distributed._shard.metadata.ShardMetadata",
+    "torch.distributed._shard.sharded_tensor.metadata.ShardedTensorMetadata",
+    "torch.distributed._shard.sharded_tensor.metadata.TensorProperties",
+    "torch.distributed._shard.sharding_spec.api.EnumerableShardingSpec",
+    "torch.distributed._shard.sharding_spec.chunk_sharding_spec.ChunkShardingSpec",
+    "torch.distributed.remote_device._remote_device",
+})
+_CONTAINERS = (dict, list, tuple, set, frozenset)
+
 # TorchRec's EmbeddingShardingInfo keeps the *unsharded* construction-time parameter
 # (`.param`, full table size). It is not model state: eager TorchRec leaves it on meta too.
 # Materializing it would cost every rank a full copy of every table.
@@ -75,13 +91,15 @@ _UNWALKED_TYPES = frozenset({"EmbeddingShardingInfo"})
 
 def is_wrapper_tensor(t: torch.Tensor) -> bool:
     """ShardedTensor/DTensor: a tensor object without storage of its own."""
+    if type(t) is torch.Tensor or type(t) is nn.Parameter:
+        return False  # ~2 µs saved per tensor: a failed hasattr on a tensor is slow
     return hasattr(t, "_local_shards") or hasattr(t, "_local_tensor")
 
 
 _SLOT_NAMES: Dict[type, Tuple[str, ...]] = {}
 
 
-def _slot_names(obj: Any) -> Tuple[str, ...]:
+def slot_names(obj: Any) -> Tuple[str, ...]:
     cls = type(obj)
     names = _SLOT_NAMES.get(cls)
     if names is None:
@@ -100,8 +118,10 @@ def _walkable_object(obj: Any) -> bool:
     return mod.split(".")[0] in _WALK_MODULE_PREFIXES or dataclasses.is_dataclass(obj)
 
 
-# type -> 0: not recorded (leaf), 1: recorded and walked, 2: a plain tensor (recorded, its
-# contents not walked). The answer depends on the type alone, so scan decides once per type.
+# type -> 0: not recorded (leaf), 1: recorded and walked (a container of leaves only is
+# not recorded), 2: a plain tensor (recorded, its contents not walked), 3: shard metadata (not
+# recorded, searched for device attributes). The answer depends on the type alone, so scan
+# decides once per type.
 _KIND: Dict[type, int] = {}
 
 
@@ -111,16 +131,30 @@ def _kind_of(obj: Any) -> int:
     if k is None:
         if isinstance(obj, _LEAF_TYPES) or cls.__name__ in _UNWALKED_TYPES:
             k = 0
-        elif cls is torch.Tensor or cls is nn.Parameter and not is_wrapper_tensor(obj):
-            k = 2 if cls is torch.Tensor else 1
-        elif isinstance(obj, (torch.Tensor, dict, list, tuple, set, frozenset)) \
-                or _walkable_object(obj):
-            k = 1
+        elif f"{cls.__module__}.{cls.__qualname__}" in _METADATA_TYPES:
+            k = 3
+        elif cls is torch.Tensor:
+            k = 2
+        elif isinstance(obj, (torch.Tensor,) + _CONTAINERS) or _walkable_object(obj):
+            k = 1  # tensor subclasses too: wrapper tensors (ShardedTensor) and slices alike
         else:
             k = 0
-        if not isinstance(obj, torch.Tensor) or cls in (torch.Tensor, nn.Parameter):
-            _KIND[cls] = k  # other tensor subclasses: wrapper or not is per object
+        _KIND[cls] = k
     return k
+
+
+def _holds_nothing(container: Any) -> bool:
+    """A container whose every element (and key) is a leaf: nothing in it can be swapped
+    (``feature_names``, ``ranks``, empty hook dicts: ~20 per table of a sharded model)."""
+    items = list(container.items()) if isinstance(container, dict) else container
+    for item in items:
+        for v in (item if isinstance(container, dict) else (item,)):
+            k = _KIND.get(type(v))
+            if k is None:
+                k = _kind_of(v)
+            if k:
+                return False
+    return True
 
 
 def _children(obj: Any) -> Iterator[Tuple[str, Any, Any]]:
@@ -147,7 +181,7 @@ def _children(obj: Any) -> Iterator[Tuple[str, Any, Any]]:
     if isinstance(d, dict):
         for k, v in list(d.items()):
             yield "attr", k, v
-    for name in _slot_names(obj):
+    for name in slot_names(obj):
         try:
             v = object.__getattribute__(obj, name)
         except AttributeError:
@@ -164,6 +198,7 @@ class Graph:
         self._root_names: Dict[int, str] = {}
         self._paths: Dict[int, str] = {}
         self._tensors: List[torch.Tensor] = []  # every tensor object reached, in scan order
+        self._meta = None  # meta_tensors(), once listed
         # (holder, name) of every attribute that holds a torch.device or the str "meta": the
         # register stage renames meta devices without walking every object again
         self.device_refs: List[Tuple[Any, str]] = []
@@ -204,8 +239,11 @@ class Graph:
                 yield obj
 
     def meta_tensors(self) -> List[torch.Tensor]:
-        """Every storage-backed meta tensor reached."""
-        return [t for t in self.tensors() if t.device.type == "meta"]
+        """Every storage-backed meta tensor reached (listed once: the register stage swaps
+        slots, the objects listed stay meta)."""
+        if self._meta is None:
+            self._meta = [t for t in self.tensors() if t.is_meta]
+        return self._meta
 
     def of_type(self, cls: type) -> List[Any]:
         return [o for o in self.objects.values() if isinstance(o, cls)]
@@ -230,7 +268,7 @@ def _start(roots: Tuple[Any, ...]) -> Graph:
 def scan(root: Any, *extra_roots: Any) -> Graph:
     """Walk the object graph from ``root`` and record every tensor, module and slot.
 
-    The walk runs in C (``_C.scan_graph``, ~10x faster: a sharded model holds ~360
+    The walk runs in C (``_C.scan_graph``, ~10x faster: a sharded model holds ~140
     references per table); :func:`scan_reference` is the same walk in Python, its
     specification.
 
@@ -246,7 +284,7 @@ def scan(root: Any, *extra_roots: Any) -> Graph:
     roots = (root,) + extra_roots
     g = _start(roots)
     core().scan_graph(list(roots), g.objects, g.slots, g._tensors, _KIND,
-                           _kind_of, _slot_names, Slot, torch.Tensor, torch.device, g.device_refs)
+                           _kind_of, slot_names, Slot, torch.Tensor, torch.device, g.device_refs)
     return g
 
 
@@ -257,28 +295,41 @@ def scan_reference(root: Any, *extra_roots: Any) -> Graph:
     objects, slots, tensors = g.objects, g.slots, g._tensors
     stack: List[Any] = list(roots)
     kind_of, kinds = _kind_of, _KIND
+    searched: set = set()  # ids of metadata objects (and their containers) searched
+
+    def visit(obj: Any, kind: str, key: Any, child: Any, in_metadata: bool) -> None:
+        k = kinds.get(type(child))
+        if k is None:
+            k = kind_of(child)
+        if not k:
+            if kind == "attr" and (type(child) is torch.device
+                                   or type(child) is str and child == "meta"):
+                g.device_refs.append((obj, key))
+            return
+        if k == 3 or (in_metadata and k == 1 and isinstance(child, _CONTAINERS)):
+            if id(child) not in searched:  # metadata: devices only, now, not recorded
+                searched.add(id(child))
+                for ck, ckey, c in _children(child):
+                    visit(child, ck, ckey, c, True)
+            return
+        if k == 1 and isinstance(child, _CONTAINERS) and _holds_nothing(child):
+            return  # nothing in it to swap: not recorded
+        cid = id(child)
+        slots[cid].append(Slot(obj, kind, key))
+        if cid not in objects:
+            objects[cid] = child
+            if k == 2:
+                tensors.append(child)
+            elif isinstance(child, torch.Tensor):
+                tensors.append(child)
+                stack.append(child)
+            else:
+                stack.append(child)
+
     while stack:
         obj = stack.pop()
         if type(obj) is torch.Tensor:
             continue  # plain tensors hold nothing else worth walking
         for kind, key, child in _children(obj):
-            k = kinds.get(type(child))
-            if k is None:
-                k = kind_of(child)
-            if not k:
-                if kind == "attr" and (type(child) is torch.device
-                                       or type(child) is str and child == "meta"):
-                    g.device_refs.append((obj, key))
-                continue
-            cid = id(child)
-            slots[cid].append(Slot(obj, kind, key))
-            if cid not in objects:
-                objects[cid] = child
-                if k == 2:
-                    tensors.append(child)
-                elif isinstance(child, torch.Tensor):
-                    tensors.append(child)
-                    stack.append(child)
-                else:
-                    stack.append(child)
+            visit(obj, kind, key, child, False)
     return g

@@ -16,6 +16,7 @@ from ...support import fill_support
 from .optim_keys import OptimMatch, finish_means, match_optimizer
 from .register import register
 from .tables import fill_targets, needs_write
+from .graph import slot_names
 from .walk import build_plan, root_of, sharded_modules
 
 __all__ = ["TorchRecPart", "has_sharded_modules"]
@@ -43,15 +44,12 @@ def _copy_tensor_state(graph_meta: Sequence[torch.Tensor], alloc: Allocation) ->
             for k, v in d.items():
                 if k != "_metamat_value":
                     new.__dict__[k] = twins.get(id(v), v)
-        for cls in type(t).__mro__:
-            for name in getattr(cls, "__slots__", ()):
-                if not isinstance(name, str) or name in ("__dict__", "__weakref__"):
-                    continue
-                try:
-                    v = object.__getattribute__(t, name)
-                except AttributeError:
-                    continue
-                object.__setattr__(new, name, twins.get(id(v), v))
+        for name in slot_names(t):  # per type, cached
+            try:
+                v = object.__getattribute__(t, name)
+            except AttributeError:
+                continue
+            object.__setattr__(new, name, twins.get(id(v), v))
 
 
 class TorchRecPart:

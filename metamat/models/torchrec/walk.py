@@ -266,6 +266,8 @@ def _contiguous_range(t: torch.Tensor) -> Optional[Tuple[int, int]]:
 
 
 def _extent(t: torch.Tensor) -> int:
+    if t.is_contiguous():  # the common case, without a Python loop over the dimensions
+        return (t.storage_offset() + t.numel()) * t.element_size()
     if t.numel() == 0:
         return t.storage_offset() * t.element_size()
     last = t.storage_offset() + sum((s - 1) * st for s, st in zip(t.shape, t.stride()))
