@@ -11,6 +11,7 @@ namespace py = pybind11;
 void metamat_bind_io(py::module_& m);    // bindings_io.cpp: the checkpoint reader
 void metamat_bind_pack(py::module_& m);  // bindings_pack.cpp: fill_many_'s segment packer
 void metamat_bind_graph(py::module_& m);  // bindings_graph.cpp: the TorchRec object-graph walk
+void metamat_bind_zip(py::module_& m);    // bindings_zip.cpp: DCP's torch.save blobs located
 
 namespace {
 
@@ -98,4 +99,5 @@ PYBIND11_MODULE(_C, m) {
   metamat_bind_io(m);
   metamat_bind_pack(m);
   metamat_bind_graph(m);
+  metamat_bind_zip(m);
 }

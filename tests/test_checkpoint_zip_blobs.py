@@ -1,0 +1,119 @@
+"""DCP's torch.save blobs located in C (``_C.zip_blobs``, used by ``open_checkpoint``) against
+the careful parser (``parse_torch_save``: zipfile and every check), its reference: on real
+blobs both give the same records and pickle; on every single-byte damage of a blob the C
+pass either declines (None: the careful parser then decides) or agrees with the careful
+parser's records."""
+from __future__ import annotations
+
+import io
+import os
+
+import pytest
+import torch
+
+from metamat._ext import core
+from metamat.checkpoint import CheckpointError, open_checkpoint
+from metamat.checkpoint.limits import METADATA_BYTES, limit
+from metamat.checkpoint.torch_save import _RestrictedUnpickler, parse_torch_save
+
+
+@pytest.fixture(scope="module")
+def dcp_blobs(tmp_path_factory):
+    """A DCP checkpoint written by torch (one process) and its chunks' (file, offset, length)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    path = str(tmp_path_factory.mktemp("zipblobs"))
+    g = torch.Generator().manual_seed(7)
+    sd = {"w": torch.randn(33, 5, generator=g), "b": torch.randn(7, generator=g).bfloat16(),
+          "i": torch.arange(12, dtype=torch.int64).reshape(3, 4), "s": torch.tensor(2.5),
+          "e": torch.empty(0, 3)}
+    dcp.save(sd, checkpoint_id=path, no_dist=True)
+    md = FileSystemReader(path).read_metadata()
+    blobs = sorted((os.path.join(path, v.relative_path), v.offset, v.length)
+                   for v in md.storage_data.values())
+    return path, sd, blobs
+
+
+def _read(f: str) -> bytes:
+    with open(f, "rb") as fh:
+        return fh.read()
+
+
+def _c_records(data: bytes, base: int, length: int):
+    (got,) = core().zip_blobs(data, [base], [length], limit(METADATA_BYTES))
+    if got is None:
+        return None
+    pkl_at, pkl_size, records = got
+    obj = _RestrictedUnpickler(io.BytesIO(data[pkl_at:pkl_at + pkl_size]), "x").load()
+    return obj, records
+
+
+def test_c_pass_equals_the_careful_parser_on_real_blobs(dcp_blobs):
+    _, _, blobs = dcp_blobs
+    assert len(blobs) == 5
+    for f, base, length in blobs:
+        data = _read(f)
+        got = _c_records(data, base, length)
+        want = parse_torch_save(f, base=base, length=length)
+        assert got is not None, (f, base)
+        assert got[1] == want.records and repr(got[0]) == repr(want.obj)
+
+
+def test_every_single_byte_damage_is_declined_or_read_alike(dcp_blobs, tmp_path):
+    _, _, blobs = dcp_blobs
+    f, base, length = blobs[0]
+    blob = bytearray(_read(f)[base:base + length])
+    p = str(tmp_path / "blob")
+    accepted = declined = 0
+    for i in range(len(blob)):
+        for flip in (0x01, 0xFF):
+            bad = bytearray(blob)
+            bad[i] ^= flip
+            got = _c_records(bytes(bad), 0, len(bad))
+            if got is None:
+                declined += 1
+                continue
+            accepted += 1
+            with open(p, "wb") as fh:
+                fh.write(bad)
+            try:
+                want = parse_torch_save(p)
+            except CheckpointError as e:
+                pytest.fail(f"byte {i} ^ {flip:#x}: C accepted what the parser refuses: {e}")
+            assert got[1] == want.records and repr(got[0]) == repr(want.obj), (i, flip)
+    # tensor bytes and unchecked header fields (times, attributes) are read alike; the
+    # structure, names, sizes and both CRC-checked records are declined
+    assert accepted > 100 and declined > 1000, (accepted, declined)
+
+
+def test_open_checkpoint_is_the_same_with_and_without_the_c_pass(dcp_blobs, monkeypatch):
+    path, sd, _ = dcp_blobs
+    fast = open_checkpoint(path)
+
+    class NoFastPath:
+        def __getattr__(self, name):
+            return getattr(core(), name)
+
+        @staticmethod
+        def zip_blobs(buf, offsets, lengths, max_metadata):
+            return [None] * len(offsets)
+
+    monkeypatch.setattr("metamat._ext.core", lambda: NoFastPath())
+    slow = open_checkpoint(path)
+    assert set(fast.tensors()) == set(sd) == set(slow.tensors())
+    for name in sd:
+        a, b = fast.tensors()[name], slow.tensors()[name]
+        assert (a.dtype, a.global_shape) == (b.dtype, b.global_shape)
+        assert [vars(c) for c in a.chunks] == [vars(c) for c in b.chunks]
+
+
+def test_metadata_limit_declines_the_blob(dcp_blobs):
+    _, _, blobs = dcp_blobs
+    f, base, length = blobs[0]
+    data = _read(f)
+    assert core().zip_blobs(data, [base], [length], 1 << 20)[0] is not None
+    assert core().zip_blobs(data, [base], [length], 16)[0] is None  # data.pkl is larger
+    assert core().zip_blobs(data, [base, 0], [length, 3], 1 << 20)[1] is None  # too short
+    with pytest.raises(ValueError):
+        core().zip_blobs(data, [0], [], 1 << 20)
