@@ -26,6 +26,8 @@ __all__ = ["Slot", "Entry", "find_entries", "is_dtensor", "local_of", "has_dtens
 
 def is_dtensor(t: Any) -> bool:
     """True if ``t`` is a ``torch.distributed.tensor.DTensor``."""
+    if type(t) is torch.Tensor or type(t) is nn.Parameter:
+        return False  # asked ~7 times per tensor: skip the import and the metaclass check
     if not torch.distributed.is_available():
         return False
     from torch.distributed.tensor import DTensor
