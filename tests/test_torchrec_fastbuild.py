@@ -105,6 +105,7 @@ def test_per_table_optimizers_equal_torchrecs(world1_env, opt):
 
 
 def test_patch_is_undone_and_unknown_signatures_left_alone(world1_env, monkeypatch):
+    import copy
     import dataclasses
 
     import torchrec.distributed.batched_embedding_kernel as bek
@@ -116,6 +117,48 @@ def test_patch_is_undone_and_unknown_signatures_left_alone(world1_env, monkeypat
             assert bek.EmbeddingFusedOptimizer.__init__ is not init
             raise RuntimeError("boom")
     assert bek.EmbeddingFusedOptimizer.__init__ is init and bek.dataclass is dataclasses.dataclass
+    assert bek.copy is copy
     monkeypatch.setattr(fastbuild, "_CHECKED_SIGNATURE", ["self", "something", "else"])
     with fastbuild.linear_table_optimizers():
         assert bek.EmbeddingFusedOptimizer.__init__ is init
+
+
+def _metadata(placements):
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor.metadata import (ShardedTensorMetadata,
+                                                                    TensorProperties)
+    shards = [ShardMetadata([10 * i, 0], [10, 16], p) for i, p in enumerate(placements)]
+    shards[-1].placement = shards[0].placement  # a shared placement stays shared
+    return ShardedTensorMetadata(shards, torch.Size([10 * len(shards), 16]),
+                                 TensorProperties(torch.bfloat16, requires_grad=True,
+                                                  memory_format=torch.channels_last))
+
+
+def _parts(md):
+    """Every mutable object inside a ShardedTensorMetadata, by id."""
+    out = [md, md.shards_metadata, md.tensor_properties]
+    for s in md.shards_metadata:
+        out += [s, s.shard_offsets, s.shard_sizes, s.placement]
+    return {id(o) for o in out}
+
+
+def test_metadata_copy_equals_deepcopy_and_shares_nothing_mutable():
+    import copy
+
+    from metamat.models.torchrec import fastbuild
+
+    types = fastbuild._metadata_types()
+    assert types is not None  # the fields of this torch version are the checked ones
+    md = _metadata(["rank:0/meta", "rank:1/cpu", "rank:2/meta"])
+    want = copy.deepcopy(md)
+    got = fastbuild._FastDeepcopy(types).deepcopy(md)
+    assert got == want and type(got) is type(md)
+    assert [vars(s.placement) for s in got.shards_metadata] == \
+        [vars(s.placement) for s in want.shards_metadata]
+    assert not _parts(got) & _parts(md)
+    assert got.shards_metadata[-1].placement is got.shards_metadata[0].placement
+    got.shards_metadata[0].shard_sizes[0] = 99  # the copy is independent of the original
+    assert md.shards_metadata[0].shard_sizes[0] == 10
+    other = [1, {"x": [2]}]
+    copied = fastbuild._FastDeepcopy(types).deepcopy(other)  # anything else: copy.deepcopy
+    assert copied == other and copied[1] is not other[1]

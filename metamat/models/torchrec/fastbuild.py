@@ -9,8 +9,13 @@ table of the group and skips all but its own (quadratic in the table count, in e
 ``linear_table_optimizers()`` makes ``shard_on_meta`` hand each of those constructors only its
 own table's entries of the group (the entries the constructor keeps anyway) and reuse the first
 ``ShardParams`` class. The optimizers built hold the same state, keys and shards as TorchRec's
-(tests/test_scale.py compares their ``state_dict``s). A constructor whose signature is not the
-one this was checked against is left alone.
+(tests/test_torchrec_fastbuild.py compares their ``state_dict``s). A constructor whose
+signature is not the one this was checked against is left alone.
+
+Each constructor also deep-copies its table's ``ShardedTensorMetadata`` (~14% of
+``shard_on_meta``, sampled): while active, the kernel module's ``copy.deepcopy`` copies that
+one type directly (:func:`copy_sharded_tensor_metadata`, the same result; the fields are
+checked first) and hands everything else to ``copy.deepcopy``.
 """
 from __future__ import annotations
 
@@ -19,6 +24,8 @@ import copy
 import dataclasses
 import inspect
 from typing import Any, Dict, Iterator, List, Tuple
+
+import torch
 
 __all__ = ["linear_table_optimizers"]
 
@@ -38,6 +45,94 @@ def _own_entries(config: Any, index: Dict[int, Tuple[Any, Dict[str, List[int]]]]
             by_name.setdefault(t.name, []).append(i)
         hit = index[id(config)] = (config, by_name)  # holds config: the id stays its own
     return hit[1]
+
+
+_STM_FIELDS = {"ShardedTensorMetadata": ("shards_metadata", "size", "tensor_properties"),
+               "ShardMetadata": ("shard_offsets", "shard_sizes", "placement"),
+               "TensorProperties": ("dtype", "layout", "requires_grad", "memory_format",
+                                    "pin_memory")}
+_REMOTE_DEVICE_ATTRS = {"_worker_name", "_rank", "_device"}
+
+
+def _metadata_types() -> Any:
+    """(ShardedTensorMetadata, ShardMetadata, TensorProperties, _remote_device) if their fields
+    are the ones :func:`copy_sharded_tensor_metadata` copies, else None."""
+    try:
+        from torch.distributed._shard.metadata import ShardMetadata
+        from torch.distributed._shard.sharded_tensor.metadata import (ShardedTensorMetadata,
+                                                                        TensorProperties)
+        from torch.distributed.remote_device import _remote_device
+        types = (ShardedTensorMetadata, ShardMetadata, TensorProperties)
+        if any(tuple(f.name for f in dataclasses.fields(t)) != _STM_FIELDS[t.__name__]
+               for t in types) or set(vars(_remote_device("rank:0/cpu"))) != _REMOTE_DEVICE_ATTRS:
+            return None
+        return types + (_remote_device,)
+    except (ImportError, TypeError, KeyError, RuntimeError, ValueError):
+        return None
+
+
+def copy_sharded_tensor_metadata(md: Any, memo: Dict[int, Any], types: Any) -> Any:
+    """``copy.deepcopy(md)`` of a ShardedTensorMetadata, built directly: new metadata, shard
+    list, ShardMetadata, offset and size lists, placements and tensor properties; ``size``
+    (a ``torch.Size``) and the dtype/layout/format/device values are immutable and shared,
+    as deepcopy would give equal ones. ``memo`` keeps shared placements shared."""
+    stm_t, sm_t, tp_t, rd_t = types
+
+    def new(cls: type, values: Dict[str, Any]) -> Any:
+        obj = object.__new__(cls)
+        for k, v in values.items():
+            object.__setattr__(obj, k, v)
+        return obj
+
+    def placement(p: Any) -> Any:
+        if p is None or type(p) is not rd_t:
+            return copy.deepcopy(p, memo)
+        hit = memo.get(id(p))
+        if hit is None:
+            hit = memo[id(p)] = new(rd_t, dict(vars(p)))
+        return hit
+
+    def ints(v: Any) -> Any:  # a list of ints: its copy
+        if type(v) is list and all(type(i) is int for i in v):
+            return list(v)
+        return copy.deepcopy(v, memo)
+
+    def shard(sm: Any) -> Any:
+        if type(sm) is not sm_t:
+            return copy.deepcopy(sm, memo)
+        hit = memo.get(id(sm))
+        if hit is None:
+            hit = memo[id(sm)] = new(sm_t, {
+                "shard_offsets": ints(sm.shard_offsets), "shard_sizes": ints(sm.shard_sizes),
+                "placement": placement(sm.placement)})
+        return hit
+
+    if type(md.shards_metadata) is not list or type(md.size) is not torch.Size:
+        return copy.deepcopy(md, memo)
+    tp = md.tensor_properties
+    props = new(tp_t, {k: getattr(tp, k) for k in _STM_FIELDS["TensorProperties"]}) \
+        if type(tp) is tp_t else copy.deepcopy(tp, memo)
+    out = new(stm_t, {"shards_metadata": [shard(s) for s in md.shards_metadata],
+                      "size": md.size, "tensor_properties": props})
+    memo[id(md)] = out
+    return out
+
+
+class _FastDeepcopy:
+    """Stands in for the ``copy`` module inside TorchRec's kernel module (module docstring)."""
+
+    def __init__(self, types: Any) -> None:
+        self._types = types
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(copy, name)
+
+    def deepcopy(self, x: Any, memo: Any = None, _nil: Any = ()) -> Any:
+        if type(x) is self._types[0]:
+            memo = {} if memo is None else memo
+            hit = memo.get(id(x))
+            return hit if hit is not None else copy_sharded_tensor_metadata(x, memo, self._types)
+        return copy.deepcopy(x, memo) if memo is not None else copy.deepcopy(x)
 
 
 def _stateless(emb_module: Any, cache: Dict[int, Tuple[Any, bool]]) -> bool:
@@ -62,6 +157,7 @@ def linear_table_optimizers() -> Iterator[None]:
     if not known or getattr(bek, "dataclass", None) is not dataclasses.dataclass:
         yield
         return
+    types = _metadata_types() if getattr(bek, "copy", None) is copy else None
     index: Dict[int, Tuple[Any, Dict[str, List[int]]]] = {}
     shard_params: Dict[Tuple, type] = {}
     stateless: Dict[int, Tuple[Any, bool]] = {}
@@ -101,8 +197,12 @@ def linear_table_optimizers() -> Iterator[None]:
 
     cls.__init__ = init
     bek.dataclass = dataclass
+    if types is not None:
+        bek.copy = _FastDeepcopy(types)
     try:
         yield
     finally:
         cls.__init__ = real_init
         bek.dataclass = dataclasses.dataclass
+        if types is not None:
+            bek.copy = copy
