@@ -2,7 +2,7 @@
 //
 // DCP's TORCH_SAVE format writes every chunk as a whole torch.save archive (a stored zip) in a
 // rank's data file: opening a checkpoint of 100,000 chunks parses 100,000 zip directories.
-// In Python that cost ~20 µs per chunk (struct calls, dicts, slices); here ~1 µs. Torch-free:
+// In Python that cost ~20 µs per chunk (struct calls, dicts, slices); here ~2 µs. Torch-free:
 // bytes in, offsets out. metamat/checkpoint/torch_save.py's `parse_torch_save` (zipfile,
 // every check) is the reference: tests compare the two on real and damaged files, and a blob
 // this accepts must give the same records.

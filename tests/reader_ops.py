@@ -28,6 +28,14 @@ def expected_rows(data: bytes, off: int, row_bytes: int, rows: int, stride: int)
     return b"".join(data[off + r * stride: off + r * stride + row_bytes] for r in range(rows))
 
 
+def random_file(tmp_path_factory, name: str, size: int, seed: int):
+    """(path, bytes) of a file of ``size`` random bytes, written once per test module."""
+    body = np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8).tobytes()
+    p = tmp_path_factory.mktemp(name) / "data.bin"
+    p.write_bytes(body)
+    return str(p), body
+
+
 def os_threads(expect=None) -> int:
     """Threads of this process; with ``expect``, waits up to 2 s for that count: a joined
     thread can stay listed in /proc/self/task for a moment after pthread_join returns (the

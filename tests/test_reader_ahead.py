@@ -12,10 +12,9 @@ import os
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
-from reader_ops import POISON, addr, ops, os_threads, poisoned
+from reader_ops import POISON, addr, ops, os_threads, poisoned, random_file
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BOUNCE = 512 << 10  # two 256 KiB windows per reader thread
@@ -25,10 +24,7 @@ SIZE = 8 * WIN + 3 * 4096 + 777  # not a multiple of any alignment
 
 @pytest.fixture(scope="module")
 def data_file(tmp_path_factory):
-    body = np.random.default_rng(11).integers(0, 256, SIZE, dtype=np.uint8).tobytes()
-    p = tmp_path_factory.mktemp("ahead") / "data.bin"
-    p.write_bytes(body)
-    return str(p), body
+    return random_file(tmp_path_factory, "ahead", SIZE, 11)
 
 
 _threads = os_threads

@@ -5,21 +5,17 @@ virtio disk: see io_reader.h); cached or small reads are plain buffered and stay
 io='buffered' never drops pages. Every combination gives the same bytes."""
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from metamat._pagecache import evict, resident
-from reader_ops import POISON, addr, ops, poisoned
+from reader_ops import POISON, addr, ops, poisoned, random_file
 
 SIZE = 24 * (1 << 20) + 4321
 
 
 @pytest.fixture(scope="module")
 def data_file(tmp_path_factory):
-    body = np.random.default_rng(5).integers(0, 256, SIZE, dtype=np.uint8).tobytes()
-    p = tmp_path_factory.mktemp("auto") / "data.bin"
-    p.write_bytes(body)
-    return str(p), body
+    return random_file(tmp_path_factory, "auto", SIZE, 5)
 
 
 def _read_all(reader, path, io, off=0, n=SIZE, **kw):

@@ -103,8 +103,8 @@ def _open_dcp(path: str) -> Checkpoint:
     try:
         # (fqn, chunk offsets) -> storage info: one pass, instead of building and hashing a
         # MetadataIndex per chunk (~10 µs each)
-        located = {(k.fqn, tuple(k.offset)): v for k, v in storage.items()
-                   if getattr(k, "offset", None) is not None}
+        storage_of = {(k.fqn, tuple(k.offset)): v for k, v in storage.items()
+                      if getattr(k, "offset", None) is not None}
         for fqn, tmd in md.state_dict_metadata.items():
             if not isinstance(tmd, TensorStorageMetadata):
                 continue  # bytes / non-tensor objects
@@ -115,7 +115,7 @@ def _open_dcp(path: str) -> Checkpoint:
             entries[fqn] = TensorEntry(fqn, tuple(int(s) for s in tmd.size), dtype)
             for ch in tmd.chunks:
                 offs = tuple(map(int, ch.offsets))
-                info = located.get((fqn, offs))
+                info = storage_of.get((fqn, offs))
                 if info is None:
                     raise InvalidHeaderError(f"no storage entry for chunk at {offs}",
                                              file=meta, tensor=fqn)
@@ -175,7 +175,7 @@ def _add_torch_save_chunks(entries: Dict[str, TensorEntry], f: str, fh, fsize: i
                            items) -> None:
     """Locate every torch.save blob of one data file: the file is mapped once and every
     blob's zip records are found in one C pass (``_C.zip_blobs``: no ``zipfile`` object, no
-    syscall, ~1 µs per chunk); identical ``data.pkl`` records (chunks of one shape and dtype)
+    syscall, ~2 µs per chunk); identical ``data.pkl`` records (chunks of one shape and dtype)
     are unpickled once. A blob the C pass does not accept goes through
     :func:`parse_torch_save`, which accepts it or raises the named error."""
     from .._ext import core

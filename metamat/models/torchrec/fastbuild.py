@@ -127,7 +127,7 @@ class _FastDeepcopy:
     def __getattr__(self, name: str) -> Any:
         return getattr(copy, name)
 
-    def deepcopy(self, x: Any, memo: Any = None, _nil: Any = ()) -> Any:
+    def deepcopy(self, x: Any, memo: Any = None) -> Any:
         if type(x) is self._types[0]:
             memo = {} if memo is None else memo
             hit = memo.get(id(x))
