@@ -1,8 +1,10 @@
 // The object-graph walk of metamat/models/torchrec/graph.py (`scan`), in C: a sharded model
 // holds ~95 objects and ~140 references per embedding table, and the Python loop over them
-// cost ~0.5 ms per table. Shard metadata (kind 3) is searched for devices only and
-// containers of leaves are not recorded: ~33 objects and ~65 slots per table are. Torch-free: tensors are recognised by the type objects Python passes in. The Python
-// `scan_reference` is the specification; tests compare the two on real models.
+// cost ~0.5 ms per table. Shard metadata (kind 3) is searched for devices only, containers of
+// leaves and shared constants (enums, layouts, process groups: graph._LEAF_TYPES) are not
+// recorded: ~32 objects and ~43 slots per table are. Torch-free: tensors are recognised by the
+// type objects Python passes in. The Python `scan_reference` is the specification; tests
+// compare the two on real models.
 //
 // Visit order and slot order are Python's (an object's first slot is where it was first
 // reached): a stack of objects, each object's references in the order `_children` yields them

@@ -150,3 +150,40 @@ def test_containers_of_leaves_are_not_recorded():
     for leafy in (m.names, m.empty, m.leaf_dict):
         assert id(leafy) not in g.objects
     assert id(m.mixed) in g.objects and g.slots[id(m.buf)]
+
+
+def test_shared_constants_and_handles_are_leaves(world1_env):
+    """Enum members, layouts, memory formats and process groups hold no tensor: no slots for
+    them (a sharded model refers to them ~20 times per table); TensorProperties, whose fields
+    are all leaves, is not even searched; a TensorProperties-like dataclass with another field
+    set is searched as before."""
+    import torch.distributed as dist
+    from torch.distributed._shard.sharded_tensor.metadata import TensorProperties
+
+    from torchrec.modules.embedding_configs import PoolingType
+
+    from metamat.models.torchrec import graph
+
+    m = Holder()
+    m.pool, m.layout, m.fmt = PoolingType.SUM, torch.strided, torch.contiguous_format
+    m.pg = dist.group.WORLD
+    m.props = TensorProperties(dtype=torch.float32)
+    g = _same(m)
+    for leaf in (m.pool, m.layout, m.fmt, m.pg, m.props):
+        assert id(leaf) not in g.objects and not g.slots.get(id(leaf))
+    assert graph._kind_of(m.props) == 0
+
+    @dataclasses.dataclass
+    class TensorProperties:  # same name and module path, another field set: searched
+        dtype: torch.dtype = torch.float32
+        device: torch.device = torch.device("meta")
+
+    TensorProperties.__module__ = "torch.distributed._shard.sharded_tensor.metadata"
+    TensorProperties.__qualname__ = "TensorProperties"
+    newer = TensorProperties()
+    m.props = newer
+    try:
+        g = _same(m)
+        assert graph._kind_of(newer) == 3 and (newer, "device") in g.device_refs
+    finally:
+        graph._KIND.pop(TensorProperties, None)

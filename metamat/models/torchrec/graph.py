@@ -12,6 +12,7 @@ shard metadata, which is only searched for the devices its placements name.
 from __future__ import annotations
 
 import dataclasses
+import enum
 from operator import itemgetter
 import types
 from collections import defaultdict
@@ -25,7 +26,13 @@ __all__ = ["Slot", "Graph", "scan", "scan_reference", "is_wrapper_tensor"]
 _WALK_MODULE_PREFIXES = ("torch", "torchrec", "fbgemm_gpu", "metamat")
 _LEAF_TYPES = (str, bytes, int, float, bool, complex, type(None), torch.device, torch.dtype,
                torch.Size, types.FunctionType, types.BuiltinFunctionType, types.ModuleType,
-               types.MethodType, type, range, slice)
+               types.MethodType, type, range, slice,
+               # shared constants and handles that hold no tensor: as walked objects they
+               # cost ~20 slots per table of a sharded model (every ShardedTensor's layout,
+               # memory format and process group, TorchRec's pooling/data-type enums)
+               torch.layout, torch.memory_format, enum.Enum)
+if torch.distributed.is_available():
+    _LEAF_TYPES += (torch.distributed.ProcessGroup,)
 
 
 class Slot(tuple):
@@ -35,7 +42,7 @@ class Slot(tuple):
     (``holder[key]`` of a dict or list), "dictkey" (a key of dict ``holder``), "tuple"
     (element ``key`` of a tuple: immutable, cannot be swapped).
 
-    A tuple ``(holder, kind, key)``: scan builds one per recorded reference (~65 per table of a
+    A tuple ``(holder, kind, key)``: scan builds one per recorded reference (~43 per table of a
     sharded model), and the C walk makes them without running Python code.
     """
 
@@ -81,6 +88,12 @@ _METADATA_TYPES = frozenset({
     "torch.distributed._shard.sharding_spec.chunk_sharding_spec.ChunkShardingSpec",
     "torch.distributed.remote_device._remote_device",
 })
+# Metadata dataclasses whose fields, as this torch defines them, are all leaves (dtype, layout,
+# flags): not even searched (5 per table). Another field set (a newer torch) is searched.
+_LEAF_DATACLASSES = {
+    "torch.distributed._shard.sharded_tensor.metadata.TensorProperties":
+        frozenset({"dtype", "layout", "requires_grad", "memory_format", "pin_memory"}),
+}
 _CONTAINERS = (dict, list, tuple, set, frozenset)
 
 # TorchRec's EmbeddingShardingInfo keeps the *unsharded* construction-time parameter
@@ -129,9 +142,11 @@ def _kind_of(obj: Any) -> int:
     cls = type(obj)
     k = _KIND.get(cls)
     if k is None:
-        if isinstance(obj, _LEAF_TYPES) or cls.__name__ in _UNWALKED_TYPES:
+        name = f"{cls.__module__}.{cls.__qualname__}"
+        if isinstance(obj, _LEAF_TYPES) or cls.__name__ in _UNWALKED_TYPES \
+                or _leaf_dataclass(cls, name):
             k = 0
-        elif f"{cls.__module__}.{cls.__qualname__}" in _METADATA_TYPES:
+        elif name in _METADATA_TYPES:
             k = 3
         elif cls is torch.Tensor:
             k = 2
@@ -141,6 +156,12 @@ def _kind_of(obj: Any) -> int:
             k = 0
         _KIND[cls] = k
     return k
+
+
+def _leaf_dataclass(cls: type, name: str) -> bool:
+    fields = _LEAF_DATACLASSES.get(name)
+    return fields is not None and dataclasses.is_dataclass(cls) and \
+        fields == frozenset(f.name for f in dataclasses.fields(cls))
 
 
 def _holds_nothing(container: Any) -> bool:
