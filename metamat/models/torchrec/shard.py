@@ -30,6 +30,7 @@ from torch.overrides import TorchFunctionMode
 from ..._gcpause import gc_paused
 from .compat import check_versions
 from .fastbuild import linear_table_optimizers
+from .fastnames import indexed_table_names
 from .tbe import FACTORIES, floating_factory_call
 
 __all__ = ["shard_on_meta", "MetaFactoryMode", "MetaDDP"]
@@ -342,6 +343,7 @@ def shard_on_meta(
             stack.enter_context(MetaFactoryMode(cuda=cuda_layout))
             stack.enter_context(gc_paused())  # ~100 live objects per table: see _gcpause
             stack.enter_context(linear_table_optimizers())  # TorchRec's is quadratic
+            stack.enter_context(indexed_table_names())  # its name filter too
             dmp = DistributedModelParallel(
                 module,
                 env=env,
