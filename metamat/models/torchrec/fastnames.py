@@ -81,6 +81,7 @@ def _dropping_set(name: str) -> Any:
 
 for _name in ("insert", "remove", "pop", "clear", "__setitem__", "__delitem__", "__imul__"):
     setattr(NameList, _name, _dropping_set(_name))
+del _name
 
 
 class _NameListAttr:
