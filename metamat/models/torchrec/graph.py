@@ -21,6 +21,8 @@ from typing import Any, Dict, Iterator, List, Tuple
 import torch
 from torch import nn
 
+from .fastbuild import _STM_FIELDS
+
 __all__ = ["Slot", "Graph", "scan", "scan_reference", "is_wrapper_tensor"]
 
 _WALK_MODULE_PREFIXES = ("torch", "torchrec", "fbgemm_gpu", "metamat")
@@ -92,7 +94,7 @@ _METADATA_TYPES = frozenset({
 # flags): not even searched (5 per table). Another field set (a newer torch) is searched.
 _LEAF_DATACLASSES = {
     "torch.distributed._shard.sharded_tensor.metadata.TensorProperties":
-        frozenset({"dtype", "layout", "requires_grad", "memory_format", "pin_memory"}),
+        frozenset(_STM_FIELDS["TensorProperties"]),  # the fields fastbuild copies too
 }
 _CONTAINERS = (dict, list, tuple, set, frozenset)
 
