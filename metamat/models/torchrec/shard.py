@@ -10,8 +10,8 @@ breaks in two more (measured on torchrec 1.8.0):
 * ``EmbeddingCollection(device="meta")`` (a string) makes the sharder call
   ``load_state_dict(module.state_dict())`` on meta tensors ("Cannot copy out of meta tensor").
 
-``shard_on_meta`` constructs the DMP inside a TorchFunctionMode that sends every floating
-point factory call aimed at the CPU to meta (integer metadata such as offsets stays real, the
+``shard_on_meta`` constructs the DMP while every floating point factory call aimed at the CPU
+goes to meta (``meta_factories``; integer metadata such as offsets stays real, the
 constructors read it), rewrites the plan's placements to meta (a copy), normalises the
 modules' ``device`` attributes, and defers DMP's own DDP wrap to ``materialize``.
 """
@@ -25,141 +25,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.overrides import TorchFunctionMode
 
 from ..._gcpause import gc_paused
 from .compat import check_versions
 from .fastbuild import linear_table_optimizers
 from .fastnames import indexed_table_names
-from .tbe import FACTORIES, floating_factory_call
+from .meta_factories import MetaFactories
 
-__all__ = ["shard_on_meta", "MetaFactoryMode", "MetaDDP"]
+__all__ = ["shard_on_meta", "MetaDDP"]
 
 _META = torch.device("meta")
-
-
-
-def _is_cpu(device: Any) -> bool:
-    if device is None:
-        return True
-    if isinstance(device, str):
-        return device == "cpu" or device.startswith("cpu:")
-    if isinstance(device, torch.device):
-        return device.type == "cpu"
-    return False
-
-
-class MetaFactoryMode(TorchFunctionMode):
-    """Keep a model under construction on meta without losing its small metadata.
-
-    * Floating-point CPU factory calls (``torch.randn(n)``, ``torch.zeros(n)``) go to meta:
-      they are tables and optimizer state.
-    * Integer CPU factories keep their device: TBE constructors read offsets back.
-    * Small tensors the caller explicitly puts on meta from data or integer factories
-      (``torch.tensor(dims, device="meta")``) stay meta but remember their value in
-      ``_metamat_value`` (a CPU tensor), which ``materialize`` copies in.
-    """
-
-    _RECORD = {torch.tensor, torch.as_tensor, torch.arange}
-    _RECORD_MAX_NUMEL = 1 << 20
-
-    def __init__(self, cuda: bool = False) -> None:
-        """``cuda``: also send floating factories aimed at a CUDA device, and fbgemm's UVM
-        factories (``torch.ops.fbgemm.new_unified_tensor`` / ``new_managed_tensor``), to meta
-        (the CUDA compute-device path of ``shard_on_meta``)."""
-        super().__init__()
-        self.cuda = cuda
-        self._uvm: Optional[Dict[Any, str]] = None  # fbgemm's UVM ops, looked up once
-
-    def _aimed_here(self, device: Any) -> bool:
-        if _is_cpu(device):
-            return True
-        return self.cuda and _is_cuda(device)
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = dict(kwargs or {})
-        if self.cuda:
-            if self._uvm is None:
-                self._uvm = _uvm_ops_or_none()
-            if func in self._uvm:
-                uvm = uvm_factory_on_meta(func, args, kwargs, self._uvm)
-                if uvm is not None:
-                    return uvm
-        if func not in FACTORIES and func not in self._RECORD:
-            # every torch call of a DMP construction lands here (~100 per table): let the
-            # ones that are neither factories nor recorded through at once
-            return func(*args, **kwargs)
-        redirected = False
-        if self._aimed_here(kwargs.get("device")) and floating_factory_call(func, args, kwargs):
-            kwargs["device"] = _META
-            redirected = True
-        out = func(*args, **kwargs)
-        if (
-            not redirected
-            and (func in self._RECORD or func in FACTORIES)
-            and isinstance(out, torch.Tensor)
-            and type(out) is torch.Tensor
-            and out.device.type == "meta"
-            and 0 < out.numel() <= self._RECORD_MAX_NUMEL
-            and (func in self._RECORD or not out.is_floating_point())
-        ):
-            cpu_kwargs = dict(kwargs, device="cpu")
-            # Inside a mode's handler the mode is popped: this call is not intercepted.
-            try:
-                out._metamat_value = func(*args, **cpu_kwargs)
-            except Exception:  # noqa: BLE001 - value unknown; materialize reports it
-                pass
-        return out
-
-
-def _is_cuda(device: Any) -> bool:
-    if isinstance(device, int) and not isinstance(device, bool):
-        return True  # a bare index means a CUDA device to torch's factories
-    if isinstance(device, str):
-        return device == "cuda" or device.startswith("cuda:")
-    if isinstance(device, torch.device):
-        return device.type == "cuda"
-    return False
-
-
-def _uvm_ops() -> Dict[Any, str]:
-    """fbgemm's UVM factory ops (packets and default overloads) -> name; empty without fbgemm."""
-    out: Dict[Any, str] = {}
-    ns = getattr(torch.ops, "fbgemm", None)
-    for name in ("new_unified_tensor", "new_managed_tensor", "new_host_mapped_tensor",
-                 "new_managed_tensor_meta"):
-        try:
-            op = getattr(ns, name)
-        except (AttributeError, RuntimeError):
-            continue
-        out[op] = name
-        default = getattr(op, "default", None)
-        if default is not None:
-            out[default] = name
-    return out
-
-
-def _uvm_ops_or_none() -> Dict[Any, str]:
-    try:
-        return _uvm_ops()
-    except Exception:  # noqa: BLE001 - torch.ops lookups may raise without the library
-        return {}
-
-
-def uvm_factory_on_meta(func, args, kwargs, ops: Optional[Dict[Any, str]] = None
-                        ) -> Optional[torch.Tensor]:
-    """A meta tensor for a call of fbgemm's UVM factories (``new_unified_tensor(self, sizes,
-    is_host_mapped)``, ``new_managed_tensor(self, sizes)``: a tensor of ``sizes`` with
-    ``self``'s dtype), else None (not such a call)."""
-    if ops is None:
-        ops = _uvm_ops_or_none()
-    if func not in ops:
-        return None
-    proto = args[0] if args else kwargs.get("self")
-    sizes = args[1] if len(args) > 1 else kwargs.get("sizes")
-    if not isinstance(proto, torch.Tensor) or sizes is None:
-        return None
-    return torch.empty(tuple(int(s) for s in sizes), dtype=proto.dtype, device=_META)
 
 
 class MetaDDP(DistributedDataParallel):
@@ -340,7 +215,7 @@ def shard_on_meta(
                                        if torch.device(compute_device).index is not None
                                        else (torch.cuda.current_device()
                                              if torch.cuda.is_available() else None)))
-            stack.enter_context(MetaFactoryMode(cuda=cuda_layout))
+            stack.enter_context(MetaFactories(cuda=cuda_layout))
             stack.enter_context(gc_paused())  # ~100 live objects per table: see _gcpause
             stack.enter_context(linear_table_optimizers())  # TorchRec's is quadratic
             stack.enter_context(indexed_table_names())  # its name filter too

@@ -25,6 +25,7 @@ _META = torch.device("meta")
 # follow their input's device and need no redirect.
 FACTORIES = {torch.empty, torch.zeros, torch.ones, torch.full, torch.rand, torch.randn,
               torch.empty_strided}
+_FULL = torch.full  # bound once: meta_factories replaces ``torch.full`` while it is active
 
 
 def floating_factory_call(func, args, kwargs) -> bool:
@@ -32,7 +33,7 @@ def floating_factory_call(func, args, kwargs) -> bool:
     if func not in FACTORIES or kwargs.get("out") is not None:
         return False
     dtype = kwargs.get("dtype")
-    if dtype is None and func is torch.full:
+    if dtype is None and func is _FULL:
         fill = args[1] if len(args) > 1 else kwargs.get("fill_value")
         return isinstance(fill, float)
     return dtype.is_floating_point if dtype is not None else True
