@@ -23,6 +23,9 @@ thread-local as a mode's is. The originals are put back when the last user leave
 someone replaced them meanwhile; then theirs is kept). Coverage equals the mode's for code
 that calls ``torch.zeros(...)`` through the namespace, which is how torch, TorchRec and fbgemm
 call them (checked: no ``from torch import zeros`` in torchrec 1.8.0 / fbgemm-gpu 1.8.0).
+The price: while a ``shard_on_meta`` runs, *other* threads that look those functions up get
+the stand-ins (which call the originals for them); one that compiles code naming them at that
+moment (``torch.jit.script``, ``torch.compile``) sees a Python callable, not torch's builtin.
 """
 from __future__ import annotations
 
@@ -120,8 +123,8 @@ _installed: List[Tuple[Any, str, Any, _Forwarder]] = []
 def _install() -> None:
     global _users
     with _lock:
-        _users += 1
-        if _users > 1:
+        if _users:
+            _users += 1
             return
         try:
             # torch's ``with torch.device(...)`` caches its factory set at first use: fill the
@@ -139,6 +142,7 @@ def _install() -> None:
             forwarder = _Forwarder(original, uvm)
             setattr(namespace, name, forwarder)
             _installed.append((namespace, name, original, forwarder))
+        _users = 1  # counted once installed: a failure above leaves no user behind
 
 
 def _uninstall() -> None:
