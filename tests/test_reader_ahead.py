@@ -97,7 +97,7 @@ def test_small_bounce_reads_serially_with_the_same_bytes(reader, data_file):
                     bounce_bytes=64 << 10)
     assert r["ok"], r["error"]
     _check(_ranges(), bufs, body)
-    assert _threads(before) == before
+    assert _threads(before) <= before
 
 
 @pytest.mark.parametrize("mode", ["eio", "eof"])
@@ -124,7 +124,7 @@ def test_every_read_reports_its_fault(reader, data_file, monkeypatch, mode):
                      bounce_bytes=BOUNCE)
         assert not r["ok"] and r["wrote"] and path in r["error"], (nth, r)
         assert r["failed_op"] in (0, 1)
-        assert _threads(before) == before
+        assert _threads(before) <= before
     monkeypatch.setenv("METAMAT_IO_FAULT", f"{n_reads + 1}:{mode}")
     r, _ = _read(reader, path, ranges, "direct", threads=1, task_bytes=task,
                  bounce_bytes=BOUNCE)
@@ -164,7 +164,7 @@ def test_errors_with_several_threads_leave_no_thread(reader, data_file, monkeypa
         r, _ = _read(reader, path, _ranges(), "direct", threads=3, task_bytes=WIN - 4,
                      bounce_bytes=BOUNCE)
         assert not r["ok"] and "Input/output error" in r["error"], nth
-        assert _threads(before) == before
+        assert _threads(before) <= before
 
 
 _CHILD = r"""
@@ -198,7 +198,7 @@ for it in range({iters}):
             assert bytes(raw[1:1 + ln]) == data[off:off + ln], (it, off)
     else:
         assert "Input/output error" in r["error"], r["error"]
-    assert tasks(base_threads) == base_threads, (it, tasks(), base_threads)
+    assert tasks(base_threads) <= base_threads, (it, tasks(), base_threads)
 print("OK")
 """
 

@@ -41,7 +41,7 @@ def no_leaks(request):
     assert C.stage_live_threads() == s0, "copy-sink threads left running"
     assert threading.active_count() == py0
     if os_threads:
-        assert thread_count(t0) == t0, "an OS thread was left running"
+        assert thread_count(t0) <= t0, "an OS thread was left running"
 
 
 @pytest.fixture(scope="module")
