@@ -1,4 +1,6 @@
 """MetaFactories: factory calls of the opening thread go to meta; nothing else changes."""
+import copy
+import pickle
 import threading
 
 import pytest
@@ -6,14 +8,25 @@ import torch
 
 pytest.importorskip("torchrec")
 
+from metamat.models.torchrec import meta_factories  # noqa: E402
 from metamat.models.torchrec.meta_factories import MetaFactories, _uvm_ops  # noqa: E402
 
 _NAMES = ("empty", "zeros", "ones", "full", "rand", "randn", "empty_strided", "tensor",
           "as_tensor", "arange")
+# torch's own functions, whatever the torch namespace holds now
+_TORCH = {name: getattr(torch._C._VariableFunctions, name) for name in _NAMES}
 
 
 def _originals():
     return {name: getattr(torch, name) for name in _NAMES}
+
+
+@pytest.fixture(autouse=True)
+def _torch_is_itself_around_each_test():
+    assert _originals() == _TORCH and meta_factories._users == 0
+    yield
+    assert _originals() == _TORCH, "stand-ins left installed"
+    assert meta_factories._users == 0 and not meta_factories._installed
 
 
 def test_redirects_floating_keeps_integer_and_records_small_meta_values():
@@ -29,6 +42,10 @@ def test_redirects_floating_keeps_integer_and_records_small_meta_values():
         assert dims.device.type == "meta" and dims._metamat_value.tolist() == [3, 5]
         ar = torch.arange(4, device="meta")
         assert ar._metamat_value.tolist() == [0, 1, 2, 3]
+        held = torch.as_tensor([1.5, 2.5], device="meta")  # floating, but explicitly on meta
+        assert held.device.type == "meta" and held._metamat_value.tolist() == [1.5, 2.5]
+        big = torch.zeros(2, device="meta")  # a floating factory: a table, value not kept
+        assert not hasattr(big, "_metamat_value")
         assert torch.zeros(3, out=buf) is buf and buf.tolist() == [0, 0, 0]  # out= is kept
         assert torch.zeros(2, dtype=torch.int32, device="meta")._metamat_value.tolist() == [0, 0]
     assert torch.zeros(3).device.type == "cpu"
@@ -36,6 +53,7 @@ def test_redirects_floating_keeps_integer_and_records_small_meta_values():
 
 def test_cuda_flag_sends_cuda_factories_and_uvm_ops_to_meta():
     proto = torch.zeros(1, dtype=torch.float16)  # on the CPU: fbgemm's op would answer on it
+    packets = _uvm_ops()  # torch's packets, taken outside the window
     with MetaFactories(cuda=True):
         assert torch.zeros(3, device="cuda:0").device.type == "meta"
         assert torch.empty(2, device=torch.device("cuda")).device.type == "meta"
@@ -43,7 +61,9 @@ def test_cuda_flag_sends_cuda_factories_and_uvm_ops_to_meta():
         if "new_unified_tensor" in ops:
             t = torch.ops.fbgemm.new_unified_tensor(proto, [3, 4], False)
             assert t.device.type == "meta" and t.shape == (3, 4) and t.dtype == torch.float16
-            assert torch.ops.fbgemm.new_unified_tensor.default is ops["new_unified_tensor"].default
+            assert ops["new_unified_tensor"] is not packets["new_unified_tensor"]  # a stand-in
+            # whose attributes are the packet's: its overloads are torch's, not redirected
+            assert ops["new_unified_tensor"].default is packets["new_unified_tensor"].default
     with MetaFactories():  # without cuda=True the op runs as it is
         if "new_unified_tensor" in _uvm_ops():
             assert torch.ops.fbgemm.new_unified_tensor(proto, [2], False).device.type == "cpu"
@@ -130,3 +150,60 @@ def test_torch_device_context_still_redirects_after_a_window():
             assert torch.ones(2).device.type == "meta"
     with torch.device("meta"):
         assert torch.zeros(2).device.type == "meta"
+
+
+def test_copies_and_pickles_of_a_stand_in_are_torchs_originals():
+    with MetaFactories():
+        stand_in = torch.zeros
+        assert stand_in is not _TORCH["zeros"] and stand_in.__name__ == "zeros"
+        assert copy.copy(stand_in) is _TORCH["zeros"]
+        assert copy.deepcopy(stand_in) is _TORCH["zeros"]
+        assert pickle.loads(pickle.dumps(stand_in)) is _TORCH["zeros"]
+        with pytest.raises(AttributeError):
+            getattr(stand_in, "no_such_attribute")
+    blank = object.__new__(meta_factories._Forwarder)  # as a copier's first step makes one
+    assert not hasattr(blank, "__wrapped__")  # an AttributeError, not a recursion
+
+
+def test_closing_from_another_thread_or_twice_keeps_the_count_right():
+    ctx = MetaFactories()
+    ctx.__enter__()
+    with pytest.raises(RuntimeError, match="already open"):
+        ctx.__enter__()
+    t = threading.Thread(target=ctx.__exit__, args=(None, None, None))
+    t.start()
+    t.join()
+    assert torch.zeros(1).device.type == "cpu"  # this thread's entry went with it
+    ctx.__exit__(None, None, None)  # nothing left to undo
+    assert meta_factories._users == 0
+    with ctx:  # reusable once closed
+        assert torch.zeros(1).device.type == "meta"
+
+
+def test_a_failed_install_leaves_nothing_behind(monkeypatch):
+    class Unsettable:  # a namespace whose attribute cannot be replaced
+        zeros = staticmethod(_TORCH["zeros"])
+
+        def __setattr__(self, name, value):
+            raise TypeError("read-only")
+
+    ns = Unsettable()
+    real_uvm_ops = meta_factories._uvm_ops
+    monkeypatch.setattr(meta_factories, "_uvm_ops", lambda: {"zeros": ns.zeros})
+    monkeypatch.setattr(torch.ops, "fbgemm", ns, raising=False)
+    with pytest.raises(TypeError, match="read-only"):
+        with MetaFactories():
+            pass
+    monkeypatch.setattr(meta_factories, "_uvm_ops", real_uvm_ops)
+    assert _originals() == _TORCH  # the torch names set before the failure were put back
+
+
+def test_nested_contexts_the_innermost_decides():
+    with MetaFactories(cuda=True):
+        assert torch.zeros(2, device="cuda").device.type == "meta"
+        with MetaFactories():  # no cuda: a CUDA factory runs as asked
+            assert torch.zeros(2).device.type == "meta"
+            if not torch.cuda.is_available():
+                with pytest.raises((RuntimeError, AssertionError)):
+                    torch.zeros(2, device="cuda")
+        assert torch.zeros(2, device="cuda").device.type == "meta"

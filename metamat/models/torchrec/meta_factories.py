@@ -25,7 +25,21 @@ that calls ``torch.zeros(...)`` through the namespace, which is how torch, Torch
 call them (checked: no ``from torch import zeros`` in torchrec 1.8.0 / fbgemm-gpu 1.8.0).
 The price: while a ``shard_on_meta`` runs, *other* threads that look those functions up get
 the stand-ins (which call the originals for them); one that compiles code naming them at that
-moment (``torch.jit.script``, ``torch.compile``) sees a Python callable, not torch's builtin.
+moment sees a Python callable, not torch's builtin (``torch.jit.script`` of a function that
+calls ``torch.zeros`` fails to compile then; ``torch.compile`` traces through it). Copying or
+pickling a stand-in gives the original.
+
+Where it differs from a mode, for code that mixes them:
+
+* only calls through the namespace are seen: a reference taken before the window
+  (``zeros = torch.zeros``) or an op overload (``torch.ops.fbgemm.new_unified_tensor.default``)
+  runs unredirected — torch, TorchRec and fbgemm call the names and the op packets;
+* a ``with torch.device(...)`` or ``TorchFunctionMode`` opened *inside* the window sees the
+  call after the redirect (a mode would see it before ours); nested ``MetaFactories`` do not
+  combine: the innermost decides;
+* if other code replaces one of the names during the window, its replacement is kept at the
+  end; if it later puts back what it found (our stand-in), the stand-in stays, forwarding to
+  torch's original for every thread (harmless, one Python call more).
 """
 from __future__ import annotations
 
@@ -107,7 +121,12 @@ class _Forwarder:
         return active[-1].call(self.__wrapped__, self._uvm, args, kwargs)
 
     def __getattr__(self, name: str) -> Any:
+        if name in _Forwarder.__slots__:  # unset (copy's blank instance): no recursion
+            raise AttributeError(name)
         return getattr(self.__wrapped__, name)
+
+    def __reduce__(self) -> Any:
+        return self.__wrapped__.__reduce__()  # a copy or a pickle is torch's original
 
     def __repr__(self) -> str:
         return f"<metamat forwarder of {self.__wrapped__!r}>"
@@ -137,24 +156,33 @@ def _install() -> None:
         targets: List[Tuple[Any, str, bool]] = [
             (torch, f.__name__, False) for f in (*FACTORIES, *RECORDED)]
         targets += [(torch.ops.fbgemm, name, True) for name in _uvm_ops()]
-        for namespace, name, uvm in targets:
-            original = getattr(namespace, name)
-            forwarder = _Forwarder(original, uvm)
-            setattr(namespace, name, forwarder)
-            _installed.append((namespace, name, original, forwarder))
+        try:
+            for namespace, name, uvm in targets:
+                original = getattr(namespace, name)
+                forwarder = _Forwarder(original, uvm)
+                setattr(namespace, name, forwarder)
+                _installed.append((namespace, name, original, forwarder))
+        except BaseException:
+            _restore()  # all or nothing
+            raise
         _users = 1  # counted once installed: a failure above leaves no user behind
+
+
+def _restore() -> None:
+    """Put the originals back where our stand-ins still are (someone else's replacement made
+    meanwhile is kept). Called with ``_lock`` held."""
+    for namespace, name, original, forwarder in reversed(_installed):
+        if getattr(namespace, name, None) is forwarder:
+            setattr(namespace, name, original)
+    _installed.clear()
 
 
 def _uninstall() -> None:
     global _users
     with _lock:
         _users -= 1
-        if _users:
-            return
-        for namespace, name, original, forwarder in reversed(_installed):
-            if getattr(namespace, name, None) is forwarder:  # else someone replaced ours
-                setattr(namespace, name, original)
-        _installed.clear()
+        if not _users:
+            _restore()
 
 
 class MetaFactories:
@@ -167,18 +195,29 @@ class MetaFactories:
 
     def __init__(self, cuda: bool = False) -> None:
         self.cuda = cuda
+        self._stack: Optional[List["MetaFactories"]] = None  # the opening thread's, while open
 
     def __enter__(self) -> "MetaFactories":
+        if self._stack is not None:
+            raise RuntimeError("this MetaFactories is already open; open a new one to nest")
         _install()
         stack = getattr(_local, "stack", None)
         if stack is None:
             stack = _local.stack = []
         stack.append(self)
+        self._stack = stack
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        _local.stack.remove(self)
-        _uninstall()
+        # the stack kept at entry: right even if closed from another thread; a second exit
+        # finds nothing to undo (the user count must not drop twice)
+        stack, self._stack = self._stack, None
+        if stack is None:
+            return
+        try:
+            stack.remove(self)
+        finally:
+            _uninstall()
 
     def _aimed_here(self, device: Any) -> bool:
         return _is_cpu(device) or (self.cuda and _is_cuda(device))
