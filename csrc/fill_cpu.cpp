@@ -37,10 +37,11 @@ bool cpu_runs(Isa isa) {
 }
 
 // AMD family 0x19 is Zen 3 and Zen 4; of those only Zen 4 has AVX-512, and it executes each
-// 512-bit operation as two 256-bit halves. The AVX-512 kernel's Philox (16 lanes, regrouped
-// with masked moves) then costs as many 256-bit operations per counter as the AVX2 one
-// (even/odd split, no regrouping) and skips the AVX2 one's lane-uniform first rounds, while
-// its transforms are the AVX2 code anyway: on Zen 4 the AVX2 kernel is at least as fast.
+// 512-bit operation as two 256-bit halves. The AVX-512 kernel (the AVX2 kernel's code at 16
+// lanes) then does the AVX2 kernel's 256-bit work plus mask conversions and the regrouping of
+// its stores: on Zen 4 the AVX2 kernel is expected to be at least as fast (not measured since
+// the AVX-512 kernel got 16-lane transforms: no Zen 4 here). On Intel the AVX-512 kernel is
+// 1.2-1.6x the AVX2 one (Xeon "Emerald Rapids", docs/PERFORMANCE.md).
 // Zen 5 (family 0x1A) has full-width 512-bit units and keeps AVX-512. A fixed CPUID rule, not
 // a timing at start-up: the choice is the same on every run and every rank (a measurement on
 // a shared, busy machine is not), and the values are identical either way.
