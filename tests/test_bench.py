@@ -21,7 +21,8 @@ def test_bench_quick_writes_every_column(tmp_path):
     # quiet: no third-party warnings or TorchRec per-table log lines, a progress line per method
     out = r.stdout + r.stderr
     assert "caching params will be ignored" not in out and "Warning" not in out, out[-3000:]
-    assert r.stdout.count("] load: ") >= 5 and r.stdout.count("] dmp: ") == 2
+    assert r.stdout.count("] load: ") >= 5 and r.stdout.count("] dmp: ") == 3
+    assert "torch fill_ (ranks at once)" in r.stdout and "with all 2 ranks writing at once" in r.stdout
     assert "results.csv" in r.stdout.splitlines()[-1]
     assert (tmp_path / "throughput.png").stat().st_size > 1000
     with open(tmp_path / "results.csv") as f:
