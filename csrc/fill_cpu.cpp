@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <exception>
 #include <string>
 #include <vector>
@@ -55,7 +56,23 @@ bool amd_family_19h() {
   return family == 0x19u;
 }
 
+// The kernel called `name`, if this CPU runs it; `source` says where the name came from.
+Isa named_isa(const std::string& name, const std::string& source) {
+  const Isa isa = name == "avx512" ? Isa::kAvx512
+                  : name == "avx2" ? Isa::kAvx2
+                  : name == "x86-64" ? Isa::kBase
+                                     : static_cast<Isa>(-1);
+  MM_CHECK(isa == Isa::kAvx512 || isa == Isa::kAvx2 || isa == Isa::kBase,
+           source + "unknown CPU kernel '" + name + "' (avx512, avx2, x86-64)");
+  MM_CHECK(cpu_runs(isa), source + "this CPU cannot run the '" + name + "' kernel");
+  return isa;
+}
+
+// METAMAT_CPU_KERNEL=avx512|avx2|x86-64 replaces the rule (to compare the kernels where the
+// rule was not measured, e.g. on Zen 4); a name this CPU cannot run is an error, not ignored.
 Isa pick_isa() {
+  const char* forced = std::getenv("METAMAT_CPU_KERNEL");
+  if (forced != nullptr && *forced != '\0') return named_isa(forced, "METAMAT_CPU_KERNEL: ");
   if (cpu_runs(Isa::kAvx512) && !amd_family_19h()) return Isa::kAvx512;
   if (cpu_runs(Isa::kAvx2)) return Isa::kAvx2;
   return Isa::kBase;
@@ -71,14 +88,7 @@ Isa isa_by_name(const std::string& name) {
     static const Isa best = pick_isa();
     return best;
   }
-  const Isa isa = name == "avx512" ? Isa::kAvx512
-                  : name == "avx2" ? Isa::kAvx2
-                  : name == "x86-64" ? Isa::kBase
-                                     : static_cast<Isa>(-1);
-  MM_CHECK(isa == Isa::kAvx512 || isa == Isa::kAvx2 || isa == Isa::kBase,
-           "unknown CPU kernel '" + name + "' (avx512, avx2, x86-64)");
-  MM_CHECK(cpu_runs(isa), "this CPU cannot run the '" + name + "' kernel");
-  return isa;
+  return named_isa(name, "");
 }
 
 SpanFn span_fn(Isa isa) {
