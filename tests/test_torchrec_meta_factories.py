@@ -163,6 +163,9 @@ def test_copies_and_pickles_of_a_stand_in_are_torchs_originals():
             getattr(stand_in, "no_such_attribute")
     blank = object.__new__(meta_factories._Forwarder)  # as a copier's first step makes one
     assert not hasattr(blank, "__wrapped__")  # an AttributeError, not a recursion
+    packet = torch.ops.aten.add  # an op packet, as fbgemm's UVM factories are
+    stand_in = meta_factories._Forwarder(packet, True)
+    assert copy.copy(stand_in) is packet and copy.deepcopy(stand_in) is packet
 
 
 def test_closing_from_another_thread_or_twice_keeps_the_count_right():

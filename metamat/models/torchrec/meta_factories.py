@@ -26,8 +26,9 @@ call them (checked: no ``from torch import zeros`` in torchrec 1.8.0 / fbgemm-gp
 The price: while a ``shard_on_meta`` runs, *other* threads that look those functions up get
 the stand-ins (which call the originals for them); one that compiles code naming them at that
 moment sees a Python callable, not torch's builtin (``torch.jit.script`` of a function that
-calls ``torch.zeros`` fails to compile then; ``torch.compile`` traces through it). Copying or
-pickling a stand-in gives the original.
+calls ``torch.zeros`` fails to compile then; ``torch.compile`` traces through it). Copying a
+stand-in gives the original; pickling one pickles the original (torch's functions by name;
+fbgemm's op packets do not pickle, stand-in or not).
 
 Where it differs from a mode, for code that mixes them:
 
@@ -126,14 +127,21 @@ class _Forwarder:
         return getattr(self.__wrapped__, name)
 
     def __reduce__(self) -> Any:
-        return self.__wrapped__.__reduce__()  # a copy or a pickle is torch's original
+        return self.__wrapped__.__reduce__()  # a pickle holds torch's original
+
+    # copies are the original too (copy.copy of an op packet itself never returns)
+    def __copy__(self) -> Any:
+        return self.__wrapped__
+
+    def __deepcopy__(self, memo: Any) -> Any:
+        return self.__wrapped__
 
     def __repr__(self) -> str:
         return f"<metamat forwarder of {self.__wrapped__!r}>"
 
 
 _local = threading.local()  # .stack: the open MetaFactories of this thread, innermost last
-_lock = threading.Lock()
+_lock = threading.RLock()  # also held around a context's own open/close (re-entered inside)
 _users = 0
 # (namespace, name, original, forwarder) of what is installed while _users > 0
 _installed: List[Tuple[Any, str, Any, _Forwarder]] = []
@@ -198,26 +206,28 @@ class MetaFactories:
         self._stack: Optional[List["MetaFactories"]] = None  # the opening thread's, while open
 
     def __enter__(self) -> "MetaFactories":
-        if self._stack is not None:
-            raise RuntimeError("this MetaFactories is already open; open a new one to nest")
-        _install()
-        stack = getattr(_local, "stack", None)
-        if stack is None:
-            stack = _local.stack = []
-        stack.append(self)
-        self._stack = stack
+        with _lock:  # two threads opening one instance: one wins, the other raises
+            if self._stack is not None:
+                raise RuntimeError("this MetaFactories is already open; open a new one to nest")
+            _install()
+            stack = getattr(_local, "stack", None)
+            if stack is None:
+                stack = _local.stack = []
+            stack.append(self)
+            self._stack = stack
         return self
 
     def __exit__(self, *exc: Any) -> None:
         # the stack kept at entry: right even if closed from another thread; a second exit
-        # finds nothing to undo (the user count must not drop twice)
-        stack, self._stack = self._stack, None
-        if stack is None:
-            return
-        try:
-            stack.remove(self)
-        finally:
-            _uninstall()
+        # (or a concurrent one) finds nothing to undo: the user count drops once
+        with _lock:
+            stack, self._stack = self._stack, None
+            if stack is None:
+                return
+            try:
+                stack.remove(self)
+            finally:
+                _uninstall()
 
     def _aimed_here(self, device: Any) -> bool:
         return _is_cpu(device) or (self.cuda and _is_cuda(device))
