@@ -137,13 +137,16 @@ def _fill_rank(rank: int, world: int, nbytes: int, reps: int, threads: int):
 
     torch.set_num_threads(threads)
     n = max(1, nbytes // 4)
+    start_rss = _rss_gib()
+    torch.empty(n).fill_(0.5)  # untimed first call, as timeit does for the one-process row
     times = []
     for _ in range(reps):
         dist.barrier()  # all ranks write at once, as the methods' ranks do
         t0 = time.perf_counter()
         torch.empty(n).fill_(0.5)
         times.append(time.perf_counter() - t0)
-    return statistics.median(times), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    return statistics.median(times), peak - start_rss  # growth, as the methods' rows report
 
 
 def _fill_ceiling_ranks(nbytes: int, reps: int, threads: int, ranks: int) -> Row:
