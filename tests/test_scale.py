@@ -76,39 +76,42 @@ def test_overlap_check_is_not_quadratic():
         _check_overlaps(_entry(), bad)
 
 
-def _growth(results, case, method):
-    from bench_scale import per_item_growth
+def _growth_in_fresh_process(call: str, case: str, methods) -> dict:
+    """per_item_growth of `methods` for bench_scale's `call`, run in a fresh interpreter:
+    inside the whole suite's process (a heap of everything the earlier tests left) the ratio
+    is far noisier. Row chunks' materialize(load), Xeon: 2.4 and 2.8 in a fresh-clone CI run,
+    0.8-1.3 in a fresh interpreter, 0.9-2.5 in one holding 3M extra small objects (collector
+    passes over a big heap landing in some timings, probably)."""
+    bench = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench")
+    code = (
+        "import json, os, sys\n"
+        f"sys.path.insert(0, {bench!r}); os.environ['METAMAT_SCALE_CLOCK'] = 'cpu'\n"
+        "import bench_scale as bs\n"
+        "with bs.process_group():\n"
+        f"    res = bs.{call}\n"
+        f"print(json.dumps({{m: bs.per_item_growth(res, {case!r}, m) for m in {list(methods)!r}}}))\n")
+    out = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True,
+                         text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
-    return per_item_growth(results, case, method)
 
-
-@pytest.fixture(scope="module")
-def pg():
-    from bench_scale import process_group
-
-    with process_group():
-        yield
-
-
-def test_chunks_and_tensors_scale_linearly(pg):
+def test_chunks_and_tensors_scale_linearly():
     """Time per chunk / tensor at the largest count stays within 2x of the smaller counts'
     marginal cost (fixed overhead removed). Times are tens of ms, so one interrupted
     measurement can exceed 2x: a case over the bound is measured once more, and super-linear
     growth fails both times."""
-    from bench_scale import run_chunks, run_tensors
-
-    runs = {"rows": lambda: run_chunks((500, 2000, 8000), 3, "rows", log=lambda *a: None),
-            "cols": lambda: run_chunks((500, 2000, 8000), 3, "cols", log=lambda *a: None),
-            "tensors": lambda: run_tensors((250, 1000, 4000), 3, log=lambda *a: None)}
+    runs = {"rows": "run_chunks((500, 2000, 8000), 3, 'rows', log=lambda *a: None)",
+            "cols": "run_chunks((500, 2000, 8000), 3, 'cols', log=lambda *a: None)",
+            "tensors": "run_tensors((250, 1000, 4000), 3, log=lambda *a: None)"}
     methods = ("metamat open_checkpoint", "metamat materialize(load)")
-    for case, run in runs.items():
+    for case, call in runs.items():
         tries = []
         for _ in range(2):
-            res = run()
-            tries.append({m: _growth(res, case, m) for m in methods})
+            tries.append(_growth_in_fresh_process(call, case, methods))
             if max(tries[-1].values()) <= 2.0:
                 break
-        assert max(tries[-1].values()) <= 2.0, (case, tries, res)
+        assert max(tries[-1].values()) <= 2.0, (case, tries)
 
 
 def test_tables_scale_linearly():
@@ -119,20 +122,10 @@ def test_tables_scale_linearly():
     super-linear growth fails both times."""
     pytest.importorskip("torchrec")
     methods = ["metamat shard_on_meta+materialize", "metamat plan phase"]
-    bench = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench")
-    code = (
-        "import json, os, sys\n"
-        f"sys.path.insert(0, {bench!r}); os.environ['METAMAT_SCALE_CLOCK'] = 'cpu'\n"
-        "import bench_scale as bs\n"
-        "with bs.process_group():\n"
-        "    res = bs.run_tables((50, 200, 800), 3, log=lambda *a: None)\n"
-        f"print(json.dumps({{m: bs.per_item_growth(res, 'tables', m) for m in {methods!r}}}))\n")
     tries = []
     for _ in range(2):
-        out = subprocess.run([sys.executable, "-W", "ignore", "-c", code], capture_output=True,
-                             text=True, timeout=900)
-        assert out.returncode == 0, out.stderr[-3000:]
-        tries.append(json.loads(out.stdout.strip().splitlines()[-1]))
+        tries.append(_growth_in_fresh_process(
+            "run_tables((50, 200, 800), 3, log=lambda *a: None)", "tables", methods))
         if max(tries[-1].values()) <= 2.0:
             break
     assert max(tries[-1].values()) <= 2.0, tries
