@@ -42,7 +42,7 @@ bool cpu_runs(Isa isa) {
 // lanes) then does the AVX2 kernel's 256-bit work plus mask conversions and the regrouping of
 // its stores: on Zen 4 the AVX2 kernel is expected to be at least as fast (not measured since
 // the AVX-512 kernel got 16-lane transforms: no Zen 4 here). On Intel the AVX-512 kernel is
-// 1.2-1.6x the AVX2 one (Xeon "Emerald Rapids", docs/PERFORMANCE.md).
+// 1.3-1.7x the AVX2 one (Xeon "Emerald Rapids", docs/PERFORMANCE.md).
 // Zen 5 (family 0x1A) has full-width 512-bit units and keeps AVX-512. A fixed CPUID rule, not
 // a timing at start-up: the choice is the same on every run and every rank (a measurement on
 // a shared, busy machine is not), and the values are identical either way.

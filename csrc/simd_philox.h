@@ -1,4 +1,4 @@
-// Philox4x32-10 (philox.h) on kW consecutive counters at once, for the AVX2 and SSE2 kernels.
+// Philox4x32-10 (philox.h) on kW consecutive counters at once, for every SIMD kernel (16, 8, 4 lanes).
 //
 // Two things make it cheaper than a lane-wise copy of the scalar rounds; neither changes a bit
 // (tests compare every kernel with the NumPy reference):
