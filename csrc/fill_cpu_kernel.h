@@ -94,19 +94,28 @@ inline void generate_pass(const SegCtx& ctx, const PhiloxRow& pr, uint64_t, uint
     }
   }
 }
-// Normal values of whole passes p and p + 1 of one row (out[0..128)): Box-Muller on four
-// vectors in lockstep instead of a pass's two (~1.2x faster on the Xeon).
-template <DType D>
-inline void normal_two_passes(const SegCtx& ctx, const PhiloxRow& pr, uint64_t p,
-                              typename Elem<D>::T* out) {
+// Whole passes p and p + 1 of one row (out[0..128)) of the long transforms: twice one pass's
+// independent chains (Normal: four Box-Muller vectors instead of two, TruncatedNormal: eight
+// erfinv vectors instead of four), each ~1.2x faster per core on the Xeon.
+template <DistKind K, DType D>
+inline void two_passes(const SegCtx& ctx, const PhiloxRow& pr, uint64_t p,
+                       typename Elem<D>::T* out) {
   VI w[4], x[4];
   philox_lanes(ctx.k, pr, static_cast<uint32_t>(p * 16), static_cast<uint32_t>(p * 16 >> 32), w);
   philox_lanes(ctx.k, pr, static_cast<uint32_t>((p + 1) * 16),
                static_cast<uint32_t>((p + 1) * 16 >> 32), x);
-  PF<4> v0, v1;
-  normal(ctx.d, PI<4>{w[0], w[2], x[0], x[2]}, PI<4>{w[1], w[3], x[1], x[3]}, &v0, &v1);
-  put_words<D>(out, v0.a, v1.a, v0.b, v1.b);
-  put_words<D>(out + kPass, v0.c, v1.c, v0.d, v1.d);
+  if constexpr (K == DistKind::kNormal) {
+    PF<4> v0, v1;
+    normal(ctx.d, PI<4>{w[0], w[2], x[0], x[2]}, PI<4>{w[1], w[3], x[1], x[3]}, &v0, &v1);
+    put_words<D>(out, v0.a, v1.a, v0.b, v1.b);
+    put_words<D>(out + kPass, v0.c, v1.c, v0.d, v1.d);
+  } else {
+    static_assert(K == DistKind::kTruncNormal, "two passes: the long transforms only");
+    const PF<4> v = trunc_normal(ctx.d, PI<4>{w[0], w[1], w[2], w[3]});
+    const PF<4> u = trunc_normal(ctx.d, PI<4>{x[0], x[1], x[2], x[3]});
+    put_words<D>(out, v.a, v.b, v.c, v.d);
+    put_words<D>(out + kPass, u.a, u.b, u.c, u.d);
+  }
 }
 #else
 // The 64 values of global columns [64p, 64p + 64) of global row `row`, as type D, at out[0..64).
@@ -185,9 +194,9 @@ inline void fill_row(const SegCtx& ctx, const Segment& s, int64_t r, int64_t c_b
     const int64_t n = std::min<int64_t>(kPass - first, gc_end - gc);
     T* dst = row + (gc - s.col_offset);
 #ifdef MM_KERNEL_16_LANES
-    if constexpr (K == DistKind::kNormal) {
+    if constexpr (K == DistKind::kNormal || K == DistKind::kTruncNormal) {
       if (first == 0 && gc_end - gc >= 2 * kPass) {
-        normal_two_passes<D>(ctx, pr, p, dst);
+        two_passes<K, D>(ctx, pr, p, dst);
         gc += 2 * kPass;
         continue;
       }
