@@ -68,9 +68,10 @@ MM_SIMD void put_words(typename Elem<D>::T* out, VF t0, VF t1, VF t2, VF t3) {
   put<D>(out, 48, high_halves(t2, t3));
 }
 
-// The 64 values of global columns [64p, 64p + 64) of global row `row`, as type D, at out[0..64).
+// The 64 values of global columns [64p, 64p + 64) of the row `pr` was made for, as type D,
+// at out[0..64).
 template <DistKind K, DType D>
-inline void generate_pass(const SegCtx& ctx, const PhiloxRow& pr, uint64_t, uint64_t p,
+inline void generate_pass(const SegCtx& ctx, const PhiloxRow& pr, uint64_t p,
                           typename Elem<D>::T* out) {
   if constexpr (K == DistKind::kConstant) {
     for (int c = 0; c < kPass; c += kW) put<D>(out, c, ctx.d.p0);
@@ -118,9 +119,10 @@ inline void two_passes(const SegCtx& ctx, const PhiloxRow& pr, uint64_t p,
   }
 }
 #else
-// The 64 values of global columns [64p, 64p + 64) of global row `row`, as type D, at out[0..64).
+// The 64 values of global columns [64p, 64p + 64) of the row `pr` was made for, as type D,
+// at out[0..64).
 template <DistKind K, DType D>
-inline void generate_pass(const SegCtx& ctx, const PhiloxRow& pr, uint64_t, uint64_t p,
+inline void generate_pass(const SegCtx& ctx, const PhiloxRow& pr, uint64_t p,
                           typename Elem<D>::T* out) {
   if constexpr (K == DistKind::kConstant) {
     for (int c = 0; c < kPass; c += kW) put<D>(out, c, ctx.d.p0);
@@ -203,10 +205,10 @@ inline void fill_row(const SegCtx& ctx, const Segment& s, int64_t r, int64_t c_b
     }
 #endif
     if (n == kPass) {
-      generate_pass<K, D>(ctx, pr, gr, p, dst);
+      generate_pass<K, D>(ctx, pr, p, dst);
     } else {
       alignas(64) T buf[kPass];
-      generate_pass<K, D>(ctx, pr, gr, p, buf);
+      generate_pass<K, D>(ctx, pr, p, buf);
       std::memcpy(dst, buf + first, n * sizeof(T));
     }
     gc += n;
