@@ -96,6 +96,17 @@ def _growth_in_fresh_process(call: str, case: str, methods) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def _assert_linear(call: str, case: str, methods) -> None:
+    """Growth <= 2 for every method; a case over the bound is measured once more (one
+    interrupted measurement can exceed it), and super-linear growth fails both times."""
+    tries = []
+    for _ in range(2):
+        tries.append(_growth_in_fresh_process(call, case, methods))
+        if max(tries[-1].values()) <= 2.0:
+            return
+    assert max(tries[-1].values()) <= 2.0, (case, tries)
+
+
 def test_chunks_and_tensors_scale_linearly():
     """Time per chunk / tensor at the largest count stays within 2x of the smaller counts'
     marginal cost (fixed overhead removed). Times are tens of ms, so one interrupted
@@ -106,12 +117,7 @@ def test_chunks_and_tensors_scale_linearly():
             "tensors": "run_tensors((250, 1000, 4000), 3, log=lambda *a: None)"}
     methods = ("metamat open_checkpoint", "metamat materialize(load)")
     for case, call in runs.items():
-        tries = []
-        for _ in range(2):
-            tries.append(_growth_in_fresh_process(call, case, methods))
-            if max(tries[-1].values()) <= 2.0:
-                break
-        assert max(tries[-1].values()) <= 2.0, (case, tries)
+        _assert_linear(call, case, methods)
 
 
 def test_tables_scale_linearly():
@@ -121,14 +127,8 @@ def test_tables_scale_linearly():
     tree measures 0.9-1.3 on its own. A case over the bound is measured once more, and
     super-linear growth fails both times."""
     pytest.importorskip("torchrec")
-    methods = ["metamat shard_on_meta+materialize", "metamat plan phase"]
-    tries = []
-    for _ in range(2):
-        tries.append(_growth_in_fresh_process(
-            "run_tables((50, 200, 800), 3, log=lambda *a: None)", "tables", methods))
-        if max(tries[-1].values()) <= 2.0:
-            break
-    assert max(tries[-1].values()) <= 2.0, tries
+    _assert_linear("run_tables((50, 200, 800), 3, log=lambda *a: None)", "tables",
+                   ["metamat shard_on_meta+materialize", "metamat plan phase"])
 
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")
