@@ -18,6 +18,7 @@ def env_header(device: torch.device) -> str:
     from metamat._ext import core
 
     lines = [f"metamat {metamat.__version__} (cpu kernel: {core().cpu_kernel()}, "
+             f"{core().cpu_kernel_choice()}; "
              f"cuda backend built: {core().cuda_compiled()})",
              f"torch {torch.__version__}, threads {torch.get_num_threads()}"]
     for mod in ("torchrec", "fbgemm_gpu"):

@@ -47,6 +47,8 @@ PYBIND11_MODULE(_C, m) {
       "Fill CPU memory described by `count` packed Segments at `segments_addr`.");
 
   m.def("cpu_kernel", &metamat::cpu_kernel_name, "The CPU fill kernel in use (ISA).");
+  m.def("cpu_kernel_choice", &metamat::cpu_kernel_choice,
+        "Why that kernel: the CPUID rule, METAMAT_CPU_KERNEL, or a measurement's timings.");
   m.def("cpu_kernels", &metamat::cpu_kernels_runnable,
         "The CPU fill kernels this CPU can run (fill_cpu's isa), widest first.");
   m.def(

@@ -40,6 +40,8 @@ static_assert(sizeof(Segment) == 128, "Segment layout is shared with Python");
 void fill_cpu(const Segment* segs, int64_t n, int num_threads, const std::string& isa = "");
 // Which CPU kernel fill_cpu runs on this machine: "avx512", "avx2" or "x86-64".
 const char* cpu_kernel_name();
+// Why that kernel: "CPUID: ...", "METAMAT_CPU_KERNEL", or "measured: ..." with the timings.
+std::string cpu_kernel_choice();
 
 // True when this build carries the CUDA backend.
 bool cuda_compiled();

@@ -7,6 +7,8 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <exception>
 #include <string>
@@ -38,14 +40,12 @@ bool cpu_runs(Isa isa) {
 }
 
 // AMD family 0x19 is Zen 3 and Zen 4; of those only Zen 4 has AVX-512, and it executes each
-// 512-bit operation as two 256-bit halves. The AVX-512 kernel (the AVX2 kernel's code at 16
-// lanes) then does the AVX2 kernel's 256-bit work plus mask conversions and the regrouping of
-// its stores: on Zen 4 the AVX2 kernel is expected to be at least as fast (not measured since
-// the AVX-512 kernel got 16-lane transforms: no Zen 4 here). On Intel the AVX-512 kernel is
-// 1.3-1.7x the AVX2 one (Xeon "Emerald Rapids", docs/PERFORMANCE.md).
-// Zen 5 (family 0x1A) has full-width 512-bit units and keeps AVX-512. A fixed CPUID rule, not
-// a timing at start-up: the choice is the same on every run and every rank (a measurement on
-// a shared, busy machine is not), and the values are identical either way.
+// 512-bit operation as two 256-bit halves. Whether the AVX-512 kernel (16 lanes, 32 vector
+// registers: no spills, two passes in lockstep) or the AVX2 kernel is faster there is not
+// known here (no Zen 4 to measure on): on such a CPU both are timed once (measure_isa). On
+// Intel the AVX-512 kernel is 1.3-1.7x the AVX2 one (Xeon "Emerald Rapids",
+// docs/PERFORMANCE.md); Zen 5 (family 0x1A) has full-width 512-bit units: both keep the
+// fixed rule, which gives the same choice on every run and every rank.
 bool amd_family_19h() {
   unsigned a = 0, b = 0, c = 0, d = 0;
   if (!__get_cpuid(0, &a, &b, &c, &d)) return false;
@@ -56,6 +56,16 @@ bool amd_family_19h() {
   return family == 0x19u;
 }
 
+const char* isa_name(Isa isa) {
+  return isa == Isa::kAvx512 ? "avx512" : isa == Isa::kAvx2 ? "avx2" : "x86-64";
+}
+
+SpanFn span_fn(Isa isa) {
+  return isa == Isa::kAvx512 ? isa_avx512::fill_span
+         : isa == Isa::kAvx2 ? isa_avx2::fill_span
+                             : isa_base::fill_span;
+}
+
 // The kernel called `name`, if this CPU runs it; `source` says where the name came from.
 Isa named_isa(const std::string& name, const std::string& source) {
   const Isa isa = name == "avx512" ? Isa::kAvx512
@@ -63,38 +73,81 @@ Isa named_isa(const std::string& name, const std::string& source) {
                   : name == "x86-64" ? Isa::kBase
                                      : static_cast<Isa>(-1);
   MM_CHECK(isa == Isa::kAvx512 || isa == Isa::kAvx2 || isa == Isa::kBase,
-           source + "unknown CPU kernel '" + name + "' (avx512, avx2, x86-64)");
+           source + "unknown CPU kernel '" + name + "' (avx512, avx2, x86-64, measure)");
   MM_CHECK(cpu_runs(isa), source + "this CPU cannot run the '" + name + "' kernel");
   return isa;
 }
 
-// METAMAT_CPU_KERNEL=avx512|avx2|x86-64 replaces the rule (to compare the kernels where the
-// rule was not measured, e.g. on Zen 4); a name this CPU cannot run is an error, not ignored.
-Isa pick_isa() {
-  const char* forced = std::getenv("METAMAT_CPU_KERNEL");
-  if (forced != nullptr && *forced != '\0') return named_isa(forced, "METAMAT_CPU_KERNEL: ");
-  if (cpu_runs(Isa::kAvx512) && !amd_family_19h()) return Isa::kAvx512;
-  if (cpu_runs(Isa::kAvx2)) return Isa::kAvx2;
-  return Isa::kBase;
+// The kernel in use and why it was chosen (cpu_kernel_choice).
+struct Choice {
+  Isa isa;
+  std::string why;
+};
+
+// Times the AVX-512 and AVX2 kernels on this core and returns the faster: 32 KiB (cache
+// resident: the kernels' arithmetic, not page faults) filled with Uniform and with Normal,
+// 9 rounds alternating which kernel goes first, the best round of each (other work on the
+// machine only adds time). The values are the same with either kernel, so a choice made on a
+// busy machine costs speed, never correctness. ~1 ms, once per process. AVX-512 must win by
+// 3%: a tie keeps the AVX2 kernel, the fixed rule's choice before this measurement existed.
+Choice measure_isa() {
+  if (!cpu_runs(Isa::kAvx512))
+    return {cpu_runs(Isa::kAvx2) ? Isa::kAvx2 : Isa::kBase, "measured: one SIMD kernel runs here"};
+  constexpr int64_t kRows = 32, kCols = 256;
+  alignas(64) static float buf[kRows * kCols];  // runs once (choice()); the core allocates nothing
+  Segment seg[2] = {};
+  for (int i = 0; i < 2; ++i) {
+    seg[i].ptr = reinterpret_cast<uint64_t>(buf);
+    seg[i].rows = kRows, seg[i].cols = kCols, seg[i].row_stride = kCols;
+    seg[i].key = 0x6d6561737572ull + i;
+    seg[i].dtype = int32_t(DType::kFloat32);
+    seg[i].dist.kind = int32_t(i == 0 ? DistKind::kUniform : DistKind::kNormal);
+    seg[i].dist.p0 = i == 0 ? -1.0f : 0.0f, seg[i].dist.p1 = i == 0 ? 2.0f : 1.0f;
+  }
+  const Isa isas[2] = {Isa::kAvx512, Isa::kAvx2};
+  double best[2] = {1e30, 1e30};
+  for (int round = 0; round < 9; ++round)
+    for (int j = 0; j < 2; ++j) {
+      const int k = (round + j) % 2;
+      const SpanFn fn = span_fn(isas[k]);
+      const auto t0 = std::chrono::steady_clock::now();
+      for (const Segment& s : seg) fn(s, 0, kRows * kCols);
+      const std::chrono::duration<double, std::micro> dt = std::chrono::steady_clock::now() - t0;
+      best[k] = std::min(best[k], dt.count());
+    }
+  const Isa pick = best[0] < 0.97 * best[1] ? Isa::kAvx512 : Isa::kAvx2;
+  char why[160];
+  std::snprintf(why, sizeof why,
+                "measured: avx512 %.1f us, avx2 %.1f us per 32 KiB of Uniform and of Normal",
+                best[0], best[1]);
+  return {pick, why};
 }
 
-const char* isa_name(Isa isa) {
-  return isa == Isa::kAvx512 ? "avx512" : isa == Isa::kAvx2 ? "avx2" : "x86-64";
+// METAMAT_CPU_KERNEL=avx512|avx2|x86-64 replaces the rule, =measure times the SIMD kernels
+// on any CPU; a name this CPU cannot run is an error, not ignored.
+Choice pick_isa() {
+  const char* forced = std::getenv("METAMAT_CPU_KERNEL");
+  if (forced != nullptr && *forced != '\0') {
+    if (std::string(forced) == "measure") return measure_isa();
+    return {named_isa(forced, "METAMAT_CPU_KERNEL: "), "METAMAT_CPU_KERNEL"};
+  }
+  if (cpu_runs(Isa::kAvx512)) {
+    if (amd_family_19h()) return measure_isa();
+    return {Isa::kAvx512, "CPUID: AVX-512"};
+  }
+  if (cpu_runs(Isa::kAvx2)) return {Isa::kAvx2, "CPUID: AVX2, no AVX-512"};
+  return {Isa::kBase, "CPUID: no AVX2"};
+}
+
+const Choice& choice() {
+  static const Choice c = pick_isa();
+  return c;
 }
 
 // "" -> the picked kernel; a name -> that kernel, if this CPU runs it.
 Isa isa_by_name(const std::string& name) {
-  if (name.empty()) {
-    static const Isa best = pick_isa();
-    return best;
-  }
+  if (name.empty()) return choice().isa;
   return named_isa(name, "");
-}
-
-SpanFn span_fn(Isa isa) {
-  return isa == Isa::kAvx512 ? isa_avx512::fill_span
-         : isa == Isa::kAvx2 ? isa_avx2::fill_span
-                             : isa_base::fill_span;
 }
 
 // Spans of at most this many elements (1 MiB of fp32): the unit of progress reports to the
@@ -155,6 +208,8 @@ void math_apply_scalar(MathFn fn, const void* in, void* out, int64_t n) {
 }  // namespace
 
 const char* cpu_kernel_name() { return isa_name(isa_by_name("")); }
+
+std::string cpu_kernel_choice() { return choice().why; }
 
 std::vector<std::string> cpu_kernels_runnable() {
   std::vector<std::string> names;
