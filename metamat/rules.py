@@ -8,7 +8,8 @@ One rule set for every model kind:
 * TorchRec tables: the table config's ``init_fn`` as a distribution when it is a known one
   (:func:`dist_from_init_fn`), else TorchRec's default U(+-sqrt(1/num_embeddings)).
 * Ordinary modules (:func:`default_init`): ``reset_parameters()`` of common modules in
-  closed form (nn.Linear, convolutions, nn.Embedding, norm layers), filled by the fused
+  closed form (nn.Linear, convolutions, nn.Embedding, norm layers, TorchRec's position
+  weights; a ``ParameterDict``/``ParameterList``'s tensors by its parent's rule), filled by the fused
   engine at global offsets (plan-invariant); anything else is ``RESET``: the module's own
   ``reset_parameters()`` (or ``_reset_parameters()``) is called under a per-module seed.
 """
@@ -139,6 +140,11 @@ def _affine_norm(m: nn.Module, attr: str, shape: Tuple[int, ...]) -> Default:
     return RESET
 
 
+def _position_weights(m: nn.Module, attr: str, shape: Tuple[int, ...]) -> Default:
+    # TorchRec's PositionWeightedModule(Collection).reset_parameters: fill_(1.0)
+    return Default(dist=Constant(1.0))
+
+
 def _rules():
     rules = [(nn.Linear, _linear), (nn.Embedding, _embedding), (nn.LayerNorm, _affine_norm),
              (nn.modules.conv._ConvNd, _conv),
@@ -149,7 +155,24 @@ def _rules():
     return rules
 
 
+def _torchrec_rules() -> list:
+    """Rules for TorchRec's own dense modules, once torchrec is imported (a model cannot hold
+    them before; importing it here would cost every other model ~2 s)."""
+    import sys
+
+    if "torchrec" not in sys.modules:
+        return []
+    try:
+        from torchrec.modules.feature_processor_ import (PositionWeightedModule,
+                                                         PositionWeightedModuleCollection)
+    except ImportError:  # a TorchRec without feature processors
+        return []
+    return [(PositionWeightedModule, _position_weights),
+            (PositionWeightedModuleCollection, _position_weights)]
+
+
 _RULES: Optional[list] = None
+_TORCHREC_RULES: Optional[list] = None
 
 
 def default_init(module: nn.Module, attr: str, shape: Tuple[int, ...]) -> Optional[Default]:
@@ -164,10 +187,12 @@ def default_init(module: nn.Module, attr: str, shape: Tuple[int, ...]) -> Option
         A :class:`Default` with a distribution, ``RESET`` when the module's own reset must
         run, or None when the module has no known rule.
     """
-    global _RULES
+    global _RULES, _TORCHREC_RULES
     if _RULES is None:
         _RULES = _rules()
-    for base, rule in _RULES:
+    if not _TORCHREC_RULES:
+        _TORCHREC_RULES = _torchrec_rules()
+    for base, rule in _RULES + _TORCHREC_RULES:
         if _own(module, base):
             return rule(module, attr, shape)
     return None

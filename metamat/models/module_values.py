@@ -64,6 +64,20 @@ def _reset_fn(m: nn.Module, root: nn.Module) -> Optional[Callable[[], Any]]:
     return functools.partial(hf, m) if hf is not None else None
 
 
+def _parent_rule(e: Entry, root: nn.Module) -> Optional[Default]:
+    """The rule of the module holding ``e``'s ParameterDict/ParameterList, for
+    ``<container>.<name>`` (TorchRec's PositionWeightedModuleCollection keeps its weights in
+    ``position_weights``, a ParameterDict)."""
+    path = e.owner.fqn.split(".")[:-1]  # the container's module path
+    if not path:
+        return None
+    try:
+        parent = root.get_submodule(".".join(path[:-1]))
+    except AttributeError:
+        return None
+    return default_init(parent, f"{path[-1]}.{e.owner.name}", e.global_shape)
+
+
 def _from_init(e: Entry, v: InitValue) -> Decision:
     if isinstance(v, Dist):
         if e.dtype not in FILL_DTYPES and not isinstance(v, Constant):
@@ -120,6 +134,8 @@ def decide(entries: Sequence[Entry], init: Mapping[str, InitValue], loaded: Set[
             continue
         m, attr = e.owner.module, e.owner.name
         d: Optional[Default] = default_init(m, attr, e.global_shape)
+        if d is None and isinstance(m, (nn.ParameterDict, nn.ParameterList)):
+            d = _parent_rule(e, root)
         if d is not None and d.dist is not None:
             if e.dtype not in FILL_DTYPES and not isinstance(d.dist, Constant):
                 d = RESET

@@ -78,13 +78,25 @@ def sharded_modules(root: nn.Module) -> List[Tuple[str, nn.Module]]:
     for name, m in root.named_modules():
         if isinstance(m, (ShardedEmbeddingBagCollection, ShardedEmbeddingCollection)):
             out.append((name, m))
-        elif isinstance(m, ShardedModule):
+        elif isinstance(m, ShardedModule) and not _is_container(m):
             if any(p.device.type == "meta" for p in _tensors_of(m)):
                 raise UnsupportedError(
                     f"{name or '<root>'}: sharded module type {type(m).__name__} is not supported "
                     "(supported: ShardedEmbeddingBagCollection, ShardedEmbeddingCollection)"
                 )
     return out
+
+
+def _is_container(m: nn.Module) -> bool:
+    """A sharded module whose tables are a ShardedEmbeddingBagCollection child (found on its
+    own by ``named_modules``) and whose other state is ordinary modules and tensors: TorchRec's
+    ShardedFeatureProcessedEmbeddingBagCollection (position-weighted features)."""
+    try:
+        from torchrec.distributed.fp_embeddingbag import (
+            ShardedFeatureProcessedEmbeddingBagCollection as FP)
+    except ImportError:  # a TorchRec without feature processors
+        return False
+    return isinstance(m, FP)
 
 
 def _tensors_of(m: nn.Module) -> List[torch.Tensor]:
