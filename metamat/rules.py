@@ -9,8 +9,8 @@ One rule set for every model kind:
   (:func:`dist_from_init_fn`), else TorchRec's default U(+-sqrt(1/num_embeddings)).
 * Ordinary modules (:func:`default_init`): ``reset_parameters()`` of common modules in
   closed form (nn.Linear, convolutions, nn.Embedding, norm layers, TorchRec's position
-  weights; a ``ParameterDict``/``ParameterList``'s tensors by its parent's rule), filled by the fused
-  engine at global offsets (plan-invariant); anything else is ``RESET``: the module's own
+  weights; a ``ParameterDict``/``ParameterList``'s tensors by its parent's rule), filled by the
+  fused engine at global offsets (plan-invariant); anything else is ``RESET``: the module's own
   ``reset_parameters()`` (or ``_reset_parameters()``) is called under a per-module seed.
 """
 from __future__ import annotations
@@ -155,13 +155,13 @@ def _rules():
     return rules
 
 
-def _torchrec_rules() -> list:
-    """Rules for TorchRec's own dense modules, once torchrec is imported (a model cannot hold
-    them before; importing it here would cost every other model ~2 s)."""
+def _torchrec_rules() -> Optional[list]:
+    """Rules for TorchRec's own dense modules; None until torchrec is imported (a model cannot
+    hold them before, and importing it here would cost every other model ~2 s)."""
     import sys
 
     if "torchrec" not in sys.modules:
-        return []
+        return None
     try:
         from torchrec.modules.feature_processor_ import (PositionWeightedModule,
                                                          PositionWeightedModuleCollection)
@@ -190,9 +190,9 @@ def default_init(module: nn.Module, attr: str, shape: Tuple[int, ...]) -> Option
     global _RULES, _TORCHREC_RULES
     if _RULES is None:
         _RULES = _rules()
-    if not _TORCHREC_RULES:
+    if _TORCHREC_RULES is None:
         _TORCHREC_RULES = _torchrec_rules()
-    for base, rule in _RULES + _TORCHREC_RULES:
+    for base, rule in _RULES + (_TORCHREC_RULES or []):
         if _own(module, base):
             return rule(module, attr, shape)
     return None

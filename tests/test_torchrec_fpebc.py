@@ -120,7 +120,8 @@ def worker(rank, world_size, tmp):
     return dict(init_blocks=init_blocks, meta_left=meta_left, aliases_ok=aliases_ok,
                 out_init_finite=bool(torch.isfinite(out_init).all()),
                 eager=_blocks(eager), loaded=_blocks(loaded),
-                out_eager=eager(batch).values().detach(), out_loaded=loaded(batch).values().detach(),
+                out_eager=eager(batch).values().detach(),
+                out_loaded=loaded(batch).values().detach(),
                 loaded_aliases_ok=all(
                     loaded.module._feature_processors.position_weights_dict[k] is p
                     for k, p in loaded.module._feature_processors.position_weights.items()))
