@@ -73,7 +73,8 @@ Isa named_isa(const std::string& name, const std::string& source) {
                   : name == "x86-64" ? Isa::kBase
                                      : static_cast<Isa>(-1);
   MM_CHECK(isa == Isa::kAvx512 || isa == Isa::kAvx2 || isa == Isa::kBase,
-           source + "unknown CPU kernel '" + name + "' (avx512, avx2, x86-64, measure)");
+           source + "unknown CPU kernel '" + name + "' (avx512, avx2, x86-64" +
+               (source.empty() ? ")" : ", measure)"));
   MM_CHECK(cpu_runs(isa), source + "this CPU cannot run the '" + name + "' kernel");
   return isa;
 }
@@ -90,9 +91,13 @@ struct Choice {
 // machine only adds time). The values are the same with either kernel, so a choice made on a
 // busy machine costs speed, never correctness. ~1 ms, once per process. AVX-512 must win by
 // 3%: a tie keeps the AVX2 kernel, the fixed rule's choice before this measurement existed.
+// Only fp32 Uniform (Philox-bound) and Normal (transform-bound) are timed: TruncatedNormal
+// and 16-bit stores follow the same kernel.
 Choice measure_isa() {
-  if (!cpu_runs(Isa::kAvx512))
-    return {cpu_runs(Isa::kAvx2) ? Isa::kAvx2 : Isa::kBase, "measured: one SIMD kernel runs here"};
+  if (!cpu_runs(Isa::kAvx512)) {
+    const Isa only = cpu_runs(Isa::kAvx2) ? Isa::kAvx2 : Isa::kBase;
+    return {only, std::string("measure: only ") + isa_name(only) + " runs here, nothing timed"};
+  }
   constexpr int64_t kRows = 32, kCols = 256;
   alignas(64) static float buf[kRows * kCols];  // runs once (choice()); the core allocates nothing
   Segment seg[2] = {};

@@ -9,9 +9,10 @@ One rule set for every model kind:
   (:func:`dist_from_init_fn`), else TorchRec's default U(+-sqrt(1/num_embeddings)).
 * Ordinary modules (:func:`default_init`): ``reset_parameters()`` of common modules in
   closed form (nn.Linear, convolutions, nn.Embedding, norm layers, TorchRec's position
-  weights; a ``ParameterDict``/``ParameterList``'s tensors by its parent's rule), filled by the
-  fused engine at global offsets (plan-invariant); anything else is ``RESET``: the module's own
-  ``reset_parameters()`` (or ``_reset_parameters()``) is called under a per-module seed.
+  weights, also where a rule names the ParameterDict holding them: :func:`container_init`),
+  filled by the fused engine at global offsets (plan-invariant); anything else is ``RESET``:
+  the module's own ``reset_parameters()`` (or ``_reset_parameters()``) is called under a
+  per-module seed.
 """
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ from torch import nn
 
 from .spec import Constant, Dist, Normal, TruncatedNormal, Uniform, Zeros
 
-__all__ = ["Default", "RESET", "InitValue", "default_init", "match_init", "check_init_map",
+__all__ = ["Default", "RESET", "InitValue", "default_init", "container_init", "match_init",
+           "check_init_map",
            "dist_from_init_fn", "default_table_dist", "reset_method", "fix_zero_row"]
 
 #: What ``init=`` may map a name to.
@@ -155,9 +157,10 @@ def _rules():
     return rules
 
 
-def _torchrec_rules() -> Optional[list]:
-    """Rules for TorchRec's own dense modules; None until torchrec is imported (a model cannot
-    hold them before, and importing it here would cost every other model ~2 s)."""
+def _torchrec_rules() -> Optional[Tuple[list, list]]:
+    """Rules for TorchRec's own dense modules: (module rules, container rules); None until
+    torchrec is imported (a model cannot hold them before, and importing it here would cost
+    every other model ~2 s)."""
     import sys
 
     if "torchrec" not in sys.modules:
@@ -166,13 +169,31 @@ def _torchrec_rules() -> Optional[list]:
         from torchrec.modules.feature_processor_ import (PositionWeightedModule,
                                                          PositionWeightedModuleCollection)
     except ImportError:  # a TorchRec without feature processors
-        return []
-    return [(PositionWeightedModule, _position_weights),
-            (PositionWeightedModuleCollection, _position_weights)]
+        return [], []
+    return ([(PositionWeightedModule, _position_weights)],
+            [(PositionWeightedModuleCollection, "position_weights", _position_weights)])
 
 
 _RULES: Optional[list] = None
-_TORCHREC_RULES: Optional[list] = None
+_TORCHREC_RULES: Optional[Tuple[list, list]] = None
+
+
+def _torchrec() -> Tuple[list, list]:
+    global _TORCHREC_RULES
+    if _TORCHREC_RULES is None:
+        _TORCHREC_RULES = _torchrec_rules()
+    return _TORCHREC_RULES or ([], [])
+
+
+def container_init(parent: nn.Module, container: str, attr: str,
+                   shape: Tuple[int, ...]) -> Optional[Default]:
+    """The fused equivalent of ``parent.reset_parameters()`` for ``parent.<container>[attr]``,
+    a tensor of a ParameterDict/ParameterList child, where a rule names that container
+    (TorchRec's PositionWeightedModuleCollection and its ``position_weights``); else None."""
+    for base, name, rule in _torchrec()[1]:
+        if name == container and _own(parent, base):
+            return rule(parent, f"{container}.{attr}", shape)
+    return None
 
 
 def default_init(module: nn.Module, attr: str, shape: Tuple[int, ...]) -> Optional[Default]:
@@ -187,12 +208,10 @@ def default_init(module: nn.Module, attr: str, shape: Tuple[int, ...]) -> Option
         A :class:`Default` with a distribution, ``RESET`` when the module's own reset must
         run, or None when the module has no known rule.
     """
-    global _RULES, _TORCHREC_RULES
+    global _RULES
     if _RULES is None:
         _RULES = _rules()
-    if _TORCHREC_RULES is None:
-        _TORCHREC_RULES = _torchrec_rules()
-    for base, rule in _RULES + (_TORCHREC_RULES or []):
+    for base, rule in _RULES + _torchrec()[0]:
         if _own(module, base):
             return rule(module, attr, shape)
     return None

@@ -81,6 +81,21 @@ def test_tied_weights_stay_tied():
     assert net.head.weight.device.type == "cpu"
 
 
+def test_other_references_to_a_parameter_get_the_same_new_object():
+    class D(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 3, device="meta")
+            self.by_name = {"w": self.lin.weight, "b": self.lin.bias}  # e.g. TorchRec's dicts
+            self.frozen = (self.lin.weight,)
+
+    d = D()
+    with pytest.warns(UserWarning, match=r"frozen\[0\] is held in an immutable container"):
+        materialize(d, device="cpu")
+    assert d.by_name["w"] is d.lin.weight and d.by_name["b"] is d.lin.bias
+    assert d.lin.weight.device.type == "cpu"
+
+
 def test_views_keep_aliasing():
     class V(nn.Module):
         def __init__(self):

@@ -163,10 +163,15 @@ def test_dcp_checkpoint_of_eager_dmp_loads_bit_for_bit(ranks):
         assert torch.equal(r["out_loaded"], r["out_eager"])
 
 
-def test_position_weights_alone_are_ones_by_the_fused_rule():
+def test_position_weights_alone_are_ones_by_the_fused_rule(monkeypatch):
     from torchrec.modules.feature_processor_ import (PositionWeightedModule,
                                                      PositionWeightedModuleCollection)
 
+    def twos(self):  # were the module's own reset called, the weights would be 2
+        with torch.no_grad():
+            self.position_weight.fill_(2.0)
+
+    monkeypatch.setattr(PositionWeightedModule, "reset_parameters", twos)
     col = PositionWeightedModuleCollection(max_feature_lengths={"a": 3, "b": 5},
                                            device=torch.device("meta"))
     one = PositionWeightedModule(max_feature_length=4, device=torch.device("meta"))
@@ -175,3 +180,19 @@ def test_position_weights_alone_are_ones_by_the_fused_rule():
     assert torch.equal(col.position_weights["a"], torch.ones(3))
     assert torch.equal(col.position_weights["b"], torch.ones(5))
     assert torch.equal(one.position_weight, torch.ones(4))
+    # the module's own dict of its weights (what forward reads) holds the new ones
+    assert all(col.position_weights_dict[k] is p for k, p in col.position_weights.items())
+
+
+def test_a_container_rule_covers_only_the_container_it_names():
+    from torch import nn
+
+    class WithExtra(nn.Linear):  # Linear's rule is for weight and bias, not this dict
+        def __init__(self):
+            super().__init__(16, 4, device="meta")
+            self.lora = nn.ParameterDict({"B": nn.Parameter(torch.zeros(4, 2, device="meta"))})
+
+    m = WithExtra()
+    with pytest.raises(metamat.MissingValueError, match="'lora.B'"):
+        metamat.materialize(m, device="cpu")
+    assert m.weight.is_meta and m.lora["B"].is_meta

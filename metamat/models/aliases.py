@@ -39,16 +39,20 @@ class Aliases:
 
 
 def find_aliases(root: nn.Module, entries: Sequence[Entry], warnings: List[str]) -> Aliases:
-    """The meta tensors reachable from ``root`` that view an entry's storage but are not
-    themselves registered as parameters/buffers (those are the entries)."""
+    """The meta tensors reachable from ``root`` that view an entry's storage: those not
+    registered as parameters/buffers, and the plain registered ones too, whose other
+    references (a module's own dict of its parameters, as TorchRec's
+    PositionWeightedModuleCollection keeps) must get the same new object."""
     from .torchrec.graph import is_wrapper_tensor, scan
 
     graph = scan(root)
     owned = {storage_key(e.old_local) for e in entries if e.meta}
     registered = {id(e.old) for e in entries} | {id(e.old_local) for e in entries}
+    plain = {id(e.old) for e in entries if e.meta and e.mesh is None}  # new object: the twin
     out = []
     for t in graph.meta_tensors():
-        if id(t) in registered or is_wrapper_tensor(t) or storage_key(t) not in owned:
+        if (id(t) in registered and id(t) not in plain) or is_wrapper_tensor(t) \
+                or storage_key(t) not in owned:
             continue
         slots = graph.slots.get(id(t), [])
         if any(s.kind == "tuple" for s in slots):

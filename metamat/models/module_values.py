@@ -29,7 +29,8 @@ from torch import nn
 from ..dtypes import FILL_DTYPES
 from ..errors import MissingValueError, UnsupportedError
 from ..init import fill_many_
-from ..rules import RESET, Default, InitValue, default_init, fix_zero_row, match_init, reset_method
+from ..rules import (RESET, Default, InitValue, container_init, default_init, fix_zero_row,
+                     match_init, reset_method)
 from ..spec import Constant, Dist
 from .modules import Entry
 
@@ -65,9 +66,10 @@ def _reset_fn(m: nn.Module, root: nn.Module) -> Optional[Callable[[], Any]]:
 
 
 def _parent_rule(e: Entry, root: nn.Module) -> Optional[Default]:
-    """The rule of the module holding ``e``'s ParameterDict/ParameterList, for
-    ``<container>.<name>`` (TorchRec's PositionWeightedModuleCollection keeps its weights in
-    ``position_weights``, a ParameterDict)."""
+    """The rule of the module holding ``e``'s ParameterDict/ParameterList, where one names
+    that container (TorchRec's PositionWeightedModuleCollection keeps its weights in
+    ``position_weights``); others have no rule (a Linear's rule does not cover its extra
+    ParameterDict)."""
     path = e.owner.fqn.split(".")[:-1]  # the container's module path
     if not path:
         return None
@@ -75,7 +77,7 @@ def _parent_rule(e: Entry, root: nn.Module) -> Optional[Default]:
         parent = root.get_submodule(".".join(path[:-1]))
     except AttributeError:
         return None
-    return default_init(parent, f"{path[-1]}.{e.owner.name}", e.global_shape)
+    return container_init(parent, path[-1], e.owner.name, e.global_shape)
 
 
 def _from_init(e: Entry, v: InitValue) -> Decision:
