@@ -22,18 +22,24 @@ KINDS = ["row_wise", "table_wise", "column_wise", "table_wise"]
 ROWS, DIM, MAX_LEN = 40, 8, 6
 
 
-def _fpebc(device):
+def _fpebc(device, collection: bool = True):
+    """4 weighted tables with position weights: one PositionWeightedModuleCollection, or
+    (``collection=False``) a dict of PositionWeightedModules, TorchRec's two forms."""
     from torchrec import EmbeddingBagCollection
     from torchrec.modules.embedding_configs import EmbeddingBagConfig
-    from torchrec.modules.feature_processor_ import PositionWeightedModuleCollection
+    from torchrec.modules.feature_processor_ import (PositionWeightedModule,
+                                                     PositionWeightedModuleCollection)
     from torchrec.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection
 
     ebc = EmbeddingBagCollection(tables=[
         EmbeddingBagConfig(name=f"t{i}", embedding_dim=DIM, num_embeddings=ROWS + 3 * i,
                            feature_names=[f"f{i}"]) for i in range(len(KINDS))],
         is_weighted=True, device=device)
-    fp = PositionWeightedModuleCollection(
-        max_feature_lengths={f"f{i}": MAX_LEN for i in range(len(KINDS))}, device=device)
+    if collection:
+        fp = PositionWeightedModuleCollection(
+            max_feature_lengths={f"f{i}": MAX_LEN for i in range(len(KINDS))}, device=device)
+    else:
+        fp = {f"f{i}": PositionWeightedModule(MAX_LEN, device=device) for i in range(len(KINDS))}
     return FeatureProcessedEmbeddingBagCollection(ebc, fp)
 
 
@@ -117,7 +123,16 @@ def worker(rank, world_size, tmp):
                                    sharders=[sharder])
     metamat.materialize(loaded, path, device="cpu")
     batch = _batch(rank)
+
+    # the other form: a dict of PositionWeightedModules (a ModuleDict once sharded)
+    per_feature = metamat.shard_on_meta(_fpebc(torch.device("meta"), collection=False), env=env,
+                                        plan=plan, sharders=[sharder])
+    metamat.materialize(per_feature, device="cpu", seed=5)
+    pw = {k: m.position_weight.detach().clone()
+          for k, m in per_feature.module._feature_processors.items()}
+    per_feature_out = per_feature(_batch(rank)).values().detach()
     return dict(init_blocks=init_blocks, meta_left=meta_left, aliases_ok=aliases_ok,
+                per_feature_pw=pw, per_feature_finite=bool(torch.isfinite(per_feature_out).all()),
                 out_init_finite=bool(torch.isfinite(out_init).all()),
                 eager=_blocks(eager), loaded=_blocks(loaded),
                 out_eager=eager(batch).values().detach(),
@@ -150,6 +165,10 @@ def test_initial_values_plan_invariant_and_position_weights_one(ranks):
                 assert torch.equal(t, full[idx]), (key, off)
                 seen.add(key)
     assert len(seen) == len(KINDS)  # every table has a block somewhere
+    for r in ranks:  # the dict-of-modules form: the same rule, module by module
+        assert r["per_feature_finite"] and len(r["per_feature_pw"]) == len(KINDS)
+        for k, w in r["per_feature_pw"].items():
+            assert torch.equal(w, torch.ones(MAX_LEN)), k
 
 
 def test_dcp_checkpoint_of_eager_dmp_loads_bit_for_bit(ranks):
