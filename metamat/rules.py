@@ -28,9 +28,9 @@ from torch import nn
 
 from .spec import Constant, Dist, Normal, TruncatedNormal, Uniform, Zeros
 
-__all__ = ["Default", "RESET", "InitValue", "default_init", "container_init", "match_init",
-           "check_init_map",
-           "dist_from_init_fn", "default_table_dist", "reset_method", "fix_zero_row"]
+__all__ = ["Default", "RESET", "UNCOVERED", "InitValue", "default_init", "container_init",
+           "match_init", "check_init_map", "dist_from_init_fn", "default_table_dist",
+           "reset_method", "fix_zero_row"]
 
 #: What ``init=`` may map a name to.
 InitValue = Union[Dist, torch.Tensor, Callable[[torch.Tensor], Any]]
@@ -49,9 +49,13 @@ class Default:
     dist: Optional[Dist] = None
     zero_row: Optional[int] = None
     reset: bool = False
+    uncovered: bool = False  # the module's own reset_parameters() does not set this tensor
 
 
 RESET = Default(reset=True)
+#: A tensor of a known module class that its ``reset_parameters()`` leaves alone (an extra
+#: parameter of a subclass): its value came from the constructor, which metamat cannot know.
+UNCOVERED = Default(uncovered=True)
 
 
 def check_init_map(init: Optional[Mapping[str, Any]]) -> Dict[str, InitValue]:
@@ -116,6 +120,8 @@ def _bound(fan_in: int) -> Optional[Dist]:
 
 
 def _linear(m: nn.Linear, attr: str, shape: Tuple[int, ...]) -> Default:
+    if attr not in ("weight", "bias"):
+        return UNCOVERED
     d = _bound(int(m.in_features))
     return Default(dist=d) if d is not None else RESET
 
@@ -123,6 +129,8 @@ def _linear(m: nn.Linear, attr: str, shape: Tuple[int, ...]) -> Default:
 def _conv(m: nn.Module, attr: str, shape: Tuple[int, ...]) -> Default:
     # fan_in as torch.nn.init._calculate_fan_in_and_fan_out(weight): size(1) * kernel numel,
     # from the weight's global shape.
+    if attr not in ("weight", "bias"):
+        return UNCOVERED
     w = m.weight
     ws = tuple(w.shape)
     fan_in = ws[1] * math.prod(ws[2:]) if len(ws) >= 2 else 0
@@ -131,6 +139,8 @@ def _conv(m: nn.Module, attr: str, shape: Tuple[int, ...]) -> Default:
 
 
 def _embedding(m: nn.Embedding, attr: str, shape: Tuple[int, ...]) -> Default:
+    if attr != "weight":
+        return UNCOVERED
     return Default(dist=Normal(0.0, 1.0), zero_row=m.padding_idx)
 
 
@@ -139,11 +149,13 @@ def _affine_norm(m: nn.Module, attr: str, shape: Tuple[int, ...]) -> Default:
         return Default(dist=Constant(1.0))
     if attr in ("bias", "running_mean", "num_batches_tracked"):
         return Default(dist=Zeros())
-    return RESET
+    return UNCOVERED
 
 
 def _position_weights(m: nn.Module, attr: str, shape: Tuple[int, ...]) -> Default:
     # TorchRec's PositionWeightedModule(Collection).reset_parameters: fill_(1.0)
+    if attr != "position_weight" and not attr.startswith("position_weights."):
+        return UNCOVERED
     return Default(dist=Constant(1.0))
 
 

@@ -8,7 +8,7 @@ from torch import nn
 import metamat
 from metamat import materialize
 from metamat.report import Report
-from metamat.spec import Normal, Uniform
+from metamat.spec import Constant, Normal, Uniform
 
 
 class Net(nn.Module):
@@ -79,6 +79,23 @@ def test_tied_weights_stay_tied():
     materialize(net, device="cpu", init=ZERO)
     assert net.head.weight is net.emb.weight
     assert net.head.weight.device.type == "cpu"
+
+
+@pytest.mark.parametrize("base, args", [(nn.Linear, (8, 3)), (nn.Conv1d, (2, 3, 3)),
+                                        (nn.Embedding, (5, 4)), (nn.LayerNorm, (4,)),
+                                        (nn.BatchNorm1d, (4,))])
+def test_a_subclass_tensor_its_reset_leaves_alone_is_missing_not_guessed(base, args):
+    class Scaled(base):  # reset_parameters() is base's: it never sets `scale`
+        def __init__(self):
+            super().__init__(*args, device="meta")
+            self.scale = nn.Parameter(torch.ones(3, device="meta"))
+
+    m = Scaled()
+    with pytest.raises(metamat.MissingValueError, match=r"'scale'.*neither a known init nor"):
+        materialize(m, device="cpu")
+    assert m.scale.is_meta and m.weight.is_meta
+    materialize(m, device="cpu", init={"scale": Constant(1.0)})  # once named, it works
+    assert torch.equal(m.scale, torch.ones(3)) and not m.weight.is_meta
 
 
 def test_other_references_to_a_parameter_get_the_same_new_object():

@@ -138,6 +138,9 @@ def decide(entries: Sequence[Entry], init: Mapping[str, InitValue], loaded: Set[
         d: Optional[Default] = default_init(m, attr, e.global_shape)
         if d is None and isinstance(m, (nn.ParameterDict, nn.ParameterList)):
             d = _parent_rule(e, root)
+        if d is not None and d.uncovered:  # its module's own reset would leave it unset
+            missing.append(e.fqn)
+            continue
         if d is not None and d.dist is not None:
             if e.dtype not in FILL_DTYPES and not isinstance(d.dist, Constant):
                 d = RESET
@@ -155,10 +158,10 @@ def decide(entries: Sequence[Entry], init: Mapping[str, InitValue], loaded: Set[
         raise MissingValueError(
             f"{len(missing)} meta tensor(s) have no value: {', '.join(map(repr, missing[:20]))}"
             + (" ..." if len(missing) > 20 else "")
-            + ". They are not in the checkpoint, and their modules have no known init and no "
-            "reset_parameters(). Build the model with metamat.init_empty_weights() (buffers "
-            "stay real), or give each a value with init={name: tensor | distribution | "
-            "callable}.", names=missing)
+            + ". They are not in the checkpoint, and neither a known init nor their module's "
+            "reset_parameters() sets them. Build the model with metamat.init_empty_weights() "
+            "(buffers stay real), or give each a value with init={name: tensor | distribution "
+            "| callable}.", names=missing)
     return out, list(resets.values())
 
 
