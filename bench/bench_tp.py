@@ -2,6 +2,11 @@
 2 gloo ranks: metamat against ``to_empty`` + ``dcp.load`` and against safetensors +
 ``distribute_tensor``, with peak RSS and read amplification.
 
+``--device cuda``: the same model on a ``cuda`` mesh (every rank on the one GPU when there is
+only one; gloo, so ``--ranks 1`` is the honest one-GPU case), loaded into GPU memory; the
+ceiling is then a pinned host-to-device copy of the rank's bytes, and safetensors +
+``distribute_tensor`` is left out (it would scatter CUDA tensors over gloo).
+
 The model is transformer-shaped (per layer: qkv d->3d and up d->4d Colwise, out d->d and down
 4d->d Rowwise), ~``size_gib`` per rank. The checkpoints (a DCP directory saved by the same
 plan, one safetensors file of the full tensors) are written once before timing, so every
@@ -89,7 +94,8 @@ def _write(rank, world, d, layers, dtype_name, out):
 
 
 def _load_once(method, m, mesh, world, out, floor_src):
-    """One build-and-load by ``method`` into the meta model ``m``; returns (model, read amp)."""
+    """One build-and-load by ``method`` into the meta model ``m``; returns (model, read amp).
+    The model's device is the mesh's."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.tensor import distribute_tensor
 
@@ -97,7 +103,7 @@ def _load_once(method, m, mesh, world, out, floor_src):
 
     amp = float("nan")
     if method == "dcp":
-        m.to_empty(device="cpu")
+        m.to_empty(device=mesh.device_type)
         dcp.load(m.state_dict(), checkpoint_id=os.path.join(out, "dcp"))
         amp = 1.0  # DCP reads the saved chunks this rank needs (same plan)
     elif method == "st_distribute":
@@ -117,26 +123,35 @@ def _load_once(method, m, mesh, world, out, floor_src):
         amp = materialize_dtensor(m, os.path.join(out, src), progress=False).read_amplification
     elif method == "metamat_init":
         materialize_dtensor(m, seed=0)
-    else:  # floor: allocate this rank's bytes and copy them from memory (no file, no format)
-        dst = torch.empty_like(floor_src)
-        dst.copy_(floor_src)
+    else:  # floor: allocate this rank's bytes and copy them from memory (no file, no format;
+        # on a GPU from pinned host memory: the PCIe ceiling)
+        dst = torch.empty_like(floor_src, device=mesh.device_type)
+        dst.copy_(floor_src, non_blocking=True)
         m = dst
+    if mesh.device_type == "cuda":
+        torch.cuda.synchronize()
     return m, amp
 
 
-def _rank(rank, world, methods, d, layers, dtype_name, reps, out, threads):
+def _rank(rank, world, methods, d, layers, dtype_name, reps, out, threads, device_type="cpu"):
     import resource
 
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     torch.set_num_threads(threads)
+    if device_type == "cuda":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     dtype = getattr(torch, dtype_name)
-    mesh = init_device_mesh("cpu", (world,))
+    mesh = init_device_mesh(device_type, (world,))
     nbytes = _local_bytes(build(d, layers, dtype, mesh))
     res = {}
     for method in methods:
-        floor_src = torch.ones(nbytes // 4, dtype=torch.float32) if method == "floor" else None
+        floor_src = None
+        if method == "floor":
+            floor_src = torch.ones(nbytes // 4, dtype=torch.float32)
+            if device_type == "cuda":
+                floor_src = floor_src.pin_memory()
         start = _rss_gib()
         times, amp = [], float("nan")
         for _ in range(reps + 1):  # the first run warms up (imports, page cache)
@@ -161,14 +176,17 @@ METHODS = (("dcp", BASELINE),
            ("metamat_init", "metamat materialize_dtensor (init)"),
            ("floor", "floor: alloc + memcpy of local bytes"))
 CEILING = "floor: alloc + memcpy of local bytes"
+CUDA_CEILING = "floor: pinned H2D copy of local bytes"
 
 
 def run_tp(a, device: torch.device) -> List[Row]:
     """Run every method in its own ``a.ranks`` gloo processes; returns the rows (printed)."""
     from _dist import run_dist
 
-    if device.type != "cpu":
-        print("tp mode: measuring CPU (gloo) ranks")
+    cuda = device.type == "cuda"
+    methods = [(m, CUDA_CEILING if m == "floor" and cuda else label) for m, label in METHODS
+               if not (cuda and m == "st_distribute")]
+    ceiling = CUDA_CEILING if cuda else CEILING
     dtype = getattr(torch, a.dtype)
     itemsize = torch.empty((), dtype=dtype).element_size()
     d, layers = shape_for(int(a.size_gib * 2**30), a.ranks, itemsize, a.quick)
@@ -179,13 +197,14 @@ def run_tp(a, device: torch.device) -> List[Row]:
         run_dist(_write, a.ranks, d, layers, a.dtype, out)
         # Each method in its own processes (peak RSS is then its own); --quick runs them all
         # in one set of processes to save the start-up cost, and reports no RSS.
-        groups = [[m for m, _ in METHODS]] if a.quick else [[m] for m, _ in METHODS]
+        groups = [[m for m, _ in methods]] if a.quick else [[m] for m, _ in methods]
         per = {}
         for g in groups:
-            for r in run_dist(_rank, a.ranks, g, d, layers, a.dtype, a.reps, out, threads):
+            for r in run_dist(_rank, a.ranks, g, d, layers, a.dtype, a.reps, out, threads,
+                              device.type):
                 for k, v in r.items():
                     per.setdefault(k, []).append(v)
-        for method, label in METHODS:
+        for method, label in methods:
             res = per[method]
             rss = float("nan") if a.quick else max(r["peak"] for r in res)
             amp = max(r["amp"] for r in res)
@@ -195,9 +214,9 @@ def run_tp(a, device: torch.device) -> List[Row]:
                             + f"{a.ranks} ranks, per-rank bytes"))
     finally:
         shutil.rmtree(out, ignore_errors=True)
-    finish(rows, BASELINE, CEILING)
+    finish(rows, BASELINE, ceiling)
     print_table(f"tp: {layers} layers, d={d}, {a.dtype}, ~{rows[0].nbytes / 2**30:.2f} GiB/rank, "
-                f"{a.ranks} ranks, warm page cache", rows, BASELINE, CEILING)
+                f"{a.ranks} ranks on {device.type}, warm page cache", rows, BASELINE, ceiling)
     return rows
 
 
@@ -210,7 +229,8 @@ if __name__ == "__main__":
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
     args = p.parse_args()
     if args.quick:
         args.size_gib, args.reps = min(args.size_gib, 1 / 16), 3
-    run_tp(args, torch.device("cpu"))
+    run_tp(args, torch.device(args.device))

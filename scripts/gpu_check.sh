@@ -5,20 +5,23 @@
 #   build      metamat._C with the CUDA backend for this GPU's architecture, in place
 #   backend    the build has its CUDA backend and sees the GPU
 #   pytest     every `cuda` test (init and load): pytest -m cuda
-#   memcheck   compute-sanitizer memcheck on the cuda tests but the CUPTI one, with torch's
-#              caching allocator off (PYTORCH_NO_CUDA_MEMORY_CACHING=1) so bad accesses are seen
-#   racecheck  compute-sanitizer racecheck, same tests
 #   bench_init bench/materialize.py --mode init --device cuda (GPU goals table at the end)
 #   torchrec_cuda tests/test_torchrec_cuda_layout.py (CUDA TorchRec layout), when torchrec and
 #              fbgemm_gpu are importable (its cuda tests also run in the pytest step)
 #   bench_stage bench/bench_stage.py --device cuda: checkpoint -> CUDA tensors through the C++
 #              staging pipeline (pinned ring, copy stream) vs the pinned-copy ceiling and
 #              safetensors' loader; fp32, fp32->bf16 (host conversion), strided, small ring
+#   bench_tp   bench/materialize.py --mode tp --device cuda --ranks 1: a DTensor model loaded
+#              into the GPU by metamat vs to_empty + dcp.load vs the pinned H2D copy
+#   memcheck   compute-sanitizer memcheck on the one-process cuda tests but the CUPTI one, with
+#              torch's caching allocator off (PYTORCH_NO_CUDA_MEMORY_CACHING=1): bad accesses seen
+#   racecheck  compute-sanitizer racecheck, same tests
 #   bench_load bench/materialize.py --mode load --device cuda, when torchrec and fbgemm_gpu are
 #              importable (TorchRec tables still load on CPU: the bench says so and measures CPU)
 # Each step logs to OUTDIR/<step>.log and reports; a failing step does not stop the others;
 # the exit status is non-zero if any step failed.
-# Usage: bash scripts/gpu_check.sh [OUTDIR]   (default gpu_out/; PYTHON, SIZE_GIB, BUDGET_S)
+# Usage: bash scripts/gpu_check.sh [OUTDIR]   (default gpu_out/; PYTHON, SIZE_GIB, TP_GIB,
+#        BUDGET_S)
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 out=${1:-gpu_out}
@@ -76,21 +79,29 @@ step backend 60 "$py" -c "import metamat._C as C; assert C.cuda_compiled(), 'no 
 # the step but does not keep the cuda tests of the other modules from running.
 pytest_cuda=("$py" -m pytest -q -p no:cacheprovider --continue-on-collection-errors -rs tests/)
 step pytest 180 "${pytest_cuda[@]}" -m cuda
-if command -v compute-sanitizer >/dev/null; then
-  for tool in memcheck racecheck; do
-    step "$tool" 150 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool "$tool" \
-      --error-exitcode 9 --target-processes all "${pytest_cuda[@]}" -m "cuda and not cupti"
-  done
-else
-  echo "== memcheck, racecheck: compute-sanitizer not found"
-  failed+=("sanitizers(missing)")
-fi
 step bench_init 150 env PYTHONPATH="$PWD" "$py" bench/materialize.py --mode init --device cuda \
   --size-gib "$size_gib" --reps 5 --sweep 1 --out "$out/bench_init"
 grep -A8 "GPU goals" "$out/bench_init.log"
 step bench_stage 90 env PYTHONPATH="$PWD" "$py" bench/bench_stage.py --device cuda --size-gib 1 \
   --reps 3
 cat "$out/bench_stage.log" 2>/dev/null || true
+# DTensor (tensor parallel) into GPU memory: metamat against to_empty + dcp.load, one rank on
+# the one GPU, against the pinned host-to-device copy of the same bytes
+step bench_tp 120 env PYTHONPATH="$PWD" "$py" bench/materialize.py --mode tp --device cuda \
+  --ranks 1 --size-gib "${TP_GIB:-4}" --reps 2 --out "$out/bench_tp"
+grep -A9 "^== tp" "$out/bench_tp.log"
+# Sanitizers last: they are the slowest steps, so the benches' numbers come first. One
+# process each (the two-process DTensor tests are left out: sanitizing spawned ranks is slow).
+if command -v compute-sanitizer >/dev/null; then
+  for tool in memcheck racecheck; do
+    step "$tool" 150 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool "$tool" \
+      --error-exitcode 9 --target-processes all "${pytest_cuda[@]}" \
+      -m "cuda and not cupti and not multiprocess"
+  done
+else
+  echo "== memcheck, racecheck: compute-sanitizer not found"
+  failed+=("sanitizers(missing)")
+fi
 if "$py" -c "import torchrec, fbgemm_gpu" 2>/dev/null; then
   # TorchRec tables laid out for CUDA (docs/TORCHREC_GPU.md): the CPU layout checks against
   # this machine's fbgemm build plus the cuda-marked UVM allocation / one-launch fill tests
