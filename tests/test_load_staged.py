@@ -53,6 +53,15 @@ def test_staged_equals_the_checkpoint(ckpts, staging):
                 assert same_bits(t.tensor, ref), (path, t.fqn)
 
 
+def test_staging_ring_time_is_reported(ckpts):
+    sd, paths = ckpts
+    with open_checkpoint(paths[0]) as ck:
+        staged = load_targets(blocks(sd), ck, staging_bytes=1 << 20, staged=True)
+        direct = load_targets(blocks(sd), ck, staging_bytes=1 << 20)
+    assert 0 < staged.staging_seconds <= staged.seconds
+    assert direct.staging_seconds == 0.0
+
+
 def test_split_ops_bounds_every_piece(ckpts):
     sd, paths = ckpts
     with open_checkpoint(paths[0]) as ck:

@@ -48,6 +48,7 @@ class LoadStats:
             (``verify=True``: the blocks the reads touched).
         bytes_reread: of those, bytes read again from the files (block ends beyond what was
             needed, strided or converted reads).
+        staging_seconds: of ``seconds``, allocating (for CUDA: page-locking) the staging ring.
     """
 
     bytes_needed: int = 0
@@ -59,6 +60,7 @@ class LoadStats:
     ops: int = 0
     bytes_verified: int = 0
     bytes_reread: int = 0
+    staging_seconds: float = 0.0
 
     @property
     def gbps(self) -> float:
@@ -134,6 +136,7 @@ def execute(plan: LoadPlan, *, io_threads: Optional[int] = None,
         out.bytes_verified += r.bytes_verified
         out.bytes_reread += r.bytes_reread
         out.bytes_direct += r.bytes_direct
+        out.staging_seconds += r.staging_seconds
         done += sub.src_bytes
     return out
 
@@ -177,4 +180,5 @@ def load_targets(targets: Sequence[Target], ckpt: Checkpoint, *, strict: bool = 
                                          if plan.bytes_needed else 1.0),
                      seconds=time.perf_counter() - t0, missing=plan.missing,
                      loaded=len(plan.targets), ops=len(plan.ops),
-                     bytes_verified=r.bytes_verified, bytes_reread=r.bytes_reread)
+                     bytes_verified=r.bytes_verified, bytes_reread=r.bytes_reread,
+                     staging_seconds=r.staging_seconds)

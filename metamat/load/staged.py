@@ -20,6 +20,7 @@ sink threads are released on every exit path (``close()`` in a ``finally``).
 """
 from __future__ import annotations
 
+import time
 from typing import Callable, Dict, List, Optional
 
 import numpy as np
@@ -96,7 +97,9 @@ def execute_plan_staged(plan: LoadPlan, budget: StagingBudget, *,
     need = sum(o.dst_row_bytes * o.rows + 64 for o in plan.ops)
     ring_bytes = max(64, min(budget.ring_bytes, need))
     ring = budget.ring if need > ring_bytes else 1
+    t0 = time.perf_counter()
     pipe = C.StagePipeline(ring, ring_bytes, [_sink(d, _host_sink) for d in devices])
+    out.staging_seconds = time.perf_counter() - t0
     try:
         for ops in batches(plan.ops, _ops.BATCH_BYTES):  # read at call time (tests patch it)
             arr = op_array(ops, ptrs)
