@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import collections
 import math
+import struct
 import threading
 from typing import Iterable, Sequence, Tuple
 
@@ -36,16 +37,30 @@ assert SEGMENT_DTYPE.itemsize == 128
 Item = Tuple[torch.Tensor, Dist, str, int, int]
 
 
+_F32 = struct.Struct("<f")
+
+
+def _f32(x: float) -> float:
+    """``x`` rounded to float32 (nearest even), as a Python float; beyond float32's range +-inf
+    as NumPy gives. ~10x cheaper than NumPy scalars, which matters for 10,000 tables. Sums of
+    float32 values taken in double and rounded once equal the float32 sum (53 >= 2 * 24 + 2)."""
+    try:
+        return _F32.unpack(_F32.pack(x))[0]
+    except OverflowError:
+        return float(np.float32(x))
+
+
 def dist_params(dist: Dist) -> Tuple[int, Tuple[float, float, float, float], Tuple[float, float]]:
     """Distribution -> (kind, p0..p3, clamp) as float32 values the kernels use.
 
     Every derived parameter is rounded to float32 here, once, so all backends share it.
     """
-    f32 = np.float32
+    f32 = _f32
     kind, a0, a1, a2, a3 = dist.as_params()
     clamp = (0.0, 0.0)
     if kind == 0:  # uniform: a + u * (b - a), the width taken in float32
-        p = (f32(a0), f32(f32(a1) - f32(a0)), 0.0, 0.0)
+        lo = f32(a0)
+        p = (lo, f32(f32(a1) - lo), 0.0, 0.0)
     elif kind == 1:  # normal: mean + std * z
         p = (f32(a0), f32(a1), 0.0, 0.0)
     elif kind == 2:  # truncated normal by inverse CDF, as torch.nn.init.trunc_normal_
@@ -56,7 +71,7 @@ def dist_params(dist: Dist) -> Tuple[int, Tuple[float, float, float, float], Tup
         clamp = (f32(a), f32(b))
     else:
         p = (f32(a0), 0.0, 0.0, 0.0)
-    return kind, tuple(float(x) for x in p), tuple(float(x) for x in clamp)
+    return kind, p, clamp
 
 
 def _check_offset(name: str, v) -> int:
