@@ -1,12 +1,12 @@
 // CUDA backend of the init engine: one launch fills every segment of a call. The work
-// decomposition (fill_units.h) and each thread's work (fill_unit_work.h) are shared with the
-// host emulation that tests them; this file adds only the stores, the kernel and the launch.
+// decomposition (fill_units.h) and each warp's and thread's work (fill_unit_work.h) are shared
+// with the host emulation that tests them; this file adds only the kernel and the launch (the
+// device stores and warp: fill_sink_cuda.cuh).
 // Built with --fmad=false so the float transforms round exactly as on the CPU.
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <string>
-#include <type_traits>
 
 #include "check.h"
 #include "cuda_check.h"
@@ -27,109 +27,11 @@ namespace {
 #define METAMAT_FILL_MIN_BLOCKS 2
 #endif
 
-// Interior units are staged in shared memory and written out by their whole warp.
-// A thread runs a whole unit (fill_units.h), so stored in place its 16-byte vectors would land
-// 32 * kSize bytes apart across a warp: every store instruction touches 32 lines for 16 bytes
-// each, and fp32 Uniform reached 0.22x of fill_ on an H100. Written out here, lane l of step i
-// stores chunk 32 i + l of the warp's units: 512 contiguous bytes per instruction wherever the
-// units are (a table's interior). fp64 units (256 B) keep the in-place stores.
-constexpr int kStageUnitBytes = 32 * 4;         // the largest staged unit: 32 fp32 columns
-constexpr int kStagePad = 16;                   // slot padding: 8 lanes' 16-B writes hit 8 banks
-
-template <class T>
-struct StagedSlot {
-  static constexpr int kUnit = 32 * T::kSize;   // bytes of one unit: 128 fp32, 64 fp16/bf16
-  static constexpr int kStride = kUnit + kStagePad;
-  static constexpr int kChunks = kUnit / 16;    // 16-byte chunks per unit
-};
-
-// The Sink of interior units here: the unit's vectors go to its slot at their offset in the
-// unit (`base` is the unit's address); the packing is DeviceSink's, so values are identical.
-template <class T>
-struct SlotSink {
-  unsigned char* slot;
-  uintptr_t base;
-  template <class U, int N>
-  __device__ __forceinline__ void vec(uintptr_t a, const float* f) const {
-    static_assert(std::is_same_v<U, T>, "one dtype per slot");
-    unsigned char* d = slot + (a - base);
-    if constexpr (std::is_same_v<T, F32>) {
-#pragma unroll
-      for (int k = 0; k < N; k += 4)
-        *reinterpret_cast<float4*>(d + 4 * k) = make_float4(f[k], f[k + 1], f[k + 2], f[k + 3]);
-    } else {
-      static_assert(N == 8, "interior 16-bit words are 8 elements");
-      *reinterpret_cast<uint4*>(d) = make_uint4(pack2(T{}, f[0], f[1]), pack2(T{}, f[2], f[3]),
-                                                pack2(T{}, f[4], f[5]), pack2(T{}, f[6], f[7]));
-    }
-  }
-  template <class U>
-  __device__ __forceinline__ void one(uintptr_t, float) const { __trap(); }  // edge units only
-  __device__ __forceinline__ void philox(int) const {}
-};
-
-// run_thread (fill_unit_work.h) with interior units staged: the same units, in the same order,
-// by the same thread; only where the bytes are stored from differs. Every lane of a warp runs
-// the loop the same number of times (the write-out is warp-wide): a warp's units are
-// consecutive, so its lane 0 decides when it ends.
-template <DistKind K, class T>
-__device__ void run_thread_staged(const Segment& s, int64_t tile, int tid, unsigned char* stage,
-                                  uintptr_t* staged_at) {
-  using Slot = StagedSlot<T>;
-  const int lane = tid & 31, warp0 = tid - lane;
-  unsigned char* mine = stage + tid * Slot::kStride;
-  const int64_t first = tile * kTile + tid;
-  DeviceSink direct;
-#pragma unroll 1
-  for (int k = 0; k < kUnitsPerThread; ++k) {
-    const int64_t u = first + int64_t{k} * kTileThreads;
-    if (u - lane >= s.launch.units) return;  // the warp's first unit: warp-uniform
-    uintptr_t at = 0;
-    if (u < s.launch.units) {
-      const UnitPos p = unit_pos<T::kSize>(s, u);
-      const uintptr_t a = p.row + static_cast<uintptr_t>(p.cb * T::kSize);
-      if (p.cb >= 0 && p.cb + 32 <= s.cols && (a & 15) == 0) {
-        SlotSink<T> slot{mine, a};
-        interior_unit<K, T>(s, p, a, slot);
-        at = a;
-      } else {
-        edge_unit<K, T>(s, p, a, direct);
-      }
-    }
-    staged_at[tid] = at;
-    __syncwarp();
-#pragma unroll
-    for (int i = 0; i < Slot::kChunks; ++i) {
-      const int c = i * 32 + lane, unit = warp0 + c / Slot::kChunks;
-      const int off = (c % Slot::kChunks) * 16;
-      const uintptr_t dst = staged_at[unit];
-      if (dst != 0)
-        __stwb(reinterpret_cast<uint4*>(dst + off),
-               *reinterpret_cast<const uint4*>(stage + unit * Slot::kStride + off));
-    }
-    __syncwarp();  // the slots and addresses are rewritten by the next unit
-  }
-}
-
-template <class T>
-__device__ void run_thread_staged_dist(const Segment& s, int64_t tile, int tid,
-                                       unsigned char* stage, uintptr_t* staged_at) {
-  switch (static_cast<DistKind>(s.dist.kind)) {
-    case DistKind::kUniform:
-      return run_thread_staged<DistKind::kUniform, T>(s, tile, tid, stage, staged_at);
-    case DistKind::kNormal:
-      return run_thread_staged<DistKind::kNormal, T>(s, tile, tid, stage, staged_at);
-    case DistKind::kTruncNormal:
-      return run_thread_staged<DistKind::kTruncNormal, T>(s, tile, tid, stage, staged_at);
-    case DistKind::kConstant:
-      return run_thread_staged<DistKind::kConstant, T>(s, tile, tid, stage, staged_at);
-  }
-}
-
-// One thread block per tile; the block finds its segment, then each thread runs its units.
+// One thread block per tile; the block finds its segment, then each warp runs its units
+// (fill_unit_work.h run_warp_any: interior units staged in `stage`, written out warp-wide).
 __global__ void __launch_bounds__(kTileThreads, METAMAT_FILL_MIN_BLOCKS)
 fill_kernel(const Segment* __restrict__ segs, int64_t nseg, int64_t tile_base) {
-  __shared__ __align__(16) unsigned char stage[kTileThreads * (kStageUnitBytes + kStagePad)];
+  __shared__ __align__(16) unsigned char stage[kStageBytes];
   __shared__ uintptr_t staged_at[kTileThreads];
   const int64_t tile = tile_base + blockIdx.x;
   int64_t lo = 0, hi = nseg - 1;
@@ -140,19 +42,10 @@ fill_kernel(const Segment* __restrict__ segs, int64_t nseg, int64_t tile_base) {
     search_narrow(&lo, &hi, step, count);
   }
   const Segment& s = segs[lo];  // read where used (L1-cached), not held in registers
-  const int64_t t = tile - s.launch.tile_begin;
-  switch (static_cast<DType>(s.dtype)) {
-    case DType::kFloat32:
-      return run_thread_staged_dist<F32>(s, t, threadIdx.x, stage, staged_at);
-    case DType::kFloat16:
-      return run_thread_staged_dist<F16>(s, t, threadIdx.x, stage, staged_at);
-    case DType::kBFloat16:
-      return run_thread_staged_dist<BF16>(s, t, threadIdx.x, stage, staged_at);
-    default: {  // fp64: in-place stores
-      DeviceSink out;
-      run_thread_any(s, t, threadIdx.x, out);
-    }
-  }
+  const int lane = threadIdx.x % kWarpSize;
+  DeviceSink direct;
+  run_warp_any(s, tile - s.launch.tile_begin, int(threadIdx.x) - lane, DeviceWarp{lane}, stage,
+               staged_at, DeviceSlots{}, direct, DeviceStore{});
 }
 
 }  // namespace

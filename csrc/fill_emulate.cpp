@@ -1,8 +1,11 @@
 // Host emulation of the CUDA launch (fill_cuda.cu): the same segment table (prepare_launch),
-// the same per-block segment search, the same per-thread units and store decisions
-// (fill_unit_work.h), run by loops instead of a grid. Lets machines without a GPU test the
-// kernel's indexing against the CPU engine; the stores check the alignment the GPU requires
-// and are counted, so tests also see which path (vector or scalar) the kernel takes.
+// the same per-block segment search, the same per-warp and per-thread units, staging and store
+// decisions (fill_unit_work.h run_warp_any), run by loops instead of a grid: a warp's lanes
+// run one after the other between its syncs, over a block's staging area as in shared memory.
+// Lets machines without a GPU test the kernel's indexing against the CPU engine; the stores
+// check the alignment the GPU requires and are counted, so tests also see which path (vector
+// or scalar) the kernel takes.
+#include <cstdlib>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -50,6 +53,61 @@ struct HostSink {
   void philox(int n) const { st->philox_calls += n; }
 };
 
+// An interior unit's vectors into its slot of the staging area (the kernel's SlotSink).
+template <class T>
+struct HostSlotSink {
+  unsigned char* slot;
+  uintptr_t base;
+  EmulationStats* st;
+  template <class U, int N>
+  void vec(uintptr_t a, const float* f) const {
+    static_assert(std::is_same_v<U, T>, "one dtype per slot");
+    const uintptr_t d = reinterpret_cast<uintptr_t>(slot) + (a - base);
+    MM_CHECK(d % 16 == 0 && a - base + N * T::kSize <= uintptr_t(StagedSlot<T>::kUnit),
+             "emulated launch: a staged vector outside its 16-byte aligned slot");
+    for (int k = 0; k < N; ++k) put<T>(d + k * T::kSize, f[k]);
+  }
+  template <class U>
+  void one(uintptr_t, float) const {
+    fail(__FILE__, __LINE__, "emulated launch: a scalar store from an interior unit");
+  }
+  void philox(int n) const { st->philox_calls += n; }
+};
+
+struct HostSlots {
+  EmulationStats* st;
+  template <class T>
+  HostSlotSink<T> make(unsigned char* slot, uintptr_t base) const { return {slot, base, st}; }
+};
+
+// The warp's write-out: one 16-byte vector store per chunk.
+struct HostStore {
+  EmulationStats* st;
+  void chunk16(uintptr_t dst, const unsigned char* src) const {
+    MM_CHECK(dst % 16 == 0 && reinterpret_cast<uintptr_t>(src) % 16 == 0,
+             "emulated launch: misaligned 16-byte write-out (the kernel would fault)");
+    std::memcpy(reinterpret_cast<void*>(dst), src, 16);
+    st->vector_stores += 1;
+    st->vector_bytes += 16;
+  }
+};
+
+// The lanes of a warp, one after the other: everything a lane does between two syncs runs
+// before the next lane starts, which is all the kernel's __syncwarp guarantees.
+struct HostWarp {
+  template <class F>
+  void lanes(F&& f) const {
+    for (int lane = 0; lane < kWarpSize; ++lane) f(lane);
+  }
+  void sync() const {}
+};
+
+// A block's staging area, 16-byte aligned as the kernel's __shared__ array.
+struct Stage {
+  unsigned char* p = static_cast<unsigned char*>(std::aligned_alloc(16, kStageBytes));
+  ~Stage() { std::free(p); }
+};
+
 }  // namespace
 
 EmulationStats fill_cuda_emulated(const Segment* segs, int64_t n, bool force_wide) {
@@ -59,6 +117,9 @@ EmulationStats fill_cuda_emulated(const Segment* segs, int64_t n, bool force_wid
   st.tiles = plan.tiles;
   st.segments = plan.segments;
   HostSink out{&st};
+  Stage stage;
+  MM_CHECK(stage.p != nullptr, "emulated launch: cannot allocate the staging area");
+  std::vector<uintptr_t> staged_at(kTileThreads);
   for (int64_t tile = 0; tile < plan.tiles; ++tile) {  // one iteration = one thread block
     int64_t lo = 0, hi = plan.segments - 1;
     while (lo < hi) {
@@ -69,8 +130,11 @@ EmulationStats fill_cuda_emulated(const Segment* segs, int64_t n, bool force_wid
       search_narrow(&lo, &hi, step, count);
     }
     const Segment& s = table[lo];
-    for (int t = 0; t < kTileThreads; ++t)
-      run_thread_any(s, tile - s.launch.tile_begin, t, out);
+    // stale bytes from earlier tiles, as shared memory would hold: the kernel must not store them
+    std::memset(stage.p, 0xA5, kStageBytes);
+    for (int warp0 = 0; warp0 < kTileThreads; warp0 += kWarpSize)
+      run_warp_any(s, tile - s.launch.tile_begin, warp0, HostWarp{}, stage.p, staged_at.data(),
+                   HostSlots{&st}, out, HostStore{&st});
   }
   return st;
 }

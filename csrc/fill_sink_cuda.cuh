@@ -1,4 +1,6 @@
-// The CUDA kernel's stores: the Sink of fill_unit_work.h for device code (device only).
+// The CUDA kernel's stores and warp: the policies of fill_unit_work.h for device code (device
+// only): DeviceSink (a thread's own vector and scalar stores), SlotSink / DeviceSlots (an
+// interior unit into its shared-memory slot), DeviceStore (the warp's write-out), DeviceWarp.
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -61,6 +63,54 @@ struct DeviceSink {
     }
   }
   __device__ __forceinline__ void philox(int) const {}
+};
+
+// An interior unit's vectors into its thread's slot of shared memory, at their offset in the
+// unit (`base` is the unit's address), packed as DeviceSink packs them.
+template <class T>
+struct SlotSink {
+  unsigned char* slot;
+  uintptr_t base;
+  template <class U, int N>
+  __device__ __forceinline__ void vec(uintptr_t a, const float* f) const {
+    static_assert(std::is_same_v<U, T>, "one dtype per slot");
+    unsigned char* d = slot + (a - base);
+    if constexpr (std::is_same_v<T, F32>) {
+#pragma unroll
+      for (int k = 0; k < N; k += 4)
+        *reinterpret_cast<uint4*>(d + 4 * k) =
+            make_uint4(__float_as_uint(f[k]), __float_as_uint(f[k + 1]),
+                       __float_as_uint(f[k + 2]), __float_as_uint(f[k + 3]));
+    } else {
+      static_assert(N == 8, "interior 16-bit words are 8 elements");
+      *reinterpret_cast<uint4*>(d) = make_uint4(pack2(T{}, f[0], f[1]), pack2(T{}, f[2], f[3]),
+                                                pack2(T{}, f[4], f[5]), pack2(T{}, f[6], f[7]));
+    }
+  }
+  template <class U>
+  __device__ __forceinline__ void one(uintptr_t, float) const { __trap(); }  // edge units only
+  __device__ __forceinline__ void philox(int) const {}
+};
+
+struct DeviceSlots {
+  template <class T>
+  __device__ __forceinline__ SlotSink<T> make(unsigned char* slot, uintptr_t base) const {
+    return SlotSink<T>{slot, base};
+  }
+};
+
+struct DeviceStore {
+  __device__ __forceinline__ void chunk16(uintptr_t dst, const unsigned char* src) const {
+    __stwb(reinterpret_cast<uint4*>(dst), *reinterpret_cast<const uint4*>(src));
+  }
+};
+
+// The calling thread is one lane; the warp's lanes run in parallel.
+struct DeviceWarp {
+  int lane;
+  template <class F>
+  __device__ __forceinline__ void lanes(F&& f) const { f(lane); }
+  __device__ __forceinline__ void sync() const { __syncwarp(); }
 };
 
 }  // namespace metamat

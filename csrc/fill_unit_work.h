@@ -1,6 +1,7 @@
 // What one thread does for one work unit (fill_units.h): Philox for the unit's 8 counters,
-// the distribution's transform, and the stores. Shared by the CUDA kernel and the host
-// emulation; they differ only in the Sink that performs the stores:
+// the distribution's transform, and the stores; and how a warp stages its units' stores
+// (run_warp_any, at the end). Shared by the CUDA kernel and the host emulation; they differ
+// only in the policies that store bytes and run a warp's lanes:
 //   sink.vec<T, N>(addr, f)  N consecutive elements as aligned vector stores: N * size bytes,
 //                            addr aligned to min(16, N * size) (16-byte stores, 8 for 4 x fp16)
 //   sink.one<T>(addr, v)     one element
@@ -231,6 +232,117 @@ MM_HD void run_thread_any(const Segment& s, int64_t tile, int tid, Sink& out) {
     case DType::kBFloat16: return run_thread_dist<BF16>(s, tile, tid, out);
     case DType::kFloat64: return run_thread_dist<F64>(s, tile, tid, out);
     default: return;  // validated by prepare_launch
+  }
+}
+
+// ---- A warp's units, with the interior ones' stores staged (the kernel's store path) ---------
+// Stored in place, a thread's 16-byte vectors land 32 * kSize bytes apart across a warp: every
+// store instruction touches 32 lines for 16 bytes each (fp32 Uniform made 0.22x of fill_ on an
+// H100 so). Instead an interior unit (fp32, fp16, bf16) is written into its thread's slot of a
+// staging area (shared memory on the GPU) and the warp then writes all its slots out together:
+// lane l of step i stores 16-byte chunk 32 i + l of the warp's units, 512 contiguous bytes per
+// store instruction wherever the units are (a table's interior). Edge units and fp64 keep their
+// own stores. The same units, transforms and bytes as run_thread; only the store order differs.
+//
+// Policies:
+//   w.lanes(f)         f(lane) for the calling lane (CUDA) or for lanes 0..31 in turn (host)
+//   w.sync()           __syncwarp (host: nothing; the lanes ran in turn)
+//   slots.make<T>(p, a)  a Sink writing unit `a`'s vectors into slot p at their offsets in it
+//   store.chunk16(dst, src)  16 bytes from the staging area to memory (16-byte aligned)
+constexpr int kWarpSize = 32;
+constexpr int kStagePad = 16;  // slot padding: 8 lanes' 16-byte writes hit 8 different banks
+
+template <class T>
+struct StagedSlot {
+  static constexpr int kUnit = 32 * T::kSize;  // bytes of one unit: 128 fp32, 64 fp16/bf16
+  static constexpr int kStride = kUnit + kStagePad;
+  static constexpr int kChunks = kUnit / 16;   // 16-byte chunks per unit
+};
+constexpr int kStageBytes = kTileThreads * StagedSlot<F32>::kStride;  // one block's slots
+
+// Warp `warp0 / 32` of the block running `tile` (counted within s); `stage` and `staged_at`
+// are the block's (kStageBytes, kTileThreads entries). Every lane runs the loop equally often:
+// the warp's units are consecutive, so its first unit decides when it ends.
+template <DistKind K, class T, class W, class Slots, class Sink, class Store>
+MM_HD void run_warp_staged(const Segment& s, int64_t tile, int warp0, const W& w,
+                           unsigned char* stage, uintptr_t* staged_at, const Slots& slots,
+                           Sink& direct, const Store& store) {
+  using Slot = StagedSlot<T>;
+#if defined(__CUDA_ARCH__)
+#pragma unroll 1
+#endif
+  for (int k = 0; k < kUnitsPerThread; ++k) {
+    const int64_t u0 = tile * kTile + warp0 + int64_t{k} * kTileThreads;
+    if (u0 >= s.launch.units) return;
+    w.lanes([&](int lane) {
+      const int64_t u = u0 + lane;
+      uintptr_t at = 0;
+      if (u < s.launch.units) {
+        const UnitPos p = unit_pos<T::kSize>(s, u);
+        const uintptr_t a = p.row + static_cast<uintptr_t>(p.cb * T::kSize);
+        if (p.cb >= 0 && p.cb + 32 <= s.cols && (a & 15) == 0) {
+          auto slot = slots.template make<T>(stage + (warp0 + lane) * Slot::kStride, a);
+          interior_unit<K, T>(s, p, a, slot);
+          at = a;
+        } else {
+          edge_unit<K, T>(s, p, a, direct);
+        }
+      }
+      staged_at[warp0 + lane] = at;
+    });
+    w.sync();
+    w.lanes([&](int lane) {
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+      for (int i = 0; i < Slot::kChunks; ++i) {
+        const int c = i * kWarpSize + lane, unit = warp0 + c / Slot::kChunks;
+        const int off = (c % Slot::kChunks) * 16;
+        const uintptr_t dst = staged_at[unit];
+        if (dst != 0) store.chunk16(dst + off, stage + unit * Slot::kStride + off);
+      }
+    });
+    w.sync();  // the slots and addresses are rewritten by the next units
+  }
+}
+
+template <class T, class W, class Slots, class Sink, class Store>
+MM_HD void run_warp_staged_dist(const Segment& s, int64_t tile, int warp0, const W& w,
+                                unsigned char* stage, uintptr_t* staged_at, const Slots& slots,
+                                Sink& direct, const Store& store) {
+  switch (static_cast<DistKind>(s.dist.kind)) {
+    case DistKind::kUniform:
+      return run_warp_staged<DistKind::kUniform, T>(s, tile, warp0, w, stage, staged_at, slots,
+                                                     direct, store);
+    case DistKind::kNormal:
+      return run_warp_staged<DistKind::kNormal, T>(s, tile, warp0, w, stage, staged_at, slots,
+                                                    direct, store);
+    case DistKind::kTruncNormal:
+      return run_warp_staged<DistKind::kTruncNormal, T>(s, tile, warp0, w, stage, staged_at,
+                                                         slots, direct, store);
+    case DistKind::kConstant:
+      return run_warp_staged<DistKind::kConstant, T>(s, tile, warp0, w, stage, staged_at, slots,
+                                                      direct, store);
+  }
+}
+
+// Entry point of one warp: dtype and distribution are uniform over the block (one segment).
+template <class W, class Slots, class Sink, class Store>
+MM_HD void run_warp_any(const Segment& s, int64_t tile, int warp0, const W& w,
+                        unsigned char* stage, uintptr_t* staged_at, const Slots& slots,
+                        Sink& direct, const Store& store) {
+  switch (static_cast<DType>(s.dtype)) {
+    case DType::kFloat32:
+      return run_warp_staged_dist<F32>(s, tile, warp0, w, stage, staged_at, slots, direct, store);
+    case DType::kFloat16:
+      return run_warp_staged_dist<F16>(s, tile, warp0, w, stage, staged_at, slots, direct, store);
+    case DType::kBFloat16:
+      return run_warp_staged_dist<BF16>(s, tile, warp0, w, stage, staged_at, slots, direct,
+                                        store);
+    case DType::kFloat64:  // 256-byte units: their own stores
+      return w.lanes([&](int lane) { run_thread_dist<F64>(s, tile, warp0 + lane, direct); });
+    default:
+      return;  // validated by prepare_launch
   }
 }
 
