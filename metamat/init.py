@@ -45,7 +45,7 @@ def _f32(x: float) -> float:
     as NumPy gives. ~10x cheaper than NumPy scalars, which matters for 10,000 tables. Sums of
     float32 values taken in double and rounded once equal the float32 sum (53 >= 2 * 24 + 2)."""
     try:
-        return _F32.unpack(_F32.pack(x))[0]
+        return _F32.unpack(_F32.pack(float(x)))[0]  # float(): a custom Dist's ints
     except OverflowError:
         return float(np.float32(x))
 
