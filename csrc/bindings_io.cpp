@@ -72,6 +72,8 @@ py::dict report(const mio::ReadResult& r) {
   out["files"] = per_file;
   out["bytes_hashed"] = r.bytes_hashed;
   out["bytes_reread"] = r.bytes_reread;
+  out["tasks"] = r.tasks;
+  out["threads"] = r.threads;
   if (r.mismatch) {
     py::dict mm;
     mm["file_index"] = r.mismatch_file;
@@ -193,6 +195,9 @@ void metamat_bind_io(py::module_& m) {
             py::dict out = report(r);
             out["chunks"] = rep.chunks;
             out["pieces"] = rep.pieces;
+            out["wait_seconds"] = rep.wait_seconds;
+            out["read_seconds"] = rep.read_seconds;
+            out["queue_seconds"] = rep.queue_seconds;
             return out;
           },
           py::arg("files"), py::arg("ops_addr"), py::arg("sinks_addr"), py::arg("count"),

@@ -68,11 +68,35 @@ std::string validate_op(FileTable& files, const ReadOp& o) {
   return {};
 }
 
-// Ops cut into tasks of about task_bytes, grouped by file (in file-offset order within one)
+// Smallest task a call with less than task_bytes per thread is cut into: a page-cache pread of
+// 2 MiB costs ~300 us, so the per-task overhead (a few us) stays small; a direct read is still
+// a large device request, and a task still spans io=auto's 1 MiB threshold for judging a file.
+constexpr int64_t kMinSplitTask = int64_t(2) << 20;
+
+// Bytes per task: task_bytes, or less when the call spans fewer than `threads` tasks of it, so
+// that every thread gets a share (a staging chunk of 24 MiB read by 8 threads is 8 tasks of
+// 3 MiB, not 3 of 8 MiB read by 3 threads while 5 idle). Sizes are file spans, the unit
+// make_tasks cuts by (a strided op's rows count with their stride).
+int64_t task_size(const ReadOp* ops, int64_t n, const ReadOptions& opt) {
+  const int64_t tb = std::max<int64_t>(opt.task_bytes, 4096);
+  const int64_t threads = std::max(1, opt.threads);
+  int64_t total = 0;
+  for (int64_t i = 0; i < n && total < tb * threads; ++i) {
+    const ReadOp& o = ops[i];
+    int64_t b;
+    if (__builtin_mul_overflow(o.rows, o.rows == 1 ? o.row_bytes : o.src_stride, &b)) return tb;
+    total += b;
+  }
+  if (total >= tb * threads) return tb;
+  const int64_t share = (total + threads - 1) / threads;
+  return std::min(tb, std::max(kMinSplitTask, (share + 4095) / 4096 * 4096));
+}
+
+// Ops cut into tasks of about task_size(), grouped by file (in file-offset order within one)
 // so that the descriptor cache opens each file about once however many files there are.
 std::vector<Task> make_tasks(const ReadOp* ops, int64_t n, const ReadOptions& opt) {
   std::vector<Task> tasks;
-  const int64_t tb = std::max<int64_t>(opt.task_bytes, 4096);
+  const int64_t tb = task_size(ops, n, opt);
   for (int64_t i = 0; i < n; ++i) {
     const ReadOp& o = ops[i];
     if (o.rows == 0 || o.row_bytes == 0) continue;
@@ -273,7 +297,9 @@ ReadResult execute_reads(const std::vector<std::string>& paths, const ReadOp* op
     ThreadGroup group;
     for (int t = 1; t < nthreads; ++t) group.spawn([&pool] { pool.safe_worker(); });
     pool.safe_worker();
+    res.threads = 1 + int64_t(group.started());
   }
+  res.tasks = pool.count();
   res.bytes_read = shared.bytes_read.load();
   res.files.resize(size_t(files.count()));
   for (int64_t f = 0; f < files.count(); ++f) {

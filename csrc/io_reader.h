@@ -118,6 +118,8 @@ struct ReadResult {
   int64_t failed_op = -1; // index of the failing op, -1 if none / not op-specific
   int64_t bytes_read = 0; // bytes actually read from files (gaps of coalesced reads included)
   bool wrote = false;     // false: failed during validation, no destination byte touched
+  int64_t tasks = 0;      // pieces of work the threads took (verified reads: blocks)
+  int64_t threads = 0;    // threads that ran them (the calling thread included)
   std::vector<FileReport> files;  // per file (empty when validation failed)
   // Verified reads only.
   int64_t bytes_hashed = 0;  // bytes hashed (every byte of every block)

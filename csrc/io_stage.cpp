@@ -307,11 +307,18 @@ void select_blocks(const VerifyBlock* blocks, int64_t nblocks, const std::vector
   for (int64_t k : idx) out->push_back(blocks[k]);
 }
 
+using Clock = std::chrono::steady_clock;
+double seconds(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
+
 void add_result(ReadResult* acc, const ReadResult& r) {
   acc->bytes_read += r.bytes_read;
   acc->bytes_hashed += r.bytes_hashed;
   acc->bytes_reread += r.bytes_reread;
   acc->wrote = acc->wrote || r.wrote;
+  acc->tasks += r.tasks;
+  acc->threads = std::max(acc->threads, r.threads);
   if (acc->files.size() < r.files.size()) acc->files.resize(r.files.size());
   for (size_t f = 0; f < r.files.size(); ++f) {
     FileReport& a = acc->files[f];
@@ -381,8 +388,11 @@ ReadResult StagePipeline::run(const std::vector<std::string>& files, const ReadO
       ++at;
     }
     // 1. The buffer's earlier copies have left it.
+    auto t0 = Clock::now();
     for (auto& s : sinks_) s->wait(b);
     for (auto& s : sinks_) s->filling(b);
+    auto t1 = Clock::now();
+    rep.wait_seconds += seconds(t0, t1);
     // 2. Read (and verify, convert) the chunk into it; the reader joins its threads.
     const VerifyBlock* vb = nullptr;
     int64_t nvb = -1;
@@ -392,6 +402,8 @@ ReadResult StagePipeline::run(const std::vector<std::string>& files, const ReadO
       nvb = int64_t(chunk_blocks.size());
     }
     ReadResult r = execute_reads(files, staged.data(), int64_t(staged.size()), opt, vb, nvb);
+    t0 = Clock::now();
+    rep.read_seconds += seconds(t1, t0);
     ++rep.chunks;
     add_result(&acc, r);
     if (!r.ok) {
@@ -417,6 +429,7 @@ ReadResult StagePipeline::run(const std::vector<std::string>& files, const ReadO
     }
     for (int64_t s = 0; s < nsinks; ++s)
       if (used[size_t(s)]) sinks_[size_t(s)]->record(b);
+    rep.queue_seconds += seconds(t0, Clock::now());
     ++next_;
   }
   if (report != nullptr) *report = rep;

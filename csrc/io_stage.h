@@ -101,6 +101,9 @@ void stage_thread_ended();
 struct StageReport {
   int64_t chunks = 0;  // reader calls (one per chunk)
   int64_t pieces = 0;  // ops after cutting to the buffer size
+  // Where run()'s time went (seconds, this thread): waiting for a buffer's earlier copies to
+  // leave it, reading chunks into buffers (execute_reads), handing copies to the sinks.
+  double wait_seconds = 0, read_seconds = 0, queue_seconds = 0;
 };
 
 class StagePipeline {

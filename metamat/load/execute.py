@@ -45,6 +45,11 @@ class Executed:
         bytes_direct: bytes read with O_DIRECT (the rest through the page cache).
         staging_seconds: staged loads: time to allocate the staging ring (page-locking it for
             CUDA destinations: on an H100 VM ~0.5 s per GiB, a large part of a small load).
+        stage_wait_seconds, stage_read_seconds, stage_queue_seconds: staged loads: the
+            pipeline thread's time waiting for a ring buffer's earlier copies to leave it,
+            reading chunks into the ring (all reader threads at work), and queueing copies.
+        chunks: staged loads: ring buffers filled.
+        reader_threads: most reader threads one read call ran on (the calling one included).
     """
 
     bytes_read: int = 0
@@ -52,12 +57,22 @@ class Executed:
     bytes_reread: int = 0
     bytes_direct: int = 0
     staging_seconds: float = 0.0
+    stage_wait_seconds: float = 0.0
+    stage_read_seconds: float = 0.0
+    stage_queue_seconds: float = 0.0
+    chunks: int = 0
+    reader_threads: int = 0
 
     def add(self, r: dict) -> None:
         self.bytes_read += r["bytes_read"]
         self.bytes_verified += r.get("bytes_hashed", 0)
         self.bytes_reread += r.get("bytes_reread", 0)
         self.bytes_direct += sum(f.get("bytes_direct", 0) for f in r.get("files", ()))
+        self.stage_wait_seconds += r.get("wait_seconds", 0.0)
+        self.stage_read_seconds += r.get("read_seconds", 0.0)
+        self.stage_queue_seconds += r.get("queue_seconds", 0.0)
+        self.chunks += r.get("chunks", 0)
+        self.reader_threads = max(self.reader_threads, r.get("threads", 0))
 
 
 def run_reader(plan: LoadPlan, ops: Sequence[ReadOp], ptrs: Sequence[int],
