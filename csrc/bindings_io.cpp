@@ -240,6 +240,22 @@ void metamat_bind_io(py::module_& m) {
            "began, finished (kept after close()).");
   m.def("stage_live_buffers", &mio::stage_live_buffers,
         "Staging buffers allocated and not yet freed in this process (tests).");
+  m.def("stage_pool_stats", [] {
+        const mio::StagePoolStats st = mio::stage_pool_stats();
+        py::dict d;
+        d["cached_buffers"] = st.cached_buffers;
+        d["cached_bytes"] = st.cached_bytes;
+        d["hits"] = st.hits;
+        d["misses"] = st.misses;
+        return d;
+      },
+      "Staging buffers kept for the next pipeline (csrc/io_stage_pool.h): cached_buffers,\n"
+      "cached_bytes, and how many buffers were taken from the cache (hits) or allocated.");
+  m.def("stage_free_cached", [] {
+        py::gil_scoped_release nogil;
+        return mio::stage_free_cached();
+      },
+      "Free every cached staging buffer (page-locked ones included); returns the bytes freed.");
   m.def("stage_live_threads", &mio::stage_live_threads,
         "Copy-sink threads running in this process (tests).");
   m.def(

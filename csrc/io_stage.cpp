@@ -201,11 +201,8 @@ std::unique_ptr<CopySink> make_host_sink(const SinkSpec& spec, int ring) {
 // ---- the pipeline ---------------------------------------------------------------------------
 
 StagePipeline::Buffer::~Buffer() {
-  if (p == nullptr) return;
-  if (pinned)
-    pinned_free(p);
-  else
-    std::free(p);
+  if (m.p == nullptr) return;
+  stage_give_back(m, ring_id);
   g_live_buffers.fetch_sub(1);
 }
 
@@ -222,20 +219,12 @@ StagePipeline::StagePipeline(int ring, int64_t buffer_bytes, const std::vector<S
       pin_device = s.device;
     }
   }
-  const int64_t alloc = (buffer_bytes + 4095) & ~int64_t(4095);
+  const int64_t ring_id = stage_new_ring_id();
   buffers_.reserve(size_t(ring));
   for (int k = 0; k < ring; ++k) {
     Buffer b;
-    b.pinned = pinned_;
-    if (pinned_) {
-      b.p = static_cast<unsigned char*>(pinned_alloc(alloc, pin_device));  // throws on failure
-    } else {
-      void* p = nullptr;
-      if (posix_memalign(&p, 4096, size_t(alloc)) != 0 || p == nullptr)
-        fail(__FILE__, __LINE__, "cannot allocate a " + std::to_string(alloc) +
-                                     " B staging buffer");
-      b.p = static_cast<unsigned char*>(p);
-    }
+    b.m = stage_take(buffer_bytes, pinned_, pin_device);  // throws on failure
+    b.ring_id = ring_id;
     g_live_buffers.fetch_add(1);
     buffers_.push_back(std::move(b));
   }
@@ -369,7 +358,7 @@ ReadResult StagePipeline::run(const std::vector<std::string>& files, const ReadO
   while (at < pieces.size()) {
     // The next chunk: consecutive pieces whose 64-byte aligned staging fits one buffer.
     const int b = int(next_ % ring);
-    unsigned char* buf = buffers_[size_t(b)].p;
+    unsigned char* buf = buffers_[size_t(b)].m.p;
     staged.clear();
     items.clear();
     chunk_ops.clear();

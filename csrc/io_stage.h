@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "io_reader.h"
+#include "io_stage_pool.h"
 
 namespace metamat {
 namespace io {
@@ -135,13 +136,14 @@ class StagePipeline {
   bool pinned() const { return pinned_; }
 
  private:
+  // A ring buffer, given back to the staging-buffer cache (io_stage_pool.h) when destroyed.
   struct Buffer {
-    unsigned char* p = nullptr;
-    bool pinned = false;
+    StageMemory m;
+    int64_t ring_id = 0;
     Buffer() = default;
     Buffer(const Buffer&) = delete;
     Buffer& operator=(const Buffer&) = delete;
-    Buffer(Buffer&& o) noexcept : p(o.p), pinned(o.pinned) { o.p = nullptr; }
+    Buffer(Buffer&& o) noexcept : m(o.m), ring_id(o.ring_id) { o.m.p = nullptr; }
     ~Buffer();
   };
   void release() noexcept;

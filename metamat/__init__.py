@@ -22,7 +22,7 @@ __all__ = [
     "fill_", "fill_many_", "materialize", "Report", "shard_on_meta", "init_empty_weights",
     "open_checkpoint", "CheckpointError", "UnexpectedTensorError", "ExtensionNotBuiltError",
     "UnsupportedError", "UnsupportedDTensorError", "MissingValueError", "PeerFailedError",
-    "PeerCheckpointError", "PartialLoadError",
+    "PeerCheckpointError", "PartialLoadError", "release_staging_memory",
 ]
 
 
@@ -32,4 +32,8 @@ def __getattr__(name):
         from .models.torchrec import shard_on_meta
 
         return shard_on_meta
+    if name == "release_staging_memory":
+        from .load.staged import release_staging_memory
+
+        return release_staging_memory
     raise AttributeError(f"module 'metamat' has no attribute {name!r}")
