@@ -14,7 +14,8 @@ Rows (GB/s of destination bytes, median of --reps after a first call, page cache
 * for each metamat row: the first call's time and ring allocation (the cache of the last ring
   is emptied before it) and, for the later calls (ring reused), where the pipeline thread's
   time went.
-* metamat fp32 with 16 reader threads (the default is ``min(8, cpus)``).
+* metamat fp32 with 8 reader threads (the default is the node's CPUs shared by its ranks, at
+  most 16: ``metamat.load.default_io_threads``).
 
 On a CPU-only machine ``--device cpu`` runs the same pipeline with the host copy sink (a check
 of this script, not a GPU number).
@@ -35,7 +36,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from metamat.checkpoint import open_checkpoint  # noqa: E402
-from metamat.load import load_targets  # noqa: E402
+from metamat.load import default_io_threads, load_targets  # noqa: E402
 from metamat.load.staged import release_staging_memory  # noqa: E402
 from metamat.plan import Target  # noqa: E402
 
@@ -99,7 +100,8 @@ def main(argv=None) -> int:
     save_file(sd, path)
     del sd
     print(f"device {dev}, {a.tensors} tensors of {rows}x{cols} fp32 = {nbytes / 2**30:.2f} GiB, "
-          f"staging {a.staging_mib} MiB, reps {a.reps}")
+          f"staging {a.staging_mib} MiB, reps {a.reps}, {default_io_threads()} reader threads "
+          f"by default")
     out = []
 
     def row(name, s, nb=nbytes):
@@ -143,10 +145,10 @@ def main(argv=None) -> int:
             ("metamat staged fp32, 32 MiB staging", torch.float32, None, 32 << 20),
             ("metamat staged fp32, 64 MiB staging", torch.float32, None, 64 << 20),
             ("metamat staged fp32, 128 MiB staging", torch.float32, None, 128 << 20),
-            ("metamat staged fp32, 16 reader threads", torch.float32, None, a.staging_mib << 20)):
+            ("metamat staged fp32, 8 reader threads", torch.float32, None, a.staging_mib << 20)):
         tg = targets(dtype, cs)
         nb = sum(t.tensor.numel() * t.tensor.element_size() for t in tg)
-        threads = 16 if "16 reader" in name else None
+        threads = 8 if "8 reader" in name else None
         stats = []
         release_staging_memory()  # the first call allocates (page-locks) its ring
         row(name, _time(lambda: stats.append(load_targets(

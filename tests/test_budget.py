@@ -41,3 +41,31 @@ def test_bad_arguments(args):
 def test_too_small_says_what_is_needed():
     with pytest.raises(ValueError, match=f"at least {2 * MIN_BOUNCE + 2 * MIN_RING_BUFFER}"):
         StagingBudget.split(100_000, 2, staged=True)
+
+
+@pytest.mark.parametrize("cpus,local,want", [
+    (2, None, 2), (16, None, 16), (64, None, 16), (128, "8", 16), (64, "8", 8), (16, "8", 2),
+    (4, "8", 1), (16, "bogus", 16), (16, "0", 16)])
+def test_default_io_threads_share_the_node(monkeypatch, cpus, local, want):
+    from metamat.load import default_io_threads
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(cpus)))
+    if local is None:
+        monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", local)
+    assert default_io_threads() == want
+
+
+def test_ring_shape_caps_cuda_rings_per_thread():
+    from metamat.load.staged import RING_BYTES_PER_THREAD, ring_shape
+    b = StagingBudget.split(256 << 20, 8, staged=True)  # 2 x 96 MiB
+    big = 4 << 30
+    assert ring_shape(b, big, cuda=False) == (2, b.ring_bytes)
+    assert ring_shape(b, big, cuda=True) == (2, 8 * RING_BYTES_PER_THREAD)
+    # a load smaller than a buffer takes one buffer of its size
+    assert ring_shape(b, 5 << 20, cuda=True) == (1, 5 << 20)
+    assert ring_shape(b, 40 << 20, cuda=True) == (2, 32 << 20)
+    # a small budget stays the limit
+    s = StagingBudget.split(4 << 20, 8, staged=True)
+    assert ring_shape(s, big, cuda=True) == (2, s.ring_bytes)
+    assert s.ring * s.ring_bytes + s.threads * s.bounce_bytes <= 4 << 20
