@@ -256,6 +256,8 @@ void metamat_bind_io(py::module_& m) {
         return mio::stage_free_cached();
       },
       "Free every cached staging buffer (page-locked ones included); returns the bytes freed.");
+  m.def("reader_threads_started", &mio::reader_threads_started,
+        "Reader threads started in this process so far (tests).");
   m.def("stage_live_threads", &mio::stage_live_threads,
         "Copy-sink threads running in this process (tests).");
   m.def(

@@ -45,6 +45,12 @@ class OpReader {
   // hint: a piece read some other way just leaves the window unused (and uncounted). `o`
   // must stay alive until that read().
   void expect(const ReadOp* o, int64_t byte0, int64_t bytes);
+  // Between calls of a crew (io_reader.h ReadCrew): forget the announced piece (it pointed
+  // into the call's ops) and let the read-ahead helper finish.
+  void idle() {
+    next_op_ = nullptr;
+    settle();
+  }
   // True when direct reads are pipelined through a helper thread (worth calling expect()).
   bool pipelined() const { return ahead_ != nullptr; }
 

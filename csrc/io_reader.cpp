@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <condition_variable>
 #include <memory>
 #include <mutex>
 
@@ -80,15 +81,18 @@ constexpr int64_t kMinSplitTask = int64_t(2) << 20;
 int64_t task_size(const ReadOp* ops, int64_t n, const ReadOptions& opt) {
   const int64_t tb = std::max<int64_t>(opt.task_bytes, 4096);
   const int64_t threads = std::max(1, opt.threads);
+  int64_t enough;  // tb per thread (caller-supplied sizes: overflow means "plenty")
+  if (__builtin_mul_overflow(tb, threads, &enough)) return tb;
   int64_t total = 0;
-  for (int64_t i = 0; i < n && total < tb * threads; ++i) {
+  for (int64_t i = 0; i < n && total < enough; ++i) {
     const ReadOp& o = ops[i];
     int64_t b;
-    if (__builtin_mul_overflow(o.rows, o.rows == 1 ? o.row_bytes : o.src_stride, &b)) return tb;
-    total += b;
+    if (__builtin_mul_overflow(o.rows, o.rows == 1 ? o.row_bytes : o.src_stride, &b) ||
+        __builtin_add_overflow(total, b, &total))
+      return tb;
   }
-  if (total >= tb * threads) return tb;
-  const int64_t share = (total + threads - 1) / threads;
+  if (total >= enough) return tb;
+  const int64_t share = total / threads + (total % threads != 0);  // < tb: no overflow below
   return std::min(tb, std::max(kMinSplitTask, (share + 4095) / 4096 * 4096));
 }
 
@@ -186,11 +190,16 @@ struct Pool {
     }
   }
 
-  // worker() with nothing escaping (a thread's function must not throw; bad_alloc while
-  // building an error message would otherwise be std::terminate).
-  void safe_worker() noexcept {
+  // work() with nothing escaping (a thread's function must not throw; bad_alloc while
+  // building an error message would otherwise be std::terminate). `init_error`: the thread's
+  // reader could not be set up (its bounce buffer): the call fails with it.
+  void safe_work(OpReader& reader, const std::string& init_error) noexcept {
     try {
-      worker();
+      if (!init_error.empty()) {
+        fail(tasks.empty() ? -1 : tasks[0].op, init_error);  // (op -1 names no file)
+        return;
+      }
+      work(reader);
     } catch (const std::exception& e) {
       try {
         fail(-1, std::string("reader thread failed: ") + e.what());
@@ -200,15 +209,11 @@ struct Pool {
     } catch (...) {
       shared.cancel = true;
     }
+    reader.idle();
   }
 
-  void worker() {
-    OpReader reader(shared);
-    std::string e = reader.init();
-    if (!e.empty()) {
-      fail(tasks.empty() ? -1 : tasks[0].op, e);  // (op -1 names no file)
-      return;
-    }
+  void work(OpReader& reader) {
+    std::string e;
     // Pipelined direct reads: a thread claims its next task before reading the current one,
     // so the helper can read the next task's first window while this one is copied out.
     const bool ahead = vplan == nullptr && reader.pipelined();
@@ -247,12 +252,87 @@ struct Pool {
 
 }  // namespace
 
-ReadResult execute_reads(const std::vector<std::string>& paths, const ReadOp* ops, int64_t n,
-                         const ReadOptions& opt, const VerifyBlock* blocks, int64_t nblocks) {
-  ReadResult res;
+// ---- the crew ------------------------------------------------------------------------------
+
+namespace {
+std::atomic<int64_t> g_helpers_started{0};
+}  // namespace
+
+int64_t reader_threads_started() { return g_helpers_started.load(); }
+
+struct ReadCrew::Impl {
+  ReadOptions opt;
   Fault fault;
-  fault.from_env();
-  FileTable files(paths, opt.identities, opt.max_open_files, &fault);
+  FileTable files;
+  ReadShared shared;
+  // Helpers wait for an open job (generation moves), join it (active), run it, leave. The
+  // caller closes the job when it finds no task left and waits only for the helpers that
+  // joined: one that wakes late skips the job instead of holding the caller up.
+  std::mutex mu;
+  std::condition_variable work_cv, done_cv;
+  Pool* job = nullptr;
+  int64_t generation = 0;
+  bool open = false;
+  int active = 0;
+  bool stop = false;
+  ThreadGroup group;  // last but the caller's reader: joined (by ~ReadCrew) first
+  std::unique_ptr<OpReader> own;  // the calling thread's reader
+  std::string own_error;
+
+  Impl(const std::vector<std::string>& paths, const ReadOptions& o)
+      : opt(o), files(paths, opt.identities, opt.max_open_files, &fault),
+        shared(files, opt, fault) {}
+
+  void helper() {
+    g_helpers_started.fetch_add(1);
+    OpReader reader(shared);
+    const std::string init_error = reader.init();
+    int64_t seen = 0;
+    for (;;) {
+      Pool* p;
+      {
+        std::unique_lock<std::mutex> lock(mu);
+        work_cv.wait(lock, [&] { return stop || (open && generation != seen); });
+        if (stop) return;
+        seen = generation;
+        p = job;
+        ++active;
+      }
+      p->safe_work(reader, init_error);
+      std::lock_guard<std::mutex> lock(mu);
+      if (--active == 0 && !open) done_cv.notify_all();
+    }
+  }
+
+  void shutdown() noexcept {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      stop = true;
+    }
+    work_cv.notify_all();
+    group.join();
+  }
+};
+
+ReadCrew::ReadCrew(const std::vector<std::string>& paths, const ReadOptions& opt)
+    : impl_(new Impl(paths, opt)) {}
+
+ReadCrew::~ReadCrew() { impl_->shutdown(); }
+
+ReadResult ReadCrew::run(const ReadOp* ops, int64_t n, const VerifyBlock* blocks,
+                         int64_t nblocks) {
+  Impl& c = *impl_;
+  ReadResult res;
+  // Per call, as before the crew: the fault plan is read and counted per call, the cancel
+  // flag and counters start clean. Helpers are idle here (the last call waited for them).
+  c.fault.mode = FaultMode::kNone;
+  c.fault.nth = 0;
+  c.fault.calls = 0;
+  c.fault.from_env();
+  c.shared.cancel = false;
+  c.shared.bytes_read = 0;
+  FileTable& files = c.files;
+  const ReadOptions& opt = c.opt;
   auto bad = [&](int64_t i, const std::string& msg) {
     res.ok = false;
     res.failed_op = i;
@@ -260,9 +340,9 @@ ReadResult execute_reads(const std::vector<std::string>& paths, const ReadOp* op
     return res;
   };
   if (n < 0 || (n > 0 && ops == nullptr)) return bad(-1, "bad op array");
-  if (!opt.identities.empty() && opt.identities.size() != paths.size())
+  if (!opt.identities.empty() && opt.identities.size() != size_t(files.count()))
     return bad(-1, "identities: " + std::to_string(opt.identities.size()) + " given for " +
-                       std::to_string(paths.size()) + " files");
+                       std::to_string(files.count()) + " files");
 
   // 1. Validate every op (and every file it names) before any byte is written.
   for (int64_t i = 0; i < n; ++i) {
@@ -279,39 +359,61 @@ ReadResult execute_reads(const std::vector<std::string>& paths, const ReadOp* op
     if (!e.empty()) return bad(op, e);
   }
   const std::vector<Task> tasks = verify ? std::vector<Task>() : make_tasks(ops, n, opt);
-  ReadShared shared(files, opt, fault);
-  Pool pool(shared, ops, files, tasks);
+  Pool pool(c.shared, ops, files, tasks);
   if (verify) {
     pool.blocks = blocks;
     pool.vplan = &vplan;
   }
   if (pool.count() == 0) return res;
 
-  // 3. Run them on a pool; the calling thread works too.
-  res.wrote = true;
-  const int nthreads =
-      int(std::max<int64_t>(1, std::min<int64_t>(opt.threads, pool.count())));
-  {
-    // Fewer threads than asked when some cannot start: the others and this one still finish
-    // the work (workers take tasks from a shared counter). Joined on every path.
-    ThreadGroup group;
-    for (int t = 1; t < nthreads; ++t) group.spawn([&pool] { pool.safe_worker(); });
-    pool.safe_worker();
-    res.threads = 1 + int64_t(group.started());
+  // Bytes per file before this call (the report is this call's).
+  std::vector<int64_t> buffered0(size_t(files.count())), direct0(size_t(files.count()));
+  for (int64_t f = 0; f < files.count(); ++f) {
+    buffered0[size_t(f)] = files.bytes_buffered(f);
+    direct0[size_t(f)] = files.bytes_direct(f);
   }
+
+  // 3. Run them: helper threads (started on first need, kept for later calls) and this one.
+  res.wrote = true;
+  const int want =
+      int(std::max<int64_t>(1, std::min<int64_t>(opt.threads, pool.count()))) - 1;
+  // Fewer threads than asked when some cannot start: the others and this one still finish
+  // the work (workers take tasks from a shared counter).
+  for (int t = int(c.group.started()); t < want; ++t)
+    c.group.spawn([&c] { c.helper(); });
+  const int helpers = int(c.group.started());
+  {
+    std::lock_guard<std::mutex> lock(c.mu);
+    c.job = &pool;
+    c.open = true;
+    ++c.generation;
+  }
+  if (helpers > 0) c.work_cv.notify_all();
+  if (!c.own) {
+    c.own.reset(new OpReader(c.shared));
+    c.own_error = c.own->init();
+  }
+  pool.safe_work(*c.own, c.own_error);  // returns when no task is left (or on failure)
+  {
+    std::unique_lock<std::mutex> lock(c.mu);
+    c.open = false;
+    c.done_cv.wait(lock, [&] { return c.active == 0; });
+    c.job = nullptr;
+  }
+  res.threads = 1 + helpers;
   res.tasks = pool.count();
-  res.bytes_read = shared.bytes_read.load();
+  res.bytes_read = c.shared.bytes_read.load();
   res.files.resize(size_t(files.count()));
   for (int64_t f = 0; f < files.count(); ++f) {
     FileReport& r = res.files[size_t(f)];
-    r.bytes_buffered = files.bytes_buffered(f);
-    r.bytes_direct = files.bytes_direct(f);
+    r.bytes_buffered = files.bytes_buffered(f) - buffered0[size_t(f)];
+    r.bytes_direct = files.bytes_direct(f) - direct0[size_t(f)];
     r.direct_refused = files.direct_refused(f);
     r.refuse_reason = files.refuse_reason(f);
   }
   res.bytes_hashed = pool.hashed.load();
   res.bytes_reread = pool.reread.load();
-  if (shared.cancel.load()) {
+  if (c.shared.cancel.load()) {
     res.ok = false;
     res.error = pool.error.empty() ? "reader thread failed" : pool.error;
     res.failed_op = pool.failed_op;
@@ -326,6 +428,12 @@ ReadResult execute_reads(const std::vector<std::string>& paths, const ReadOp* op
     }
   }
   return res;
+}
+
+ReadResult execute_reads(const std::vector<std::string>& paths, const ReadOp* ops, int64_t n,
+                         const ReadOptions& opt, const VerifyBlock* blocks, int64_t nblocks) {
+  ReadCrew crew(paths, opt);
+  return crew.run(ops, n, blocks, nblocks);
 }
 
 }  // namespace io

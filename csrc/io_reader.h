@@ -13,6 +13,7 @@
 #include <cstddef>
 #include <climits>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -119,7 +120,7 @@ struct ReadResult {
   int64_t bytes_read = 0; // bytes actually read from files (gaps of coalesced reads included)
   bool wrote = false;     // false: failed during validation, no destination byte touched
   int64_t tasks = 0;      // pieces of work the threads took (verified reads: blocks)
-  int64_t threads = 0;    // threads that ran them (the calling thread included)
+  int64_t threads = 0;    // reader threads of the call (the calling thread included)
   std::vector<FileReport> files;  // per file (empty when validation failed)
   // Verified reads only.
   int64_t bytes_hashed = 0;  // bytes hashed (every byte of every block)
@@ -146,6 +147,29 @@ struct ReadResult {
 ReadResult execute_reads(const std::vector<std::string>& files, const ReadOp* ops, int64_t n,
                          const ReadOptions& opt, const VerifyBlock* blocks = nullptr,
                          int64_t nblocks = -1);
+
+// A reader whose threads (each with its bounce buffer, read-ahead helper and held file) and
+// whose file table (opened, validated files; io=auto's per-file judgement) live across calls:
+// a staging pipeline reads every chunk of a load with one crew instead of starting threads
+// and opening files per chunk. run() is execute_reads on the crew's files and options (each
+// call validates its ops, reads METAMAT_IO_FAULT and reports its own bytes). One caller at a
+// time; never throws after construction; the destructor joins every thread.
+class ReadCrew {
+ public:
+  ReadCrew(const std::vector<std::string>& files, const ReadOptions& opt);
+  ~ReadCrew();
+  ReadCrew(const ReadCrew&) = delete;
+  ReadCrew& operator=(const ReadCrew&) = delete;
+  ReadResult run(const ReadOp* ops, int64_t n, const VerifyBlock* blocks = nullptr,
+                 int64_t nblocks = -1);
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+// Reader threads started in this process so far (tests: a crew starts its threads once).
+int64_t reader_threads_started();
 
 // Convert `count` elements (src and dst may be unaligned). kRaw on both sides is invalid here.
 void convert(const void* src, DType s, void* dst, DType d, int64_t count);

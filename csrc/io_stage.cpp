@@ -349,6 +349,8 @@ ReadResult StagePipeline::run(const std::vector<std::string>& files, const ReadO
   rep.pieces = int64_t(pieces.size());
 
   const int ring = int(buffers_.size());
+  // One crew for every chunk: its threads, bounce buffers and open files are set up once.
+  ReadCrew crew(files, opt);
   std::vector<ReadOp> staged;
   std::vector<CopyItem> items;
   std::vector<int64_t> chunk_ops;  // piece index of each staged op
@@ -382,7 +384,8 @@ ReadResult StagePipeline::run(const std::vector<std::string>& files, const ReadO
     for (auto& s : sinks_) s->filling(b);
     auto t1 = Clock::now();
     rep.wait_seconds += seconds(t0, t1);
-    // 2. Read (and verify, convert) the chunk into it; the reader joins its threads.
+    // 2. Read (and verify, convert) the chunk into it; the crew's threads are done with it
+    //    when run() returns.
     const VerifyBlock* vb = nullptr;
     int64_t nvb = -1;
     if (nblocks >= 0) {
@@ -390,7 +393,7 @@ ReadResult StagePipeline::run(const std::vector<std::string>& files, const ReadO
       vb = chunk_blocks.data();
       nvb = int64_t(chunk_blocks.size());
     }
-    ReadResult r = execute_reads(files, staged.data(), int64_t(staged.size()), opt, vb, nvb);
+    ReadResult r = crew.run(staged.data(), int64_t(staged.size()), vb, nvb);
     t0 = Clock::now();
     rep.read_seconds += seconds(t1, t0);
     ++rep.chunks;

@@ -6,9 +6,9 @@
 // per destination device. run() cuts the ops so none writes more than a buffer, groups them into
 // chunks of at most a buffer (64-byte aligned pieces), and for chunk k on buffer b = k % ring:
 //   1. waits until every copy issued from b earlier has left it (sink->wait(b): an event),
-//   2. reads the chunk into b with the ordinary reader (execute_reads: thread pool, direct or
-//      buffered I/O, XXH3 block verification, fp32 <-> fp16/bf16 conversion in its host copy
-//      loop), which joins its threads before returning,
+//   2. reads the chunk into b with the ordinary reader (a ReadCrew, io_reader.h: one crew of
+//      threads for the whole run, direct or buffered I/O, XXH3 block verification, fp32 <->
+//      fp16/bf16 conversion in its host copy loop), which returns when the chunk is read,
 //   3. hands each op's staged bytes to its sink (async copy) and records b's event.
 // Copies of chunk k run (on a CUDA stream, or the host sink's thread) while chunk k+1 is read
 // into the next buffer. Sinks order their copies after the caller's stream when created and
@@ -103,7 +103,7 @@ struct StageReport {
   int64_t chunks = 0;  // reader calls (one per chunk)
   int64_t pieces = 0;  // ops after cutting to the buffer size
   // Where run()'s time went (seconds, this thread): waiting for a buffer's earlier copies to
-  // leave it, reading chunks into buffers (execute_reads), handing copies to the sinks.
+  // leave it, reading chunks into buffers (the reader crew), handing copies to the sinks.
   double wait_seconds = 0, read_seconds = 0, queue_seconds = 0;
 };
 

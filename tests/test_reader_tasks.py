@@ -2,7 +2,8 @@
 thread are cut finer (down to 2 MiB of file span) so every thread gets a share. A staging chunk of 24 MiB
 read by 8 threads used to be 3 tasks of 8 MiB (3 threads busy, 5 idle): on the H100 machine
 staged loads ran at the speed of 2-3 reader threads. Results report the task and thread
-counts, and the bytes are exact whatever the cut."""
+counts, and the bytes are exact whatever the cut. A staging pipeline reads all its chunks with
+one crew of threads (csrc/io_reader.h ReadCrew), started once per load."""
 from __future__ import annotations
 
 import numpy as np
@@ -38,8 +39,10 @@ def _read(path, arr, threads, **kw):
 def test_contiguous_call_is_shared_by_every_thread(data_file, nbytes, threads, tasks):
     path, body = data_file
     dst = poisoned(nbytes)
+    started = C.reader_threads_started()
     r = _read(path, ops((0, 4096, nbytes, 1, 0, 0, addr(dst), RAW, RAW)), threads)
     assert r["ok"], r["error"]
+    assert C.reader_threads_started() - started == min(threads, tasks) - 1
     assert r["tasks"] == tasks
     assert r["threads"] == min(threads, tasks)
     assert np.array_equal(dst, body[4096:4096 + nbytes])
@@ -84,6 +87,7 @@ def test_staged_chunks_use_every_reader_thread(data_file):
     dst = np.zeros(n, dtype=np.uint8)
     arr = ops((0, 0, n, 1, 0, 0, addr(dst), RAW, RAW))
     sinks = np.zeros(1, dtype=np.int64)
+    started = C.reader_threads_started()
     p = C.StagePipeline(2, 6 * MiB, [{"kind": "host"}])
     try:
         r = p.run([path], arr.ctypes.data, sinks.ctypes.data, 1, threads=3, io="buffered")
@@ -91,6 +95,10 @@ def test_staged_chunks_use_every_reader_thread(data_file):
         p.close()
     assert r["ok"] and r["chunks"] == 4 and r["tasks"] == 12 and r["threads"] == 3
     assert np.array_equal(dst, body[:n])
+    # one crew for the 4 chunks: its 2 helper threads start once (were 2 per chunk)
+    assert C.reader_threads_started() - started == 2
+    # each chunk reports its own bytes: the sum is the load (not a running total)
+    assert r["bytes_read"] == n and r["files"][0]["bytes_buffered"] == n
     for k in ("wait_seconds", "read_seconds", "queue_seconds"):
         assert r[k] >= 0.0
     assert r["read_seconds"] > 0.0
