@@ -67,7 +67,7 @@ SAN_TREE  := $(SAN_DIR)/tree
 SAN_TESTS ?= tests/test_fill_reference.py tests/test_fill_invariance.py tests/test_fill_errors.py \
              tests/test_checkpoint_reader.py tests/test_load.py tests/test_reader_faults.py \
              tests/test_checkpoint_dcp.py tests/test_hostile.py tests/test_stage_pipeline.py \
-             tests/test_fill_cuda_emulated.py
+             tests/test_fill_cuda_emulated.py tests/test_reader_tasks.py tests/test_stage_pool.py
 SAN_ENV   := LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
              ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:halt_on_error=1:detect_odr_violation=0 \
              UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1

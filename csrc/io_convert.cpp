@@ -41,7 +41,9 @@ inline __attribute__((always_inline)) void convert_loop(const unsigned char* src
 }  // namespace
 
 // Built twice (AVX2 and baseline) and picked at load time: conversion is the only compute.
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+// Not under ThreadSanitizer: its ifunc resolver would run before TSan's runtime starts.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && \
+    !defined(__SANITIZE_THREAD__)
 __attribute__((target_clones("avx2", "default")))
 #endif
 static void convert_impl(const unsigned char* in, DType s, unsigned char* out, DType d,

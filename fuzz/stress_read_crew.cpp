@@ -1,0 +1,103 @@
+// Thread-sanitizer stress of the reader crew (csrc/io_reader.h ReadCrew): many calls on one
+// crew (thread count, task size and I/O mode per crew; op shapes, verified reads and injected
+// read failures per call), every result checked against the file's bytes. Built and run
+// by tests/test_reader_tasks.py with g++ -fsanitize=thread (data races, lock-order problems,
+// a helper joining a finished call) and by hand:
+//
+//   g++ -std=c++17 -g -O1 -fsanitize=thread -Icsrc fuzz/stress_read_crew.cpp csrc/io_*.cpp \
+//       csrc/xxh3*.cpp -o build/stress_read_crew -lpthread && build/stress_read_crew 300
+#include <unistd.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <algorithm>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "io_reader.h"
+#include "xxh3.h"
+
+namespace mio = metamat::io;
+
+int main(int argc, char** argv) {
+  const int calls = argc > 1 ? std::atoi(argv[1]) : 200;
+  const int64_t size = int64_t(6) << 20;
+  char path[] = "/tmp/metamat-crew-XXXXXX";
+  const int fd = mkstemp(path);
+  if (fd < 0) return 2;
+  std::vector<unsigned char> body(size_t(size), 0);
+  std::mt19937_64 rng(7);
+  for (auto& b : body) b = static_cast<unsigned char>(rng());
+  if (write(fd, body.data(), body.size()) != ssize_t(body.size())) return 2;
+  close(fd);
+  const std::vector<std::string> files{path};
+  // Verified calls use the file's 1 MiB blocks with their true digests.
+  std::vector<mio::VerifyBlock> blocks;
+  for (int64_t off = 0; off < size; off += int64_t(1) << 20) {
+    const int64_t len = std::min<int64_t>(int64_t(1) << 20, size - off);
+    blocks.push_back({0, off, len, metamat::Xxh3::hash(body.data() + off, size_t(len))});
+  }
+  int failures = 0;
+  for (int round = 0; round < 4 && failures == 0; ++round) {
+    mio::ReadOptions opt;
+    opt.threads = 2 + round % 3;
+    opt.task_bytes = round % 2 ? (int64_t(64) << 10) : (int64_t(8) << 20);
+    opt.bounce_bytes = int64_t(64) << 10;
+    opt.io = round == 3 ? mio::IoMode::kDirect : mio::IoMode::kBuffered;
+    mio::ReadCrew crew(files, opt);
+    for (int c = 0; c < calls && failures == 0; ++c) {
+      // 1-6 ops: contiguous spans and strided rows at random offsets
+      const int nops = 1 + int(rng() % 6);
+      std::vector<mio::ReadOp> ops{static_cast<size_t>(nops), mio::ReadOp{}};
+      std::vector<std::vector<unsigned char>> dst{static_cast<size_t>(nops), std::vector<unsigned char>()};
+      for (int i = 0; i < nops; ++i) {
+        mio::ReadOp& o = ops[size_t(i)];
+        const bool strided = rng() % 3 == 0;
+        o.file_index = 0;
+        o.rows = strided ? 1 + int64_t(rng() % 64) : 1;
+        o.row_bytes = strided ? 1 + int64_t(rng() % 4096) : 1 + int64_t(rng() % (3 << 20));
+        o.src_stride = strided ? o.row_bytes + int64_t(rng() % 8192) : o.row_bytes;
+        const int64_t span = (o.rows - 1) * o.src_stride + o.row_bytes;
+        o.file_offset = int64_t(rng() % uint64_t(size - span + 1));
+        o.dst_stride = o.row_bytes;
+        o.src_dtype = o.dst_dtype = 0;
+        dst[size_t(i)].assign(size_t(o.rows * o.row_bytes), 0xA5);
+        o.dst = int64_t(reinterpret_cast<uintptr_t>(dst[size_t(i)].data()));
+      }
+      const bool fault = c % 7 == 3;
+      if (fault) setenv("METAMAT_IO_FAULT", "2:eio", 1); else unsetenv("METAMAT_IO_FAULT");
+      const bool verify = c % 5 == 1;
+      const mio::ReadResult r = verify ? crew.run(ops.data(), nops, blocks.data(),
+                                                  int64_t(blocks.size()))
+                                       : crew.run(ops.data(), nops);
+      if (verify && r.mismatch) {
+        std::fprintf(stderr, "call %d: true digests reported as a mismatch\n", c);
+        ++failures;
+      }
+      if (!r.ok) {
+        if (!fault) {
+          std::fprintf(stderr, "call %d failed: %s\n", c, r.error.c_str());
+          ++failures;
+        }
+        continue;
+      }
+      for (int i = 0; i < nops && failures == 0; ++i) {
+        const mio::ReadOp& o = ops[size_t(i)];
+        for (int64_t row = 0; row < o.rows; ++row)
+          if (std::memcmp(dst[size_t(i)].data() + row * o.row_bytes,
+                          body.data() + o.file_offset + row * o.src_stride,
+                          size_t(o.row_bytes)) != 0) {
+            std::fprintf(stderr, "call %d op %d row %lld differs\n", c, i, (long long)row);
+            ++failures;
+            break;
+          }
+      }
+    }
+  }
+  unlink(path);
+  if (failures == 0) std::printf("crew stress: %d calls x 4 crews ok\n", calls);
+  return failures == 0 ? 0 : 1;
+}
