@@ -1,6 +1,7 @@
 // Thread-sanitizer stress of the reader crew (csrc/io_reader.h ReadCrew): many calls on one
 // crew (thread count, task size and I/O mode per crew; op shapes, verified reads and injected
-// read failures per call), every result checked against the file's bytes. Built and run
+// read failures per call), every result checked against the file's bytes; then staging
+// pipelines on two threads at once (the shared staging-buffer cache). Built and run
 // by tests/test_reader_tasks.py with g++ -fsanitize=thread (data races, lock-order problems,
 // a helper joining a finished call) and by hand:
 //
@@ -14,10 +15,13 @@
 #include <cstring>
 #include <algorithm>
 #include <random>
+#include <thread>
+#include <atomic>
 #include <string>
 #include <vector>
 
 #include "io_reader.h"
+#include "io_stage.h"
 #include "xxh3.h"
 
 namespace mio = metamat::io;
@@ -97,7 +101,39 @@ int main(int argc, char** argv) {
       }
     }
   }
+  // Staging pipelines on two threads at once: rings taken from and given back to the shared
+  // staging-buffer cache (io_stage_pool.h) concurrently, host sinks, bytes checked.
+  std::atomic<int> bad{0};
+  auto pipelines = [&](int seed) {
+    std::mt19937_64 r2{static_cast<uint64_t>(seed)};
+    for (int k = 0; k < 20; ++k) {
+      const int64_t n = 1 + int64_t(r2() % (2 << 20)), off = int64_t(r2() % uint64_t(size - n));
+      std::vector<unsigned char> out(size_t(n), 0xA5);
+      mio::ReadOp o{0, off, n, 1, n, n, int64_t(reinterpret_cast<uintptr_t>(out.data())), 0, 0};
+      const int64_t sink = 0;
+      mio::ReadOptions po;
+      po.threads = 2;
+      mio::StagePipeline pipe(1 + int(r2() % 3), (int64_t(64) << 10) << (r2() % 4),
+                              {mio::SinkSpec{}});
+      const mio::ReadResult r = pipe.run(files, &o, &sink, 1, po, nullptr, -1, nullptr);
+      pipe.close();
+      if (!r.ok || std::memcmp(out.data(), body.data() + off, size_t(n)) != 0) ++bad;
+    }
+  };
+  if (failures == 0) {
+    unsetenv("METAMAT_IO_FAULT");
+    std::thread a(pipelines, 1), b(pipelines, 2);
+    a.join();
+    b.join();
+    if (bad.load() != 0) {
+      std::fprintf(stderr, "%d staged loads differ\n", bad.load());
+      ++failures;
+    }
+  }
   unlink(path);
-  if (failures == 0) std::printf("crew stress: %d calls x 4 crews ok\n", calls);
+  if (failures == 0)
+    std::printf("crew stress: %d calls x 4 crews ok; 40 staged loads on 2 threads ok (%lld ring "
+                "buffers from the cache)\n", calls,
+                static_cast<long long>(mio::stage_pool_stats().hits));
   return failures == 0 ? 0 : 1;
 }

@@ -107,8 +107,9 @@ def test_staged_chunks_use_every_reader_thread(data_file):
 @pytest.mark.slow
 def test_crew_under_thread_sanitizer(tmp_path):
     """fuzz/stress_read_crew.cpp under ThreadSanitizer: many calls on one crew (random ops,
-    verified reads, injected read failures, buffered and direct I/O), results exact, no race
-    reported (a race put into the helpers' bookkeeping is reported: checked by hand)."""
+    verified reads, injected read failures, buffered and direct I/O), then staging pipelines
+    on two threads sharing the ring cache; results exact, no race reported (a race put into
+    the helpers' bookkeeping is reported: checked by hand)."""
     import glob
     import os
     import shutil
@@ -127,5 +128,5 @@ def test_crew_under_thread_sanitizer(tmp_path):
     r = subprocess.run([exe, "60"], capture_output=True, text=True, timeout=600,
                        env=dict(os.environ, TSAN_OPTIONS="halt_on_error=1:exitcode=66"))
     assert r.returncode == 0, r.stderr[-6000:]
-    assert "crew stress: 60 calls x 4 crews ok" in r.stdout
+    assert "crew stress: 60 calls x 4 crews ok; 40 staged loads on 2 threads ok" in r.stdout
     assert "ThreadSanitizer" not in r.stderr
