@@ -74,7 +74,8 @@ class FileTable {
   bool direct_refused(int64_t fi) const { return files_[size_t(fi)].refused.load(); }
   std::string refuse_reason(int64_t fi) const;
 
-  // io=auto: whether file fi is read as cold (1) or cached (2) in this call, 0 until its first
+  // io=auto: whether file fi is read as cold (1) or cached (2) by this table's reads (a call,
+  // or every call of a ReadCrew, which keeps its table), 0 until its first
   // large read decides (decide_auto: the first decision stored wins, and is returned).
   int auto_state(int64_t fi) const { return files_[size_t(fi)].auto_state.load(); }
   int decide_auto(int64_t fi, int state) {

@@ -120,7 +120,8 @@ bool OpReader::cold(int64_t off, int64_t len) {
 }
 
 // kAuto, buffered: whether this read streams (dropped from the page cache once read). A file
-// is judged once per call, by the first large read of it (tasks go in file-offset order): its
+// is judged once per call (per crew: a staged load's chunks share the judgement), by the
+// first large read of it (tasks go in file-offset order): its
 // later ranges cannot be judged by mincore, the readahead of the earlier ones fills them.
 bool OpReader::stream(int64_t fi, int64_t off, int64_t len) {
   if (s_.opt.io != IoMode::kAuto || len < s_.opt.auto_direct_min) return false;

@@ -86,13 +86,15 @@ int64_t task_size(const ReadOp* ops, int64_t n, const ReadOptions& opt) {
   int64_t total = 0;
   for (int64_t i = 0; i < n && total < enough; ++i) {
     const ReadOp& o = ops[i];
+    if (o.rows <= 0 || o.row_bytes <= 0) continue;  // no task (make_tasks skips it too)
     int64_t b;
     if (__builtin_mul_overflow(o.rows, o.rows == 1 ? o.row_bytes : o.src_stride, &b) ||
         __builtin_add_overflow(total, b, &total))
       return tb;
   }
   if (total >= enough) return tb;
-  const int64_t share = total / threads + (total % threads != 0);  // < tb: no overflow below
+  const int64_t share = total / threads + (total % threads != 0);
+  if (share >= tb) return tb;  // (threads == 1) and before rounding up, which could overflow
   return std::min(tb, std::max(kMinSplitTask, (share + 4095) / 4096 * 4096));
 }
 
@@ -252,6 +254,19 @@ struct Pool {
 
 }  // namespace
 
+bool same_options(const ReadOptions& a, const ReadOptions& b) {
+  if (a.identities.size() != b.identities.size()) return false;
+  for (size_t i = 0; i < a.identities.size(); ++i) {
+    const FileIdentity &x = a.identities[i], &y = b.identities[i];
+    if (x.dev != y.dev || x.ino != y.ino || x.size != y.size || x.mtime_ns != y.mtime_ns)
+      return false;
+  }
+  return a.threads == b.threads && a.task_bytes == b.task_bytes &&
+         a.bounce_bytes == b.bounce_bytes && a.coalesce_gap == b.coalesce_gap &&
+         a.max_open_files == b.max_open_files && a.io == b.io &&
+         a.auto_direct_min == b.auto_direct_min;
+}
+
 // ---- the crew ------------------------------------------------------------------------------
 
 namespace {
@@ -283,22 +298,30 @@ struct ReadCrew::Impl {
       : opt(o), files(paths, opt.identities, opt.max_open_files, &fault),
         shared(files, opt, fault) {}
 
+  // A helper whose reader cannot be set up (no memory for its bounce buffer) sits calls out
+  // and tries again at the next one: the call is done by the others, as when a thread cannot
+  // start. (The calling thread's own failure fails the call.)
   void helper() {
-    g_helpers_started.fetch_add(1);
     OpReader reader(shared);
-    const std::string init_error = reader.init();
+    bool ready = reader.init().empty();
     int64_t seen = 0;
     for (;;) {
-      Pool* p;
+      Pool* p = nullptr;
       {
         std::unique_lock<std::mutex> lock(mu);
         work_cv.wait(lock, [&] { return stop || (open && generation != seen); });
         if (stop) return;
         seen = generation;
-        p = job;
-        ++active;
+        if (ready) {
+          p = job;
+          ++active;
+        }
       }
-      p->safe_work(reader, init_error);
+      if (p == nullptr) {
+        ready = reader.init().empty();
+        continue;
+      }
+      p->safe_work(reader, std::string());
       std::lock_guard<std::mutex> lock(mu);
       if (--active == 0 && !open) done_cv.notify_all();
     }
@@ -315,12 +338,33 @@ struct ReadCrew::Impl {
 };
 
 ReadCrew::ReadCrew(const std::vector<std::string>& paths, const ReadOptions& opt)
-    : impl_(new Impl(paths, opt)) {}
+    : files_(paths), impl_(new Impl(paths, opt)) {}
+
+const ReadOptions& ReadCrew::options() const { return impl_->opt; }
 
 ReadCrew::~ReadCrew() { impl_->shutdown(); }
 
 ReadResult ReadCrew::run(const ReadOp* ops, int64_t n, const VerifyBlock* blocks,
-                         int64_t nblocks) {
+                         int64_t nblocks) noexcept {
+  bool published = false;
+  try {
+    return run_impl(ops, n, blocks, nblocks, &published);
+  } catch (const std::exception& e) {
+    // Out of memory building the plan or the report. Before publishing nothing was written;
+    // after it the helpers were done (the job was closed and waited for) before this throw.
+    ReadResult res;
+    res.ok = false;
+    res.wrote = published;
+    try {
+      res.error = std::string("reader: ") + e.what();
+    } catch (...) {
+    }
+    return res;
+  }
+}
+
+ReadResult ReadCrew::run_impl(const ReadOp* ops, int64_t n, const VerifyBlock* blocks,
+                              int64_t nblocks, bool* published) {
   Impl& c = *impl_;
   ReadResult res;
   // Per call, as before the crew: the fault plan is read and counted per call, the cancel
@@ -380,20 +424,23 @@ ReadResult ReadCrew::run(const ReadOp* ops, int64_t n, const VerifyBlock* blocks
   // Fewer threads than asked when some cannot start: the others and this one still finish
   // the work (workers take tasks from a shared counter).
   for (int t = int(c.group.started()); t < want; ++t)
-    c.group.spawn([&c] { c.helper(); });
+    if (c.group.spawn([&c] { c.helper(); })) g_helpers_started.fetch_add(1);
   const int helpers = int(c.group.started());
+  if (!c.own) {  // before the job is published: nothing below may throw until it is closed
+    c.own.reset(new OpReader(c.shared));
+    c.own_error = c.own->init();
+  } else if (!c.own_error.empty()) {
+    c.own_error = c.own->init();  // (the bounce buffer only: init failed before anything else)
+  }
   {
     std::lock_guard<std::mutex> lock(c.mu);
     c.job = &pool;
     c.open = true;
     ++c.generation;
   }
+  *published = true;
   if (helpers > 0) c.work_cv.notify_all();
-  if (!c.own) {
-    c.own.reset(new OpReader(c.shared));
-    c.own_error = c.own->init();
-  }
-  pool.safe_work(*c.own, c.own_error);  // returns when no task is left (or on failure)
+  pool.safe_work(*c.own, c.own_error);  // noexcept; returns when no task is left or on failure
   {
     std::unique_lock<std::mutex> lock(c.mu);
     c.open = false;

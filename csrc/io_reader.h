@@ -94,6 +94,9 @@ struct ReadOptions {
   int64_t auto_direct_min = int64_t(1) << 20;
 };
 
+// Whether two option sets read the same way (a kept ReadCrew is reused only for equal ones).
+bool same_options(const ReadOptions& a, const ReadOptions& b);
+
 // A checksum block (verified reads): `length` bytes of file `file_index` from `offset`, whose
 // XXH3-64 (seed 0) must be `digest` (the manifest's per-4-MiB-block digests). 4 x int64 so
 // Python passes an (n, 4) int64 array (the digest's 64 bits as int64).
@@ -153,7 +156,9 @@ ReadResult execute_reads(const std::vector<std::string>& files, const ReadOp* op
 // a staging pipeline reads every chunk of a load with one crew instead of starting threads
 // and opening files per chunk. run() is execute_reads on the crew's files and options (each
 // call validates its ops, reads METAMAT_IO_FAULT and reports its own bytes). One caller at a
-// time; never throws after construction; the destructor joins every thread.
+// time; run() never throws (out of memory is a failed result); the destructor joins every
+// thread. A helper thread whose bounce buffer cannot be allocated sits calls out (and tries
+// again at the next); the calling thread's own failure fails the call.
 class ReadCrew {
  public:
   ReadCrew(const std::vector<std::string>& files, const ReadOptions& opt);
@@ -161,10 +166,16 @@ class ReadCrew {
   ReadCrew(const ReadCrew&) = delete;
   ReadCrew& operator=(const ReadCrew&) = delete;
   ReadResult run(const ReadOp* ops, int64_t n, const VerifyBlock* blocks = nullptr,
-                 int64_t nblocks = -1);
+                 int64_t nblocks = -1) noexcept;
+  // The files and options it was made for (a caller keeping a crew checks they still apply).
+  const std::vector<std::string>& files() const { return files_; }
+  const ReadOptions& options() const;
 
  private:
+  ReadResult run_impl(const ReadOp* ops, int64_t n, const VerifyBlock* blocks, int64_t nblocks,
+                      bool* published);
   struct Impl;
+  std::vector<std::string> files_;
   std::unique_ptr<Impl> impl_;
 };
 

@@ -236,6 +236,7 @@ StagePipeline::StagePipeline(int ring, int64_t buffer_bytes, const std::vector<S
 StagePipeline::~StagePipeline() { release(); }
 
 void StagePipeline::release() noexcept {
+  crew_.reset();  // joins the reader threads (idle between run() calls)
   for (auto& s : sinks_) s->drain();
   if (final_stats_.empty())
     for (auto& s : sinks_) final_stats_.push_back(s->stats());
@@ -349,8 +350,11 @@ ReadResult StagePipeline::run(const std::vector<std::string>& files, const ReadO
   rep.pieces = int64_t(pieces.size());
 
   const int ring = int(buffers_.size());
-  // One crew for every chunk: its threads, bounce buffers and open files are set up once.
-  ReadCrew crew(files, opt);
+  // One crew for every chunk of every run() of this pipeline (a load calls run() once per
+  // batch of ops): threads, bounce buffers and open files are set up once per load.
+  if (!crew_ || crew_->files() != files || !same_options(crew_->options(), opt))
+    crew_.reset(new ReadCrew(files, opt));
+  ReadCrew& crew = *crew_;
   std::vector<ReadOp> staged;
   std::vector<CopyItem> items;
   std::vector<int64_t> chunk_ops;  // piece index of each staged op

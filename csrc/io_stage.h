@@ -7,7 +7,7 @@
 // chunks of at most a buffer (64-byte aligned pieces), and for chunk k on buffer b = k % ring:
 //   1. waits until every copy issued from b earlier has left it (sink->wait(b): an event),
 //   2. reads the chunk into b with the ordinary reader (a ReadCrew, io_reader.h: one crew of
-//      threads for the whole run, direct or buffered I/O, XXH3 block verification, fp32 <->
+//      threads kept across run() calls until close(), direct or buffered I/O, XXH3 block verification, fp32 <->
 //      fp16/bf16 conversion in its host copy loop), which returns when the chunk is read,
 //   3. hands each op's staged bytes to its sink (async copy) and records b's event.
 // Copies of chunk k run (on a CUDA stream, or the host sink's thread) while chunk k+1 is read
@@ -157,6 +157,7 @@ class StagePipeline {
   // destructors) go before the memory their copies read.
   std::vector<Buffer> buffers_;
   std::vector<std::unique_ptr<CopySink>> sinks_;
+  std::unique_ptr<ReadCrew> crew_;  // the reader threads, kept across run() calls
   std::vector<SinkStats> final_stats_;
 };
 

@@ -4,7 +4,8 @@ A load uses host memory for two things: per-thread bounce buffers of the C++ rea
 conversion, coalesced strided reads, direct I/O) and, for device destinations, a ring of
 (pinned) staging buffers the reader fills while the previous one is copied to the device.
 :class:`StagingBudget` owns that split, so that the budget the user passes is what is used,
-never more (torchsnapshot once shipped a sign bug in exactly this accounting).
+never more (torchsnapshot once shipped a sign bug in exactly this accounting). Between loads
+the last staging ring is kept for the next one (``metamat.release_staging_memory``).
 """
 from __future__ import annotations
 

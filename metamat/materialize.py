@@ -208,7 +208,8 @@ def materialize(
             missing real ones are left; unexpected ones are listed in the Report.
         dtype: checkpoint dtype policy: None converts between float32/float16/bfloat16,
             ``"exact"`` forbids it, a dtype requires every saved tensor to have it.
-        io_threads: reader threads (default ``min(8, cpu_count)``).
+        io_threads: reader threads (default ``metamat.load.default_io_threads()``: this
+            process's CPUs, shared by the node's ranks, at most 16).
         staging_bytes: host memory the load may use for bounce and staging buffers.
         progress: None: a tqdm bar on rank 0 for loads over a second, only on a TTY;
             True/False force it on/off; a callable gets ``(bytes_done, bytes_total)``.

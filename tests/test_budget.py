@@ -43,12 +43,15 @@ def test_too_small_says_what_is_needed():
         StagingBudget.split(100_000, 2, staged=True)
 
 
-@pytest.mark.parametrize("cpus,local,want", [
-    (2, None, 2), (16, None, 16), (64, None, 16), (128, "8", 16), (64, "8", 8), (16, "8", 2),
-    (4, "8", 1), (16, "bogus", 16), (16, "0", 16)])
-def test_default_io_threads_share_the_node(monkeypatch, cpus, local, want):
+@pytest.mark.parametrize("cpus,machine,local,want", [
+    (2, 2, None, 2), (16, 16, None, 16), (64, 64, None, 16), (128, 128, "8", 16),
+    (64, 64, "8", 8), (16, 16, "8", 2), (4, 4, "8", 1), (16, 16, "bogus", 16), (16, 16, "0", 16),
+    # bound to its own CPUs already (srun --cpu-bind, numactl): no second division
+    (16, 128, "8", 16), (6, 64, "8", 6)])
+def test_default_io_threads_share_the_node(monkeypatch, cpus, machine, local, want):
     from metamat.load import default_io_threads
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(cpus)))
+    monkeypatch.setattr("os.cpu_count", lambda: machine)
     if local is None:
         monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
     else:

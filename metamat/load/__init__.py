@@ -98,7 +98,8 @@ def execute(plan: LoadPlan, *, io_threads: Optional[int] = None,
 
     Args:
         plan: from :func:`plan_load`, with every target's ``tensor`` real.
-        io_threads: reader threads (default ``min(8, cpu_count)``).
+        io_threads: reader threads (default :func:`default_io_threads`: this process's CPUs,
+            shared by the node's ranks, at most 16).
         staging_bytes: host memory budget for bounce and staging buffers.
         progress: ``progress(bytes_done, bytes_total)`` between batches.
         verify: None or a checksum ``Manifest`` (:func:`resolve_manifest`).

@@ -44,7 +44,9 @@ def release_staging_memory() -> int:
 
     Page-locking host memory is slow (~2.4 GiB/s measured on an H100 machine), so when a
     staged load ends its ring is kept (at most one ring, the last one's) for the next load in
-    the process instead of being freed, as torch keeps its pinned blocks. Call this to give the
+    the process instead of being freed, as torch keeps its pinned blocks. That ring is held
+    outside any load's ``staging_bytes`` between loads (and, while the next load allocates a
+    ring of another size, beside it). Call this to give the
     memory back earlier; ``METAMAT_STAGING_CACHE=0`` turns the cache off. Safe at any time: a
     load in progress keeps its ring until it ends (then the ring is cached again).
     """
