@@ -107,17 +107,28 @@ int main(int argc, char** argv) {
   auto pipelines = [&](int seed) {
     std::mt19937_64 r2{static_cast<uint64_t>(seed)};
     for (int k = 0; k < 20; ++k) {
-      const int64_t n = 1 + int64_t(r2() % (2 << 20)), off = int64_t(r2() % uint64_t(size - n));
-      std::vector<unsigned char> out(size_t(n), 0xA5);
-      mio::ReadOp o{0, off, n, 1, n, n, int64_t(reinterpret_cast<uintptr_t>(out.data())), 0, 0};
-      const int64_t sink = 0;
-      mio::ReadOptions po;
-      po.threads = 2;
       mio::StagePipeline pipe(1 + int(r2() % 3), (int64_t(64) << 10) << (r2() % 4),
                               {mio::SinkSpec{}});
-      const mio::ReadResult r = pipe.run(files, &o, &sink, 1, po, nullptr, -1, nullptr);
+      // runs of one pipeline share its crew (until close); copies are checked after close()
+      std::vector<std::vector<unsigned char>> outs(3);
+      int64_t offs[3];
+      bool ok = true;
+      for (int j = 0; j < 3; ++j) {
+        const int64_t n = 1 + int64_t(r2() % (2 << 20));
+        offs[j] = int64_t(r2() % uint64_t(size - n));
+        outs[size_t(j)].assign(size_t(n), 0xA5);
+        mio::ReadOp o{0, offs[j], n, 1, n, n,
+                      int64_t(reinterpret_cast<uintptr_t>(outs[size_t(j)].data())), 0, 0};
+        const int64_t sink = 0;
+        mio::ReadOptions po;
+        po.threads = 2 + j / 2;  // the third run changes options: a new crew
+        ok = pipe.run(files, &o, &sink, 1, po, nullptr, -1, nullptr).ok && ok;
+      }
       pipe.close();
-      if (!r.ok || std::memcmp(out.data(), body.data() + off, size_t(n)) != 0) ++bad;
+      for (int j = 0; j < 3; ++j)
+        ok = ok && std::memcmp(outs[size_t(j)].data(), body.data() + offs[j],
+                               outs[size_t(j)].size()) == 0;
+      if (!ok) ++bad;
     }
   };
   if (failures == 0) {
@@ -132,7 +143,7 @@ int main(int argc, char** argv) {
   }
   unlink(path);
   if (failures == 0)
-    std::printf("crew stress: %d calls x 4 crews ok; 40 staged loads on 2 threads ok (%lld ring "
+    std::printf("crew stress: %d calls x 4 crews ok; 40 pipelines x 3 runs on 2 threads ok (%lld ring "
                 "buffers from the cache)\n", calls,
                 static_cast<long long>(mio::stage_pool_stats().hits));
   return failures == 0 ? 0 : 1;

@@ -183,5 +183,5 @@ def test_crew_under_thread_sanitizer(tmp_path):
                                   if k not in ("LD_PRELOAD", "ASAN_OPTIONS")},
                             "TSAN_OPTIONS": "halt_on_error=1:exitcode=66"})
     assert r.returncode == 0, r.stderr[-6000:]
-    assert "crew stress: 60 calls x 4 crews ok; 40 staged loads on 2 threads ok" in r.stdout
+    assert "crew stress: 60 calls x 4 crews ok; 40 pipelines x 3 runs on 2 threads ok" in r.stdout
     assert "ThreadSanitizer" not in r.stderr
