@@ -94,7 +94,7 @@ int64_t task_size(const ReadOp* ops, int64_t n, const ReadOptions& opt) {
   }
   if (total >= enough) return tb;
   const int64_t share = total / threads + (total % threads != 0);
-  if (share >= tb) return tb;  // (threads == 1) and before rounding up, which could overflow
+  if (threads == 1 || share > tb - 4096) return tb;  // before rounding up, which could overflow
   return std::min(tb, std::max(kMinSplitTask, (share + 4095) / 4096 * 4096));
 }
 
@@ -426,27 +426,31 @@ ReadResult ReadCrew::run_impl(const ReadOp* ops, int64_t n, const VerifyBlock* b
   for (int t = int(c.group.started()); t < want; ++t)
     if (c.group.spawn([&c] { c.helper(); })) g_helpers_started.fetch_add(1);
   const int helpers = int(c.group.started());
-  if (!c.own) {  // before the job is published: nothing below may throw until it is closed
-    c.own.reset(new OpReader(c.shared));
-    c.own_error = c.own->init();
+  if (!c.own) {  // before the job is published (set up fully, then kept)
+    std::unique_ptr<OpReader> own(new OpReader(c.shared));
+    std::string e = own->init();
+    c.own = std::move(own);
+    c.own_error = std::move(e);
   } else if (!c.own_error.empty()) {
     c.own_error = c.own->init();  // (the bounce buffer only: init failed before anything else)
   }
-  {
-    std::lock_guard<std::mutex> lock(c.mu);
-    c.job = &pool;
-    c.open = true;
-    ++c.generation;
-  }
-  *published = true;
-  if (helpers > 0) c.work_cv.notify_all();
-  pool.safe_work(*c.own, c.own_error);  // noexcept; returns when no task is left or on failure
-  {
+  // From publishing to closing, helpers use `pool`: nothing may leave this function meanwhile
+  // (a throw there terminates instead of freeing the job under them).
+  [&]() noexcept {
+    {
+      std::lock_guard<std::mutex> lock(c.mu);
+      c.job = &pool;
+      c.open = true;
+      ++c.generation;
+    }
+    *published = true;
+    if (helpers > 0) c.work_cv.notify_all();
+    pool.safe_work(*c.own, c.own_error);  // returns when no task is left or on failure
     std::unique_lock<std::mutex> lock(c.mu);
     c.open = false;
     c.done_cv.wait(lock, [&] { return c.active == 0; });
     c.job = nullptr;
-  }
+  }();
   res.threads = 1 + helpers;
   res.tasks = pool.count();
   res.bytes_read = c.shared.bytes_read.load();

@@ -155,9 +155,11 @@ ReadResult execute_reads(const std::vector<std::string>& files, const ReadOp* op
 // whose file table (opened, validated files; io=auto's per-file judgement) live across calls:
 // a staging pipeline reads every chunk of a load with one crew instead of starting threads
 // and opening files per chunk. run() is execute_reads on the crew's files and options (each
-// call validates its ops, reads METAMAT_IO_FAULT and reports its own bytes). One caller at a
-// time; run() never throws (out of memory is a failed result); the destructor joins every
-// thread. A helper thread whose bounce buffer cannot be allocated sits calls out (and tries
+// call validates its ops, reads METAMAT_IO_FAULT and reports its own bytes). What it keeps
+// across calls: each file is opened and its identity checked once, when first used (a file
+// rewritten in place later is caught only if its descriptor is reopened), O_DIRECT refusals
+// and io=auto's per-file judgement. One caller at a time; run() never throws (out of memory
+// is a failed result); the destructor joins every thread. A helper thread whose bounce buffer cannot be allocated sits calls out (and tries
 // again at the next); the calling thread's own failure fails the call.
 class ReadCrew {
  public:

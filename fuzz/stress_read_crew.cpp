@@ -104,15 +104,16 @@ int main(int argc, char** argv) {
   // Staging pipelines on two threads at once: rings taken from and given back to the shared
   // staging-buffer cache (io_stage_pool.h) concurrently, host sinks, bytes checked.
   std::atomic<int> bad{0};
+  const int64_t started0 = mio::reader_threads_started();
   auto pipelines = [&](int seed) {
     std::mt19937_64 r2{static_cast<uint64_t>(seed)};
     for (int k = 0; k < 20; ++k) {
-      mio::StagePipeline pipe(1 + int(r2() % 3), (int64_t(64) << 10) << (r2() % 4),
-                              {mio::SinkSpec{}});
       // runs of one pipeline share its crew (until close); copies are checked after close()
-      std::vector<std::vector<unsigned char>> outs(3);
+      std::vector<std::vector<unsigned char>> outs(3);  // outlive the pipeline
       int64_t offs[3];
       bool ok = true;
+      mio::StagePipeline pipe(1 + int(r2() % 3), (int64_t(64) << 10) << (r2() % 4),
+                              {mio::SinkSpec{}});
       for (int j = 0; j < 3; ++j) {
         const int64_t n = 1 + int64_t(r2() % (2 << 20));
         offs[j] = int64_t(r2() % uint64_t(size - n));
@@ -122,6 +123,8 @@ int main(int argc, char** argv) {
         const int64_t sink = 0;
         mio::ReadOptions po;
         po.threads = 2 + j / 2;  // the third run changes options: a new crew
+        po.task_bytes = int64_t(16) << 10;  // chunks of 64-512 KiB: several tasks, helpers
+        po.io = k % 4 == 3 ? mio::IoMode::kDirect : mio::IoMode::kBuffered;
         ok = pipe.run(files, &o, &sink, 1, po, nullptr, -1, nullptr).ok && ok;
       }
       pipe.close();
@@ -138,6 +141,14 @@ int main(int argc, char** argv) {
     b.join();
     if (bad.load() != 0) {
       std::fprintf(stderr, "%d staged loads differ\n", bad.load());
+      ++failures;
+    }
+    // a crew kept per pipeline starts at most 1 helper for runs 0-1 and 2 for run 2 (one crew
+    // per run could start 4); and helpers did run
+    const int64_t helpers = mio::reader_threads_started() - started0;
+    if (helpers <= 0 || helpers > 40 * 3) {
+      std::fprintf(stderr, "pipelines started %lld helper threads\n",
+                   static_cast<long long>(helpers));
       ++failures;
     }
   }

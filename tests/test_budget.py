@@ -47,7 +47,9 @@ def test_too_small_says_what_is_needed():
     (2, 2, None, 2), (16, 16, None, 16), (64, 64, None, 16), (128, 128, "8", 16),
     (64, 64, "8", 8), (16, 16, "8", 2), (4, 4, "8", 1), (16, 16, "bogus", 16), (16, 16, "0", 16),
     # bound to its own CPUs already (srun --cpu-bind, numactl): no second division
-    (16, 128, "8", 16), (6, 64, "8", 6)])
+    (16, 128, "8", 16), (6, 64, "8", 6),
+    # a CPU set the ranks share (a container's cpuset): divided
+    (64, 128, "8", 8), (32, 128, "8", 4)])
 def test_default_io_threads_share_the_node(monkeypatch, cpus, machine, local, want):
     from metamat.load import default_io_threads
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(cpus)))

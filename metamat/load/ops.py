@@ -134,9 +134,10 @@ MAX_DEFAULT_IO_THREADS = 16
 
 def default_io_threads() -> int:
     """Reader threads when the caller does not say: the CPUs this process may run on, at most
-    16. When the process may run on every CPU of the machine, they are shared by the ranks of
-    the node (``LOCAL_WORLD_SIZE``, which torchrun sets); a process already bound to its own
-    CPUs (srun ``--cpu-bind``, numactl) keeps them all.
+    16, shared by the ranks of the node (``LOCAL_WORLD_SIZE``, which torchrun sets) unless
+    each rank is bound to its own share of the machine (srun ``--cpu-bind``, numactl: the
+    ranks' CPU sets together fit in the machine), which it then keeps. A CPU set the ranks
+    share (a container's cpuset, a job's allocation) is divided among them.
 
     Page-cache reads scale past 8 threads where the cores are there: on the H100 machine (16
     cores) ``preadv`` reads 23-30 GB/s with 8 threads and 39-42 with 16 (bench/bench_stage.py),
@@ -147,10 +148,10 @@ def default_io_threads() -> int:
         cpus = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not Linux
         cpus = os.cpu_count() or 1
-    local = 1
-    if cpus >= (os.cpu_count() or 1):
-        try:
-            local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-        except ValueError:
-            local = 1
+    try:
+        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        local = 1
+    if cpus * local <= (os.cpu_count() or 1):  # bound per rank (or one rank): its own CPUs
+        local = 1
     return max(1, min(MAX_DEFAULT_IO_THREADS, cpus // local))
