@@ -46,9 +46,9 @@ def release_staging_memory() -> int:
     staged load ends its ring is kept (at most one ring, the last one's) for the next load in
     the process instead of being freed, as torch keeps its pinned blocks. That ring is held
     outside any load's ``staging_bytes`` between loads (and, while the next load allocates a
-    ring of another size, beside it). Call this to give the
-    memory back earlier; ``METAMAT_STAGING_CACHE=0`` turns the cache off. Safe at any time: a
-    load in progress keeps its ring until it ends (then the ring is cached again).
+    ring of another size, beside it). Call this to give the memory back earlier;
+    ``METAMAT_STAGING_CACHE=0`` turns the cache off. Safe at any time: a load in progress keeps
+    its ring until it ends (then the ring is cached again).
     """
     return int(core().stage_free_cached())
 
@@ -65,9 +65,10 @@ def _sink(device: torch.device, options: Optional[dict]) -> dict:
 
 # Ring buffer bytes per reader thread for CUDA destinations: enough for every thread to read a
 # share of each chunk (the reader's 2 MiB task floor, twice), small enough that page-locking
-# the ring stays a small part of a first load. On the H100 machine (2 GiB, 8 threads) rings
-# of 2 x 24 and 2 x 48 MiB loaded at 25.8 and 26.6 GB/s and 2 x 96 MiB (the whole default
-# budget) at 23.2, while the first call paid 29, 49 and 116 ms to page-lock them.
+# the ring stays a small part of a first load. On the H100 machine (2 GiB, 8 threads, ring
+# reused) rings of 2 x 24 and 2 x 48 MiB loaded at 25.8 and 26.6 GB/s and 2 x 96 MiB (the
+# whole default budget, filled 64 MiB at a time: chunks never span two batches) at 23.2,
+# while a first call spent 29, 49 and 116 ms creating the pipeline (mostly page-locking).
 RING_BYTES_PER_THREAD = 4 << 20
 
 
