@@ -159,10 +159,10 @@ def main(argv=None) -> int:
         print(f"{'':52s} first call {first.seconds:.3f} s (new destinations), of which "
               f"allocating the ring {first.staging_seconds * 1e3:.1f} ms; later calls (ring reused): "
               f"allocating {mid.staging_seconds * 1e3:.1f} ms, pipeline thread waiting for "
-              f"buffers {mid.stage_wait_seconds * 1e3:.1f} ms, reading "
-              f"{mid.stage_read_seconds * 1e3:.1f} ms, queueing copies "
-              f"{mid.stage_queue_seconds * 1e3:.1f} ms; {mid.chunks} chunks, "
-              f"{mid.reader_threads} reader threads")
+              f"buffers {mid.stage.wait_seconds * 1e3:.1f} ms, reading "
+              f"{mid.stage.read_seconds * 1e3:.1f} ms, queueing copies "
+              f"{mid.stage.queue_seconds * 1e3:.1f} ms; {mid.stage.chunks} chunks, "
+              f"{mid.stage.reader_threads} reader threads")
         del tg
     ck.close()
     os.remove(path)

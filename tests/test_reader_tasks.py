@@ -147,7 +147,7 @@ def test_one_crew_per_pipeline_across_runs_and_per_load(data_file, monkeypatch):
     with open_checkpoint(st) as ck:
         s = load_targets(tg, ck, staged=True, io_threads=4, staging_bytes=16 << 20,
                          io="buffered")
-    assert s.chunks == 4
+    assert s.stage.chunks == 4 and s.stage.reader_threads == 2
     assert C.reader_threads_started() - started == 1  # a crew per run would start 4
     for t in tg:
         assert torch.equal(t.tensor, sd[t.fqn])

@@ -23,7 +23,7 @@ from ..budget import StagingBudget
 from ..checkpoint import storage as fs
 from ..checkpoint.base import Checkpoint
 from ..plan import Target
-from .execute import Executed, execute_plan
+from .execute import Executed, StageProfile, execute_plan
 from .ops import ReadOp, default_io_threads
 from .plan import LoadPlan, plan_load, validate_destination
 from .verify import resolve_manifest
@@ -49,9 +49,7 @@ class LoadStats:
         bytes_reread: of those, bytes read again from the files (block ends beyond what was
             needed, strided or converted reads).
         staging_seconds: of ``seconds``, allocating (for CUDA: page-locking) the staging ring.
-        stage_wait_seconds, stage_read_seconds, stage_queue_seconds, chunks: staged loads:
-            where the pipeline's time went (:class:`~metamat.load.execute.Executed`).
-        reader_threads: most reader threads one read call ran on.
+        stage: where a staged load's time went (:class:`~metamat.load.execute.StageProfile`).
     """
 
     bytes_needed: int = 0
@@ -64,11 +62,7 @@ class LoadStats:
     bytes_verified: int = 0
     bytes_reread: int = 0
     staging_seconds: float = 0.0
-    stage_wait_seconds: float = 0.0
-    stage_read_seconds: float = 0.0
-    stage_queue_seconds: float = 0.0
-    chunks: int = 0
-    reader_threads: int = 0
+    stage: StageProfile = field(default_factory=StageProfile)
 
     @property
     def gbps(self) -> float:
@@ -146,11 +140,7 @@ def execute(plan: LoadPlan, *, io_threads: Optional[int] = None,
         out.bytes_reread += r.bytes_reread
         out.bytes_direct += r.bytes_direct
         out.staging_seconds += r.staging_seconds
-        out.stage_wait_seconds += r.stage_wait_seconds
-        out.stage_read_seconds += r.stage_read_seconds
-        out.stage_queue_seconds += r.stage_queue_seconds
-        out.chunks += r.chunks
-        out.reader_threads = max(out.reader_threads, r.reader_threads)
+        out.stage.merge(r.stage)
         done += sub.src_bytes
     return out
 
@@ -195,8 +185,4 @@ def load_targets(targets: Sequence[Target], ckpt: Checkpoint, *, strict: bool = 
                      seconds=time.perf_counter() - t0, missing=plan.missing,
                      loaded=len(plan.targets), ops=len(plan.ops),
                      bytes_verified=r.bytes_verified, bytes_reread=r.bytes_reread,
-                     staging_seconds=r.staging_seconds,
-                     stage_wait_seconds=r.stage_wait_seconds,
-                     stage_read_seconds=r.stage_read_seconds,
-                     stage_queue_seconds=r.stage_queue_seconds, chunks=r.chunks,
-                     reader_threads=r.reader_threads)
+                     staging_seconds=r.staging_seconds, stage=r.stage)

@@ -10,7 +10,7 @@ reader as it streams (:mod:`metamat.load.verify`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 from .._ext import core
@@ -21,7 +21,7 @@ from .ops import ReadOp, batches, op_array
 from .plan import LoadPlan
 from .verify import block_index
 
-__all__ = ["Executed", "execute_plan", "run_reader", "IO_MODES"]
+__all__ = ["Executed", "StageProfile", "execute_plan", "run_reader", "IO_MODES"]
 
 #: ``io=`` values: ``"auto"`` reads large ranges of files that are not in the page cache
 #: buffered with sequential readahead and drops their pages behind the reader (cold stays
@@ -35,6 +35,32 @@ TASK_BYTES = 8 << 20
 
 
 @dataclass
+class StageProfile:
+    """Where a staged load's time went (the C++ pipeline's report, summed over its calls).
+
+    Attributes:
+        wait_seconds: the pipeline thread waiting for a ring buffer's earlier copies to leave.
+        read_seconds: reading chunks into the ring (all reader threads at work).
+        queue_seconds: queueing the copies out of the ring.
+        chunks: ring buffers filled.
+        reader_threads: most reader threads one read call had (the calling one included).
+    """
+
+    wait_seconds: float = 0.0
+    read_seconds: float = 0.0
+    queue_seconds: float = 0.0
+    chunks: int = 0
+    reader_threads: int = 0
+
+    def merge(self, o: "StageProfile") -> None:
+        self.wait_seconds += o.wait_seconds
+        self.read_seconds += o.read_seconds
+        self.queue_seconds += o.queue_seconds
+        self.chunks += o.chunks
+        self.reader_threads = max(self.reader_threads, o.reader_threads)
+
+
+@dataclass
 class Executed:
     """What an executor did.
 
@@ -45,11 +71,7 @@ class Executed:
         bytes_direct: bytes read with O_DIRECT (the rest through the page cache).
         staging_seconds: staged loads: time to allocate the staging ring (page-locking it for
             CUDA destinations: on an H100 VM ~0.5 s per GiB, a large part of a small load).
-        stage_wait_seconds, stage_read_seconds, stage_queue_seconds: staged loads: the
-            pipeline thread's time waiting for a ring buffer's earlier copies to leave it,
-            reading chunks into the ring (all reader threads at work), and queueing copies.
-        chunks: staged loads: ring buffers filled.
-        reader_threads: most reader threads one read call ran on (the calling one included).
+        stage: where a staged load's time went (:class:`StageProfile`).
     """
 
     bytes_read: int = 0
@@ -57,22 +79,16 @@ class Executed:
     bytes_reread: int = 0
     bytes_direct: int = 0
     staging_seconds: float = 0.0
-    stage_wait_seconds: float = 0.0
-    stage_read_seconds: float = 0.0
-    stage_queue_seconds: float = 0.0
-    chunks: int = 0
-    reader_threads: int = 0
+    stage: StageProfile = field(default_factory=StageProfile)
 
     def add(self, r: dict) -> None:
         self.bytes_read += r["bytes_read"]
         self.bytes_verified += r.get("bytes_hashed", 0)
         self.bytes_reread += r.get("bytes_reread", 0)
         self.bytes_direct += sum(f.get("bytes_direct", 0) for f in r.get("files", ()))
-        self.stage_wait_seconds += r.get("wait_seconds", 0.0)
-        self.stage_read_seconds += r.get("read_seconds", 0.0)
-        self.stage_queue_seconds += r.get("queue_seconds", 0.0)
-        self.chunks += r.get("chunks", 0)
-        self.reader_threads = max(self.reader_threads, r.get("threads", 0))
+        self.stage.merge(StageProfile(r.get("wait_seconds", 0.0), r.get("read_seconds", 0.0),
+                                      r.get("queue_seconds", 0.0), r.get("chunks", 0),
+                                      r.get("threads", 0)))
 
 
 def run_reader(plan: LoadPlan, ops: Sequence[ReadOp], ptrs: Sequence[int],
