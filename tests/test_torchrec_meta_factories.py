@@ -12,7 +12,7 @@ from metamat.models.torchrec import meta_factories  # noqa: E402
 from metamat.models.torchrec.meta_factories import MetaFactories, _uvm_ops  # noqa: E402
 
 _NAMES = ("empty", "zeros", "ones", "full", "rand", "randn", "empty_strided", "tensor",
-          "as_tensor", "arange")
+          "as_tensor", "arange", "zeros_like", "ones_like", "full_like")
 # torch's own functions, whatever the torch namespace holds now
 _TORCH = {name: getattr(torch._C._VariableFunctions, name) for name in _NAMES}
 
@@ -48,6 +48,13 @@ def test_redirects_floating_keeps_integer_and_records_small_meta_values():
         assert not hasattr(big, "_metamat_value")
         assert torch.zeros(3, out=buf) is buf and buf.tolist() == [0, 0, 0]  # out= is kept
         assert torch.zeros(2, dtype=torch.int32, device="meta")._metamat_value.tolist() == [0, 0]
+        # *_like of a meta tensor: integer results remember their value, floating ones not
+        counts = torch.empty(3, dtype=torch.int64, device="meta")
+        assert torch.zeros_like(counts)._metamat_value.tolist() == [0, 0, 0]
+        assert torch.ones_like(counts)._metamat_value.tolist() == [1, 1, 1]
+        assert torch.full_like(counts, 7)._metamat_value.tolist() == [7, 7, 7]
+        assert not hasattr(torch.zeros_like(torch.empty(3, device="meta")), "_metamat_value")
+        assert torch.zeros_like(ints).device.type == "cpu"  # a real input: nothing changes
     assert torch.zeros(3).device.type == "cpu"
 
 

@@ -7,8 +7,9 @@ functions are redirected:
   meta: they are tables and optimizer state;
 * integer factories keep their device: TBE constructors read offsets back;
 * small tensors the caller explicitly puts on meta from data or integer factories
-  (``torch.tensor(dims, device="meta")``) stay meta but remember their value in
-  ``_metamat_value`` (a CPU tensor), which ``materialize`` copies in;
+  (``torch.tensor(dims, device="meta")``), and integer ``zeros_like``/``ones_like``/
+  ``full_like`` of a meta tensor, stay meta but remember their value in ``_metamat_value``
+  (a CPU tensor), which ``materialize`` copies in;
 * with ``cuda=True``, floating factories aimed at a CUDA device and fbgemm's UVM factories
   (``torch.ops.fbgemm.new_unified_tensor`` / ``new_managed_tensor``) go to meta too.
 
@@ -16,8 +17,9 @@ Why not a ``TorchFunctionMode``: a mode sees *every* torch call of the thread, ~
 while TorchRec builds a DMP (tensor properties, ``view``, ``size``, ...), at ~2-4 µs each —
 ~300 µs per table, a third of ``shard_on_meta`` (measured, 2,000 tables), for ~0.1 factory
 call per table. Instead the factory functions themselves (``torch.empty``, ``zeros``, ...,
-the names in ``tbe.FACTORIES`` and :data:`RECORDED`) are replaced in the ``torch`` namespace
-by forwarders while at least one thread has the context open; a forwarder acts only for a
+the names in ``tbe.FACTORIES``, :data:`RECORDED` and :data:`LIKE`) are replaced in the
+``torch`` namespace by forwarders while at least one thread has the context open; a forwarder
+acts only for a
 thread that opened it and calls the original for every other thread, so the effect stays
 thread-local as a mode's is. The originals are put back when the last user leaves (unless
 someone replaced them meanwhile; then theirs is kept). Coverage equals the mode's for code
@@ -51,11 +53,16 @@ import torch
 
 from .tbe import FACTORIES, floating_factory_call
 
-__all__ = ["MetaFactories", "RECORDED", "uvm_factory_on_meta"]
+__all__ = ["LIKE", "MetaFactories", "RECORDED", "uvm_factory_on_meta"]
 
 _META = torch.device("meta")
 # Factories whose small meta results remember their value (see the module docstring).
 RECORDED = (torch.tensor, torch.as_tensor, torch.arange)
+# ``*_like`` factories follow their input's device: on a meta input they make meta tensors of
+# known value (fbgemm's ``last_uvm_cache_print_state = zeros_like(uvm_cache_stats)``). Their
+# integer results are recorded like the others', so a TBE built here needs no rebuild to
+# know its metadata (walk._known_values).
+LIKE = (torch.zeros_like, torch.ones_like, torch.full_like)
 _RECORD_MAX_NUMEL = 1 << 20
 _UVM_NAMES = ("new_unified_tensor", "new_managed_tensor", "new_host_mapped_tensor",
               "new_managed_tensor_meta")
@@ -162,7 +169,7 @@ def _install() -> None:
         except (ImportError, AttributeError):
             pass
         targets: List[Tuple[Any, str, bool]] = [
-            (torch, f.__name__, False) for f in (*FACTORIES, *RECORDED)]
+            (torch, f.__name__, False) for f in (*FACTORIES, *RECORDED, *LIKE)]
         targets += [(torch.ops.fbgemm, name, True) for name in _uvm_ops()]
         try:
             for namespace, name, uvm in targets:

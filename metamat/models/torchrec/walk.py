@@ -304,10 +304,9 @@ def _known_values(meta: List[torch.Tensor], sharded: List[Tuple[str, nn.Module]]
 
     for _, sm in sharded:
         for w in _wrappers(sm):
-            emb = w._emb_module
-            if not any(t.device.type == "meta" for t in _own_tensors(emb).values()):
-                continue
-            own = _own_tensors(emb)
+            own = _own_tensors(w._emb_module)
+            if not any(_value_unknown(t) for t in own.values()):
+                continue  # shard_on_meta recorded every value (~9 µs per table saved)
             for name, new in rebuild_tbe_metadata(w, device).items():
                 put(own[name], new)
         for old, new in torchrec_known_values(sm):
@@ -317,6 +316,14 @@ def _known_values(meta: List[torch.Tensor], sharded: List[Tuple[str, nn.Module]]
         if isinstance(v, torch.Tensor):
             put(t, v)
     return values
+
+
+def _value_unknown(t: torch.Tensor) -> bool:
+    """A non-empty integer meta tensor with no recorded value: TBE metadata (offsets,
+    placements, counters) only fbgemm's constructor can tell. Floating ones are tables,
+    optimizer state or zeros; they need no rebuild."""
+    return t.device.type == "meta" and t.numel() > 0 and not t.is_floating_point() \
+        and "_metamat_value" not in getattr(t, "__dict__", {})
 
 
 def _own_tensors(m: nn.Module) -> Dict[str, torch.Tensor]:

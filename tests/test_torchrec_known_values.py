@@ -1,0 +1,99 @@
+"""TBE metadata values: what shard_on_meta records while fbgemm builds a TBE equals what
+fbgemm's constructor gives when re-run (tbe.rebuild_tbe_metadata), so the plan skips that
+re-run for such models; a DMP built directly on meta records nothing and is rebuilt."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("torchrec")
+
+
+def _model(kernel: str):
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.sharding_plan import (column_wise, construct_module_sharding_plan,
+                                                    row_wise, table_wise)
+    from torchrec.distributed.types import ShardingPlan
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    cfgs = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=d, num_embeddings=10 + i,
+                               feature_names=[f"f{i}"]) for i, d in enumerate([8, 16, 8, 16])]
+
+    def ebc():
+        return EmbeddingBagCollection(tables=cfgs, device=torch.device("meta"))
+
+    sharder = EmbeddingBagCollectionSharder(fused_params={
+        "optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.05})
+    per_table = {"t0": table_wise(rank=0), "t1": column_wise(ranks=[0, 0]), "t2": row_wise(),
+                 "t3": table_wise(rank=0)}
+    mp = construct_module_sharding_plan(ebc(), per_table, local_size=1, world_size=1,
+                                        device_type="cpu", sharder=sharder)
+    for ps in mp.values():
+        ps.compute_kernel = kernel
+    return ebc, sharder, ShardingPlan({"": mp})
+
+
+def _wrappers(model):
+    from metamat.models.torchrec.walk import _wrappers, root_of, sharded_modules
+
+    return [w for _, sm in sharded_modules(root_of(model)) for w in _wrappers(sm)]
+
+
+@pytest.mark.parametrize("kernel", ["fused", "dense"])
+def test_recorded_tbe_values_equal_fbgemms_rebuild(world1_env, kernel, monkeypatch):
+    import metamat
+    from metamat.models.torchrec import tbe
+    from metamat.models.torchrec.walk import _own_tensors, _value_unknown
+
+    ebc, sharder, plan = _model(kernel)
+    dmp = metamat.shard_on_meta(ebc(), env=world1_env, plan=plan, sharders=[sharder])
+    checked = 0
+    for w in _wrappers(dmp):
+        own = _own_tensors(w._emb_module)
+        assert not [n for n, t in own.items() if _value_unknown(t)]
+        rebuilt = tbe.rebuild_tbe_metadata(w, torch.device("cpu"))
+        for name, new in rebuilt.items():
+            if own[name].numel() == 0:
+                continue
+            got = own[name]._metamat_value
+            assert got.dtype == new.dtype and torch.equal(got, new), name
+            checked += 1
+    # the fused TBE's offsets, placements, hash sizes and counters (the dense TBE keeps its
+    # integer metadata on the CPU: nothing to record or rebuild)
+    assert checked >= 10 if kernel == "fused" else checked == 0
+    calls = []
+    monkeypatch.setattr(tbe, "rebuild_tbe_metadata", lambda *a: calls.append(a) or {})
+    metamat.materialize(dmp, device="cpu")
+    assert not calls  # every value was recorded: fbgemm's constructor is not run again
+    for w in _wrappers(dmp):
+        own = _own_tensors(w._emb_module)
+        assert all(t.device.type == "cpu" for t in own.values())
+
+
+def test_a_dmp_built_on_meta_is_rebuilt(world1_env, monkeypatch):
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+
+    import metamat
+    from metamat.models.torchrec import tbe
+    from metamat.models.torchrec.walk import _own_tensors, _value_unknown
+
+    ebc, sharder, plan = _model("fused")
+    dmp = DistributedModelParallel(ebc(), env=world1_env, device=torch.device("meta"), plan=plan,
+                                   sharders=[sharder])
+    unknown = [n for w in _wrappers(dmp) for n, t in _own_tensors(w._emb_module).items()
+               if _value_unknown(t)]
+    assert "weights_offsets" in unknown and "D_offsets" in unknown
+    real = tbe.rebuild_tbe_metadata
+    calls = []
+    monkeypatch.setattr(tbe, "rebuild_tbe_metadata",
+                        lambda *a: calls.append(a) or real(*a))
+    metamat.materialize(dmp, device="cpu")
+    assert calls
+    eager = DistributedModelParallel(ebc(), env=world1_env, device=torch.device("cpu"),
+                                     plan=plan, sharders=[sharder])
+    for got, want in zip(_wrappers(dmp), _wrappers(eager)):
+        g, e = _own_tensors(got._emb_module), _own_tensors(want._emb_module)
+        for name in ("weights_offsets", "D_offsets", "hash_size_cumsum", "momentum1_offsets"):
+            assert torch.equal(g[name], e[name]), name
