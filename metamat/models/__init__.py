@@ -106,15 +106,16 @@ def find_parts(model: nn.Module, device: torch.device, init: Mapping, *, loading
         UnsupportedError: (and subclasses) anything an adapter cannot handle, before
             anything is allocated.
     """
-    from .torchrec.part import TorchRecPart, has_sharded_modules
-    from .torchrec.walk import root_of
+    from .torchrec.part import TorchRecPart
+    from .torchrec.walk import root_of, sharded_modules
 
-    skip = TorchRecPart.module_names(model) if has_sharded_modules(model) else []
+    sharded = sharded_modules(root_of(model))  # [] unless torchrec was imported
+    skip = [n for n, _ in sharded]
     modules = ModulesPart(root_of(model) if skip else model, skip=skip, loading=loading,
                           aliases=not skip)
     parts: list = []
     if skip:
         parts.append(TorchRecPart(model, device, init, claimed=modules.claimed(),
-                                  loading=loading))
+                                  loading=loading, sharded=sharded))
     parts.append(modules)
     return parts

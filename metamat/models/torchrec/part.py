@@ -17,20 +17,9 @@ from .optim_keys import OptimMatch, finish_means, match_optimizer
 from .register import register
 from .tables import fill_targets, needs_write
 from .graph import slot_names
-from .walk import build_plan, root_of, sharded_modules
+from .walk import build_plan
 
-__all__ = ["TorchRecPart", "has_sharded_modules"]
-
-
-def has_sharded_modules(model: nn.Module) -> bool:
-    """True if ``model`` holds TorchRec sharded modules (torchrec was imported at all)."""
-    import sys
-
-    if "torchrec" not in sys.modules:
-        return False
-    from torchrec.distributed.types import ShardedModule
-
-    return any(isinstance(m, ShardedModule) for m in model.modules())
+__all__ = ["TorchRecPart"]
 
 
 def _copy_tensor_state(graph_meta: Sequence[torch.Tensor], alloc: Allocation) -> None:
@@ -58,19 +47,14 @@ class TorchRecPart:
     kind = "torchrec"
 
     def __init__(self, model: nn.Module, device: torch.device, init, *, claimed: Set[int],
-                 loading: bool) -> None:
+                 loading: bool, sharded: Optional[list] = None) -> None:
         self.model = model
-        self.plan = build_plan(model, device, init, claimed=claimed, loading=loading)
+        self.plan = build_plan(model, device, init, claimed=claimed, loading=loading,
+                               sharded=sharded)
         self.targets: List[Target] = self.plan.targets
         self.storages = list(self.plan.storages.values())
         self.warnings: List[str] = list(self.plan.warnings)
         self.optim: Optional[OptimMatch] = None
-
-    @staticmethod
-    def module_names(model: nn.Module) -> List[str]:
-        """Names (in the DMP's wrapped module) of the sharded modules: the subtrees the
-        ordinary-module adapter must leave alone."""
-        return [n for n, _ in sharded_modules(root_of(model))] if has_sharded_modules(model) else []
 
     def names(self) -> Dict[str, List[str]]:
         """Every checkpointable name of the sharded modules (global: with or without a block

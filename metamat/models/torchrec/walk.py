@@ -334,7 +334,8 @@ def _own_tensors(m: nn.Module) -> Dict[str, torch.Tensor]:
 
 
 def build_plan(model: nn.Module, device: torch.device, init=None, *, claimed=frozenset(),
-               loading: bool = False) -> TorchRecPlan:
+               loading: bool = False,
+               sharded: Optional[List[Tuple[str, nn.Module]]] = None) -> TorchRecPlan:
     """Validate ``model``'s sharded modules and plan their materialization on ``device``.
     Allocates no model memory (TBE metadata is rebuilt on ``device`` with floating storages
     kept on meta).
@@ -345,6 +346,7 @@ def build_plan(model: nn.Module, device: torch.device, init=None, *, claimed=fro
         init: the validated ``init=`` mapping (table names or fqns -> values).
         claimed: keys of meta storages another adapter owns (ordinary modules' tensors).
         loading: a checkpoint will be loaded: real blocks become targets too.
+        sharded: ``sharded_modules(root_of(model))`` when the caller has it already.
 
     Raises:
         UnsupportedError: unsupported versions, kernels, module types, or a meta tensor
@@ -354,7 +356,8 @@ def build_plan(model: nn.Module, device: torch.device, init=None, *, claimed=fro
         check_versions()
     root = root_of(model)
     graph = scan(model)
-    sharded = sharded_modules(root)
+    if sharded is None:
+        sharded = sharded_modules(root)
     laid_out_for = getattr(model, "_metamat_compute_device", None)
     if sharded and laid_out_for is not None:
         # shard_on_meta(compute_device="cuda"): fbgemm's CUDA layout (weights_dev/uvm, LXU
@@ -381,24 +384,26 @@ def build_plan(model: nn.Module, device: torch.device, init=None, *, claimed=fro
     meta = graph.meta_tensors()  # ~25 tensor objects per table: listed once
     values = _known_values(meta, sharded, device)
 
-    for p in meta:
-        for slot in graph.slots[id(p)]:
-            if slot.kind == "tuple":
+    storages: Dict[int, StorageGroup] = {}
+    slots = graph.slots
+    for t in meta:  # one pass (~5 tensors per table)
+        for slot in slots[id(t)]:
+            if slot[1] == "tuple":  # Slot.kind
                 raise UnsupportedError(
-                    f"meta tensor {graph.path(p)} is held in an immutable container; "
+                    f"meta tensor {graph.path(t)} is held in an immutable container; "
                     "metamat cannot swap it"
                 )
-
-    storages: Dict[int, StorageGroup] = {}
-    for t in meta:
-        k = storage_key(t)
+        st = t.untyped_storage()
+        k = st._cdata  # storage_key(t)
         if k in claimed:
             continue
         g = storages.get(k)
         if g is None:
-            g = storages[k] = StorageGroup(k, t.untyped_storage().nbytes(), where=graph.path(t))
+            g = storages[k] = StorageGroup(k, st.nbytes(), where=graph.path(t))
         g.tensors.append(t)
-        g.nbytes = max(g.nbytes, _extent(t))
+        extent = _extent(t)
+        if extent > g.nbytes:
+            g.nbytes = extent
     for tg in targets:
         if tg.tensor.device.type != "meta":
             continue  # a real block: loaded (or a DATA_PARALLEL table DMP built, refilled)
