@@ -12,6 +12,7 @@ shadow copies that the register step copies in (unless ``inplace=True``).
 from __future__ import annotations
 
 import fnmatch
+import itertools
 import logging
 import time
 import warnings as _warnings
@@ -39,8 +40,9 @@ _log = logging.getLogger("metamat")
 def _has_meta(model: nn.Module) -> bool:
     from .models.modules import local_of
 
+    # stops at the first meta tensor: a sharded model lists its tables lazily
     return any(local_of(t).device.type == "meta"
-               for t in list(model.parameters()) + list(model.buffers()))
+               for t in itertools.chain(model.parameters(), model.buffers()))
 
 
 def _resolve_device(model: nn.Module, device) -> torch.device:
