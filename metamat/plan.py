@@ -96,4 +96,4 @@ def storage_key(t: torch.Tensor) -> int:
 
 def block_nbytes(shape: Tuple[int, ...], dtype: torch.dtype) -> int:
     """Bytes of a dense block of ``shape`` and ``dtype``."""
-    return math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return math.prod(shape) * dtype.itemsize

@@ -17,17 +17,25 @@ from .plan import StorageGroup, Target
 __all__ = ["fill_support"]
 
 
-def _zero_gaps(full: torch.Tensor, covered: List[Tuple[int, int]]) -> int:
-    n, pos, written = full.numel(), 0, 0
+def _gaps(n: int, covered: List[Tuple[int, int]]) -> List[Tuple[int, int]]:
+    """Byte ranges of ``[0, n)`` that no range of ``covered`` overlaps."""
+    out, pos = [], 0
     for lo, hi in sorted(covered):
         if lo > pos:
-            full[pos:lo].zero_()
-            written += lo - pos
+            out.append((pos, lo))
         pos = max(pos, hi)
     if pos < n:
-        full[pos:n].zero_()
-        written += n - pos
-    return written
+        out.append((pos, n))
+    return out
+
+
+def _zero_gaps(alloc: Allocation, key: int, covered: List[Tuple[int, int]]) -> int:
+    gaps = _gaps(alloc.storages[key].nbytes(), covered)
+    if gaps:  # a storage its targets cover (the common case) needs no view at all
+        full = alloc.full(key)
+        for lo, hi in gaps:
+            full[lo:hi].zero_()
+    return sum(hi - lo for lo, hi in gaps)
 
 
 def fill_support(groups: Iterable[StorageGroup], targets: Iterable[Target],
@@ -57,7 +65,7 @@ def fill_support(groups: Iterable[StorageGroup], targets: Iterable[Target],
             if g.kind in ("targets", "zeros") and g.key in alloc.zeroed:
                 continue  # born zero: gaps and zero storages need no write
             if g.kind == "targets":
-                written += _zero_gaps(alloc.full(g.key), covered.get(g.key, []))
+                written += _zero_gaps(alloc, g.key, covered.get(g.key, []))
             elif g.kind == "zeros":
                 alloc.full(g.key).zero_()
                 written += g.nbytes

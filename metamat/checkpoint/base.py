@@ -7,13 +7,13 @@ the load planner (``metamat.load``) only ever sees this representation.
 """
 from __future__ import annotations
 
-import functools
 import os
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from ..dtypes import itemsize
 from . import storage as fs
 from .errors import (InvalidOffsetError, MissingFileError, ReadError, ShapeMismatchError,
                      TruncatedFileError)
@@ -31,12 +31,6 @@ def open_binary(path: str, what: str = "file", tensor: Optional[str] = None):
         ReadError: it is a directory, FIFO, device, unreadable, or the OS refuses otherwise.
     """
     return open_regular(path, what, tensor)
-
-
-@functools.lru_cache(maxsize=None)  # called per chunk: a tensor per call adds up
-def itemsize(dtype: torch.dtype) -> int:
-    """Bytes per element of ``dtype``."""
-    return torch.empty((), dtype=dtype).element_size()
 
 
 def numel(shape) -> int:

@@ -28,6 +28,7 @@ import torch
 
 from ..checkpoint import storage as fs
 from ..checkpoint.errors import ReadError
+from ..dtypes import itemsize
 from .execute import Executed
 from .ops import ReadOp, split_ops
 from .plan import LoadPlan
@@ -184,7 +185,7 @@ def _cut(ops: Sequence[ReadOp], targets, part: int) -> List[ReadOp]:
             cap = part * o.dst_row_bytes // span
         else:
             cap = part * o.dst_row_bytes // max(1, o.row_bytes)
-        cap = max(cap, torch.empty((), dtype=o.dst_dtype).element_size())
+        cap = max(cap, itemsize(o.dst_dtype))
         out.extend(split_ops([o], cap))
     return out
 
@@ -192,7 +193,7 @@ def _cut(ops: Sequence[ReadOp], targets, part: int) -> List[ReadOp]:
 def _typed(u8: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     if dtype == torch.uint8:
         return u8
-    isz = torch.empty((), dtype=dtype).element_size()
+    isz = itemsize(dtype)
     if u8.storage_offset() % isz:
         u8 = u8.clone()
     return u8.view(dtype)
@@ -201,7 +202,7 @@ def _typed(u8: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def _dst(t: torch.Tensor, op: ReadOp, r0: int, rows: int) -> torch.Tensor:
     """The destination elements of rows [r0, r0+rows) of ``op`` as a (rows, n) typed view."""
     dt = op.dst_dtype
-    isz = torch.empty((), dtype=dt).element_size()
+    isz = itemsize(dt)
     n = op.dst_row_bytes // isz
     byte = t.storage_offset() * isz + op.dst_offset + r0 * op.dst_stride
     stride = op.dst_stride // isz if rows > 1 else n
