@@ -55,6 +55,16 @@ def test_redirects_floating_keeps_integer_and_records_small_meta_values():
         assert torch.full_like(counts, 7)._metamat_value.tolist() == [7, 7, 7]
         assert not hasattr(torch.zeros_like(torch.empty(3, device="meta")), "_metamat_value")
         assert torch.zeros_like(ints).device.type == "cpu"  # a real input: nothing changes
+        # a record is only good while the tensor is unwritten: on meta fill_ does nothing
+        # (fbgemm's cache state is torch.zeros(...).fill_(-1))
+        state = torch.zeros(2, dtype=torch.int64, device="meta")
+        kept = torch.zeros(2, dtype=torch.int64, device="meta")
+        state.fill_(-1)
+        assert meta_factories.recorded_value(state) is None
+        assert meta_factories.recorded_value(kept).tolist() == [0, 0]
+        view_written = torch.zeros(2, dtype=torch.int64, device="meta")
+        view_written[0] = 5  # through a view: the version counter is shared
+        assert meta_factories.recorded_value(view_written) is None
     assert torch.zeros(3).device.type == "cpu"
 
 

@@ -33,6 +33,7 @@ from ..rules import (RESET, Default, InitValue, container_init, default_init, fi
                      match_init, reset_method)
 from ..spec import Constant, Dist
 from .modules import Entry
+from .torchrec.meta_factories import recorded_value  # torch only: no torchrec import
 
 __all__ = ["Decision", "decide", "fill_values", "module_seed"]
 
@@ -130,8 +131,8 @@ def decide(entries: Sequence[Entry], init: Mapping[str, InitValue], loaded: Set[
         if v is not None:
             out[id(e)] = _from_init(e, v)
             continue
-        rec = getattr(e.old_local, "__dict__", {}).get("_metamat_value")
-        if isinstance(rec, torch.Tensor):
+        rec = recorded_value(e.old_local)
+        if rec is not None:
             out[id(e)] = Decision("recorded", value=rec)
             continue
         m, attr = e.owner.module, e.owner.name

@@ -28,7 +28,8 @@ call them (checked: no ``from torch import zeros`` in torchrec 1.8.0 / fbgemm-gp
 The price: while a ``shard_on_meta`` runs, *other* threads that look those functions up get
 the stand-ins (which call the originals for them); one that compiles code naming them at that
 moment sees a Python callable, not torch's builtin (``torch.jit.script`` of a function that
-calls ``torch.zeros`` fails to compile then; ``torch.compile`` traces through it). Copying a
+calls ``torch.zeros`` or ``torch.zeros_like`` fails to compile then; ``torch.compile`` traces
+through it), and an identity test such as ``f is torch.zeros_like`` is false. Copying a
 stand-in gives the original; pickling one pickles the original (torch's functions by name;
 fbgemm's op packets do not pickle, stand-in or not).
 
@@ -53,7 +54,7 @@ import torch
 
 from .tbe import FACTORIES, floating_factory_call
 
-__all__ = ["LIKE", "MetaFactories", "RECORDED", "uvm_factory_on_meta"]
+__all__ = ["LIKE", "MetaFactories", "RECORDED", "recorded_value", "uvm_factory_on_meta"]
 
 _META = torch.device("meta")
 # Factories whose small meta results remember their value (see the module docstring).
@@ -259,6 +260,18 @@ class MetaFactories:
         ):
             try:
                 out._metamat_value = func(*args, **dict(kwargs, device="cpu"))
+                out._metamat_version = out._version  # see recorded_value
             except Exception:  # noqa: BLE001 - value unknown; materialize reports it
                 pass
         return out
+
+
+def recorded_value(t: Any) -> Optional[torch.Tensor]:
+    """The value a stand-in recorded for meta tensor ``t``, or None: none was recorded, or
+    ``t`` was written in place since (``torch.zeros(..., device="meta").fill_(-1)``, which
+    fbgemm does for cache state: on meta the write does nothing, but it bumps ``_version``)."""
+    d = getattr(t, "__dict__", None)
+    v = d.get("_metamat_value") if d else None
+    if not isinstance(v, torch.Tensor) or d.get("_metamat_version") != t._version:
+        return None
+    return v

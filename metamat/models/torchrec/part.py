@@ -31,7 +31,7 @@ def _copy_tensor_state(graph_meta: Sequence[torch.Tensor], alloc: Allocation) ->
         d = getattr(t, "__dict__", None)
         if d:
             for k, v in d.items():
-                if k != "_metamat_value":
+                if k not in ("_metamat_value", "_metamat_version"):
                     new.__dict__[k] = twins.get(id(v), v)
         for name in slot_names(t):  # per type, cached
             try:

@@ -25,6 +25,7 @@ from ...rules import default_table_dist, dist_from_init_fn, match_init
 from ...spec import Dist, Zeros
 from .compat import check_versions
 from .graph import Graph, scan
+from .meta_factories import recorded_value
 
 __all__ = ["TorchRecPlan", "build_plan", "sharded_modules", "root_of"]
 
@@ -312,8 +313,8 @@ def _known_values(meta: List[torch.Tensor], sharded: List[Tuple[str, nn.Module]]
         for old, new in torchrec_known_values(sm):
             put(old, new)
     for t in meta:
-        v = t.__dict__.get("_metamat_value") if hasattr(t, "__dict__") else None
-        if isinstance(v, torch.Tensor):
+        v = recorded_value(t)
+        if v is not None:
             put(t, v)
     return values
 
@@ -323,7 +324,7 @@ def _value_unknown(t: torch.Tensor) -> bool:
     placements, counters) only fbgemm's constructor can tell. Floating ones are tables,
     optimizer state or zeros; they need no rebuild."""
     return t.device.type == "meta" and t.numel() > 0 and not t.is_floating_point() \
-        and "_metamat_value" not in getattr(t, "__dict__", {})
+        and recorded_value(t) is None
 
 
 def _own_tensors(m: nn.Module) -> Dict[str, torch.Tensor]:
