@@ -21,9 +21,10 @@ the names in ``tbe.FACTORIES``, :data:`RECORDED` and :data:`LIKE`) are replaced 
 ``torch`` namespace by forwarders while at least one thread has the context open; a forwarder
 acts only for a thread that opened it and calls the original for every other thread, so the
 effect stays thread-local as a mode's is. The originals are put back when the last user
-leaves (unless someone replaced them meanwhile; then theirs is kept). Coverage equals the mode's for code
-that calls ``torch.zeros(...)`` through the namespace, which is how torch, TorchRec and fbgemm
-call them (checked: no ``from torch import zeros`` in torchrec 1.8.0 / fbgemm-gpu 1.8.0).
+leaves (unless someone replaced them meanwhile; then theirs is kept). Coverage equals the
+mode's for code that calls ``torch.zeros(...)`` through the namespace, which is how torch,
+TorchRec and fbgemm call them (checked: no ``from torch import zeros`` in torchrec 1.8.0 /
+fbgemm-gpu 1.8.0).
 The price: while a ``shard_on_meta`` runs, *other* threads that look those functions up get
 the stand-ins (which call the originals for them); one that compiles code naming them at that
 moment sees a Python callable, not torch's builtin (``torch.jit.script`` of a function that
