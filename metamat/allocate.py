@@ -80,19 +80,24 @@ class Allocation:
         return torch.empty((0,), dtype=torch.uint8, device=self.device).set_(
             st, 0, (st.nbytes(),), (1,))
 
-    def twin(self, old: torch.Tensor) -> torch.Tensor:
+    def twin(self, old: torch.Tensor, view: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The real tensor object that replaces ``old`` (same class, same requires_grad),
-        created once: every caller asking for the twin of one tensor gets the same object."""
+        created once: every caller asking for the twin of one tensor gets the same object.
+
+        ``view``: ``self.view(old)`` if the caller made it already. A Parameter twin is made
+        from it (``_make_subclass`` detaches: the caller's view stays a separate plain
+        tensor); other twins are made from a view of their own."""
         new = self._twins.get(id(old))
         if new is None:
-            view = self.view(old)
             cls = type(old)
             if cls is torch.Tensor:
-                new = view.requires_grad_(True) if old.requires_grad else view
+                v = self.view(old)
+                new = v.requires_grad_(True) if old.requires_grad else v
             elif issubclass(cls, nn.Parameter):
-                new = torch.Tensor._make_subclass(cls, view, old.requires_grad)
+                new = torch.Tensor._make_subclass(
+                    cls, view if view is not None else self.view(old), old.requires_grad)
             else:
-                new = view.as_subclass(cls)
+                new = self.view(old).as_subclass(cls)
             self._twins[id(old)] = new
         return new
 

@@ -39,7 +39,7 @@ def bind(entries: Sequence[Entry], dec: Dict[int, Decision], alloc: Allocation,
     for e in entries:
         if e.meta:
             e.local = alloc.view(e.old_local)
-            e.new = alloc.twin(e.old) if e.mesh is None else _wrap(e, e.local)
+            e.new = alloc.twin(e.old, e.local) if e.mesh is None else _wrap(e, e.local)
         elif e.mesh is None and e.old.device != device:
             x = e.old_local
             with torch.no_grad():
@@ -48,6 +48,9 @@ def bind(entries: Sequence[Entry], dec: Dict[int, Decision], alloc: Allocation,
             alloc.adopt(e.local)
             e.new = _wrap(e, e.local)
         else:
+            continue
+        if len(e.targets) == 1 and len(e.global_shape) <= 2:
+            e.targets[0].tensor = e.local  # what entry_targets gives a 0-2-D tensor
             continue
         for t, fresh in zip(e.targets, entry_targets(e, e.local)):
             t.tensor = fresh.tensor

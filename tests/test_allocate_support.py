@@ -1,5 +1,6 @@
-"""fill_support: the bytes of a storage no target covers are zeroed, covered bytes are left
-to their targets, and a storage its targets cover whole is not written at all."""
+"""The allocation's twins, and fill_support: the bytes of a storage no target covers are
+zeroed, covered bytes are left to their targets, and a storage its targets cover whole is
+not written at all."""
 from __future__ import annotations
 
 import torch
@@ -40,3 +41,27 @@ def test_uncovered_bytes_zeroed_covered_ones_untouched():
     assert alloc.full(2).eq(0xAB).all()  # covered whole: not touched
     assert alloc.full(3).eq(0).all()
     assert written == 8 + 24 + 16
+
+
+def test_a_parameter_twin_made_from_the_callers_view_is_its_own_object():
+    from torch import nn
+
+    from metamat.plan import storage_key
+
+    old = nn.Parameter(torch.empty(4, 3, device="meta"))
+    buf = torch.empty(5, device="meta")
+    groups = [StorageGroup(storage_key(old), 48, kind="targets"),
+              StorageGroup(storage_key(buf), 20, kind="targets")]
+    alloc = allocate(groups, torch.device("cpu"))
+    view = alloc.view(old)
+    new = alloc.twin(old, view)
+    assert type(new) is nn.Parameter and new.requires_grad and new is not view
+    assert not view.requires_grad  # the caller's view stays a plain tensor to write into
+    assert new.data_ptr() == view.data_ptr() and new.shape == view.shape
+    with torch.no_grad():
+        view.fill_(2.0)
+    assert new.eq(2.0).all()
+    assert alloc.twin(old) is new  # one twin per tensor, however asked
+    plain_view = alloc.view(buf)
+    plain = alloc.twin(buf, plain_view)  # a plain tensor's twin is a view of its own
+    assert plain is not plain_view and plain.data_ptr() == plain_view.data_ptr()
