@@ -64,6 +64,18 @@ def _integer_metadata_equals_eager(model, eager) -> int:
     return n
 
 
+def _materialize_counting_rebuilds(model, monkeypatch) -> int:
+    """materialize(model) on the CPU; how many TBEs it rebuilt through fbgemm's constructor."""
+    import metamat
+    from metamat.models.torchrec import tbe
+
+    real = tbe.rebuild_tbe_metadata
+    calls = []
+    monkeypatch.setattr(tbe, "rebuild_tbe_metadata", lambda *a: calls.append(a) or real(*a))
+    metamat.materialize(model, device="cpu")
+    return len(calls)
+
+
 @pytest.mark.parametrize("kernel", ["fused", "dense"])
 def test_recorded_tbe_values_equal_fbgemms_rebuild(world1_env, kernel, monkeypatch):
     import metamat
@@ -88,10 +100,8 @@ def test_recorded_tbe_values_equal_fbgemms_rebuild(world1_env, kernel, monkeypat
     # the fused TBE's offsets, placements, hash sizes and counters (the dense TBE keeps its
     # integer metadata on the CPU: nothing to record or rebuild)
     assert checked >= 10 if kernel == "fused" else checked == 0
-    calls = []
-    monkeypatch.setattr(tbe, "rebuild_tbe_metadata", lambda *a: calls.append(a) or {})
-    metamat.materialize(dmp, device="cpu")
-    assert not calls  # every value was recorded: fbgemm's constructor is not run again
+    # every value was recorded: fbgemm's constructor is not run again
+    assert _materialize_counting_rebuilds(dmp, monkeypatch) == 0
     for w in _wrappers(dmp):
         own = _own_tensors(w._emb_module)
         assert all(t.device.type == "cpu" for t in own.values())
@@ -103,7 +113,6 @@ def test_a_record_written_since_is_not_trusted(world1_env, monkeypatch):
     """A recorded tensor written in place after its factory call (on meta the write does
     nothing) falls back to fbgemm's rebuild."""
     import metamat
-    from metamat.models.torchrec import tbe
     from metamat.models.torchrec.walk import _own_tensors, _value_unknown
 
     ebc, sharder, plan = _model("fused")
@@ -112,20 +121,13 @@ def test_a_record_written_since_is_not_trusted(world1_env, monkeypatch):
     offsets = _own_tensors(w._emb_module)["D_offsets"]
     offsets.mul_(2)  # a no-op on meta that the record cannot know about
     assert _value_unknown(offsets)
-    real = tbe.rebuild_tbe_metadata
-    calls = []
-    monkeypatch.setattr(tbe, "rebuild_tbe_metadata",
-                        lambda *a: calls.append(a) or real(*a))
-    metamat.materialize(dmp, device="cpu")
-    assert calls
+    assert _materialize_counting_rebuilds(dmp, monkeypatch)
     assert _integer_metadata_equals_eager(dmp, _eager(world1_env, ebc, sharder, plan)) >= 10
 
 
 def test_a_dmp_built_on_meta_is_rebuilt(world1_env, monkeypatch):
     from torchrec.distributed.model_parallel import DistributedModelParallel
 
-    import metamat
-    from metamat.models.torchrec import tbe
     from metamat.models.torchrec.walk import _own_tensors, _value_unknown
 
     ebc, sharder, plan = _model("fused")
@@ -134,10 +136,5 @@ def test_a_dmp_built_on_meta_is_rebuilt(world1_env, monkeypatch):
     unknown = [n for w in _wrappers(dmp) for n, t in _own_tensors(w._emb_module).items()
                if _value_unknown(t)]
     assert "weights_offsets" in unknown and "D_offsets" in unknown
-    real = tbe.rebuild_tbe_metadata
-    calls = []
-    monkeypatch.setattr(tbe, "rebuild_tbe_metadata",
-                        lambda *a: calls.append(a) or real(*a))
-    metamat.materialize(dmp, device="cpu")
-    assert calls
+    assert _materialize_counting_rebuilds(dmp, monkeypatch)
     assert _integer_metadata_equals_eager(dmp, _eager(world1_env, ebc, sharder, plan)) >= 10
