@@ -12,13 +12,60 @@
 // __slots__ names); metadata is searched depth-first when reached.
 #include <pybind11/pybind11.h>
 
-#include <unordered_map>
-#include <unordered_set>
+#include <cstdint>
 #include <vector>
 
 namespace py = pybind11;
 
 namespace {
+
+// Pointer -> small value, open addressing (linear probing, power-of-two capacity). The walk
+// asks it several times per reference; std::unordered_map's node per entry and `div` per
+// probe were ~30% of the walk (3k tables, perf).
+template <class V>
+class PtrMap {
+ public:
+  // The slot for `key`: `*found` tells whether it was there; a new slot holds V{}.
+  V& get(const void* key, bool* found) {
+    if (2 * (size_ + 1) > keys_.size()) grow();
+    size_t i = index(key);
+    while (keys_[i] != nullptr) {
+      if (keys_[i] == key) return *found = true, vals_[i];
+      i = (i + 1) & (keys_.size() - 1);
+    }
+    keys_[i] = key, ++size_;
+    return *found = false, vals_[i];
+  }
+  // Whether `key` is new (and now present).
+  bool insert(const void* key) {
+    bool found;
+    get(key, &found);
+    return !found;
+  }
+
+ private:
+  size_t index(const void* key) const {
+    // Fibonacci hashing of the address (objects are 16-byte aligned: the low bits carry none)
+    return size_t((uint64_t(uintptr_t(key)) * 0x9E3779B97F4A7C15ull) >> shift_);
+  }
+  void grow() {
+    std::vector<const void*> keys(keys_.empty() ? 64 : 2 * keys_.size(), nullptr);
+    std::vector<V> vals(keys.size());
+    keys.swap(keys_), vals.swap(vals_);
+    shift_ = 64;
+    for (size_t n = keys_.size(); n > 1; n >>= 1) --shift_;
+    for (size_t j = 0; j < keys.size(); ++j) {
+      if (keys[j] == nullptr) continue;
+      size_t i = index(keys[j]);
+      while (keys_[i] != nullptr) i = (i + 1) & (keys_.size() - 1);
+      keys_[i] = keys[j], vals_[i] = vals[j];
+    }
+  }
+  std::vector<const void*> keys_;
+  std::vector<V> vals_;
+  size_t size_ = 0;
+  int shift_ = 64;
+};
 
 struct Walk {
   PyObject* objects;     // dict: id -> object
@@ -36,9 +83,11 @@ struct Walk {
   py::str s_item{"item"}, s_tuple{"tuple"}, s_attr{"attr"}, s_slot{"slot"}, s_dictkey{"dictkey"},
       s_dict{"__dict__"}, s_meta{"meta"};
 
-  std::unordered_map<PyTypeObject*, bool> tensor_types;  // isinstance(x, torch.Tensor) by type
-  std::unordered_map<PyTypeObject*, bool> dict_types;  // has_dict, by type
-  std::unordered_set<PyObject*> searched;  // metadata objects (and their containers) searched
+  PtrMap<char> tensor_types;  // isinstance(x, torch.Tensor) by type
+  PtrMap<char> dict_types;    // has_dict, by type
+  PtrMap<char> kind_cache;    // 1 + kind, by type (see kind())
+  PtrMap<char> searched;      // metadata objects (and their containers) searched
+  std::vector<PyObject*> held;  // for_items' snapshots of exact dicts (strong references)
 
   static bool is_container(PyObject* o) {
     return PyDict_Check(o) || PyList_Check(o) || PyTuple_Check(o) || PyAnySet_Check(o);
@@ -62,11 +111,13 @@ struct Walk {
   // isinstance(o, torch.Tensor), decided once per type (~200 ns per call in Python: the
   // tensor metaclass); the walk's objects keep their types alive.
   bool is_tensor(PyObject* o) {
-    auto it = tensor_types.find(Py_TYPE(o));
-    if (it != tensor_types.end()) return it->second;
+    bool found;
+    char& known = tensor_types.get(Py_TYPE(o), &found);
+    if (found) return known;
     const int r = PyObject_IsInstance(o, tensor);
     if (r < 0) throw py::error_already_set();
-    tensor_types.emplace(Py_TYPE(o), r != 0);
+    char& slot = tensor_types.get(Py_TYPE(o), &found);  // the call may have grown the map
+    slot = r != 0;
     return r != 0;
   }
 
@@ -76,13 +127,24 @@ struct Walk {
     return PyUnicode_CheckExact(v) && PyUnicode_Compare(v, s_meta.ptr()) == 0;
   }
 
+  // graph._KIND of the child's type: asked once per reference (~150 per table), so kept
+  // here too (1 + kind; 0: not asked yet). A type's kind never changes.
   int kind(PyObject* child) {
+    bool found;
+    char& cached = kind_cache.get(Py_TYPE(child), &found);
+    if (found && cached) return cached - 1;
+    int r;
     PyObject* k = PyDict_GetItemWithError(kinds, (PyObject*)Py_TYPE(child));  // borrowed
-    if (k) return int(PyLong_AsLong(k));
-    if (PyErr_Occurred()) throw py::error_already_set();
-    py::object r = py::reinterpret_steal<py::object>(PyObject_CallOneArg(kind_of, child));
-    if (!r) throw py::error_already_set();
-    return int(PyLong_AsLong(r.ptr()));
+    if (k) {
+      r = int(PyLong_AsLong(k));
+    } else {
+      if (PyErr_Occurred()) throw py::error_already_set();
+      py::object v = py::reinterpret_steal<py::object>(PyObject_CallOneArg(kind_of, child));
+      if (!v) throw py::error_already_set();
+      r = int(PyLong_AsLong(v.ptr()));
+    }
+    kind_cache.get(Py_TYPE(child), &found) = char(1 + r);  // the call may have grown the map
+    return r;
   }
 
   // One reference: holder -(kind, key)-> child. `in_metadata`: holder is shard metadata (or a
@@ -98,7 +160,7 @@ struct Walk {
       return;
     }
     if (k == 3 || (in_metadata && k == 1 && is_container(child))) {
-      if (searched.insert(child).second) children(child, true);  // now, not recorded
+      if (searched.insert(child)) children(child, true);  // now, not recorded
       return;
     }
     if (k == 1 && is_container(child) && holds_nothing(child)) return;  // not recorded
@@ -136,14 +198,24 @@ struct Walk {
   template <class F>
   void for_items(PyObject* d, F&& f) {
     if (PyDict_CheckExact(d)) {
-      std::vector<py::object> kv;
-      kv.reserve(2 * size_t(PyDict_GET_SIZE(d)));
+      // the snapshot goes on `held` (shared by nested calls, stack-wise: no allocation per
+      // dict); its references keep the items alive whatever the visits run
+      const size_t base = held.size();
       Py_ssize_t pos = 0;
       PyObject *k, *v;
-      while (PyDict_Next(d, &pos, &k, &v))
-        kv.push_back(py::reinterpret_borrow<py::object>(k)),
-            kv.push_back(py::reinterpret_borrow<py::object>(v));
-      for (size_t i = 0; i < kv.size(); i += 2) f(kv[i].ptr(), kv[i + 1].ptr());
+      while (PyDict_Next(d, &pos, &k, &v)) {
+        Py_INCREF(k), Py_INCREF(v);
+        held.push_back(k), held.push_back(v);
+      }
+      struct Release {  // drops the snapshot, also when a visit throws
+        std::vector<PyObject*>& held;
+        size_t base;
+        ~Release() {
+          for (size_t i = base; i < held.size(); ++i) Py_DECREF(held[i]);
+          held.resize(base);
+        }
+      } release{held, base};
+      for (size_t i = base, end = held.size(); i < end; i += 2) f(held[i], held[i + 1]);
       return;
     }
     py::object items = py::reinterpret_steal<py::object>(PyMapping_Items(d));  // d.items()
@@ -158,11 +230,11 @@ struct Walk {
   // dict, or a `__dict__` the class defines. Asking objects without one costs an
   // AttributeError each (a formatted message); decided once per type.
   bool has_dict(PyTypeObject* type) {
-    auto it = dict_types.find(type);
-    if (it != dict_types.end()) return it->second;
-    const bool r = type->tp_dictoffset != 0 || _PyType_Lookup(type, s_dict.ptr()) != nullptr;
-    dict_types.emplace(type, r);
-    return r;
+    bool found;
+    char& known = dict_types.get(type, &found);
+    if (!found)
+      known = type->tp_dictoffset != 0 || _PyType_Lookup(type, s_dict.ptr()) != nullptr;
+    return known;
   }
 
   void children(PyObject* obj, bool in_metadata) {

@@ -187,3 +187,24 @@ def test_shared_constants_and_handles_are_leaves(world1_env):
         assert graph._kind_of(newer) == 3 and (newer, "device") in g.device_refs
     finally:
         graph._KIND.pop(TensorProperties, None)
+
+
+def test_c_walk_equals_python_past_its_tables_first_sizes():
+    """Hundreds of types and thousands of objects, dicts nested in dicts: the C walk's
+    per-type caches and its searched set grow (they start at 64 entries) and its dict
+    snapshots nest, and it still equals the Python walk."""
+    from torch.distributed._shard.metadata import ShardMetadata
+
+    types = [dataclasses.make_dataclass(f"T{i}", [("w", object), ("more", object)])
+             for i in range(300)]
+    for t in types:
+        t.__module__ = "metamat.fake"  # walked like metamat's own objects
+    shared = torch.empty(8, device="meta")
+    objs = [t(shared[i % 8:], {"k": {"deep": [shared]}, i: types[i - 1](None, None)})
+            for i, t in enumerate(types)]
+    placements = [ShardMetadata(shard_offsets=[i], shard_sizes=[1], placement="rank:0/meta")
+                  for i in range(2000)]
+    for i, sm in enumerate(placements[::10]):
+        sm.shard_sizes = [torch.empty(1, device="meta"), {"again": placements[i]}]
+    g = _same(objs, {i: p for i, p in enumerate(placements)})
+    assert len(g.meta_tensors()) == 300 + 200 + 1
