@@ -67,7 +67,8 @@ SAN_TREE  := $(SAN_DIR)/tree
 SAN_TESTS ?= tests/test_fill_reference.py tests/test_fill_invariance.py tests/test_fill_errors.py \
              tests/test_checkpoint_reader.py tests/test_load.py tests/test_reader_faults.py \
              tests/test_checkpoint_dcp.py tests/test_hostile.py tests/test_stage_pipeline.py \
-             tests/test_fill_cuda_emulated.py tests/test_reader_tasks.py tests/test_stage_pool.py
+             tests/test_fill_cuda_emulated.py tests/test_reader_tasks.py tests/test_stage_pool.py \
+             tests/test_graph_scan.py
 SAN_ENV   := LD_PRELOAD="$$(gcc -print-file-name=libasan.so) $$(gcc -print-file-name=libubsan.so)" \
              ASAN_OPTIONS=detect_leaks=0:abort_on_error=1:halt_on_error=1:detect_odr_violation=0 \
              UBSAN_OPTIONS=halt_on_error=1:print_stacktrace=1
@@ -79,7 +80,7 @@ sanitize: setup
 	  -DCMAKE_CXX_FLAGS="-fno-sanitize-recover=undefined"
 	cmake --build $(SAN_DIR)
 	rm -rf $(SAN_TREE) && mkdir -p $(SAN_TREE)
-	cp -r metamat tests fuzz pyproject.toml $(SAN_TREE)/
+	cp -r metamat tests fuzz bench pyproject.toml $(SAN_TREE)/
 	rm -f $(SAN_TREE)/metamat/_C*.so && cp $(SAN_DIR)/_C*.so $(SAN_TREE)/metamat/
 	cd $(SAN_TREE) && $(SAN_ENV) $(abspath $(VPY)) -c \
 	  "import metamat, metamat._C as C, os; assert os.path.realpath(C.__file__).startswith(os.getcwd()), C.__file__"

@@ -200,13 +200,6 @@ struct Walk {
     if (PyDict_CheckExact(d)) {
       // the snapshot goes on `held` (shared by nested calls, stack-wise: no allocation per
       // dict); its references keep the items alive whatever the visits run
-      const size_t base = held.size();
-      Py_ssize_t pos = 0;
-      PyObject *k, *v;
-      while (PyDict_Next(d, &pos, &k, &v)) {
-        Py_INCREF(k), Py_INCREF(v);
-        held.push_back(k), held.push_back(v);
-      }
       struct Release {  // drops the snapshot, also when a visit throws
         std::vector<PyObject*>& held;
         size_t base;
@@ -214,7 +207,15 @@ struct Walk {
           for (size_t i = base; i < held.size(); ++i) Py_DECREF(held[i]);
           held.resize(base);
         }
-      } release{held, base};
+      } release{held, held.size()};
+      const size_t base = release.base;
+      Py_ssize_t pos = 0;
+      PyObject *k, *v;
+      held.reserve(base + 2 * size_t(PyDict_GET_SIZE(d)));  // no push_back below can throw
+      while (PyDict_Next(d, &pos, &k, &v)) {
+        Py_INCREF(k), Py_INCREF(v);
+        held.push_back(k), held.push_back(v);
+      }
       for (size_t i = base, end = held.size(); i < end; i += 2) f(held[i], held[i + 1]);
       return;
     }

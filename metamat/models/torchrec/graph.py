@@ -264,8 +264,10 @@ class Graph:
     def meta_tensors(self) -> List[torch.Tensor]:
         """Every storage-backed meta tensor reached (listed once: the register stage swaps
         slots, the objects listed stay meta)."""
-        if self._meta is None:
-            self._meta = [t for t in self.tensors() if t.is_meta]
+        if self._meta is None:  # tensors() inline: ~9 tensor objects per table
+            plain = (torch.Tensor, nn.Parameter)
+            self._meta = [t for t in self._tensors
+                          if (type(t) in plain or not is_wrapper_tensor(t)) and t.is_meta]
         return self._meta
 
     def of_type(self, cls: type) -> List[Any]:

@@ -81,7 +81,7 @@ class TorchRecPart:
         _copy_tensor_state(meta, alloc)
         twins = alloc.twins()
         for tg in self.targets:
-            if tg.tensor.device.type == "meta":
+            if tg.tensor.is_meta:
                 tg.tensor = twins.get(id(tg.tensor)) if id(tg.tensor) in twins \
                     else alloc.view(tg.tensor)
         if self.optim is not None:

@@ -80,7 +80,7 @@ def sharded_modules(root: nn.Module) -> List[Tuple[str, nn.Module]]:
         if isinstance(m, (ShardedEmbeddingBagCollection, ShardedEmbeddingCollection)):
             out.append((name, m))
         elif isinstance(m, ShardedModule) and not _is_container(m):
-            if any(p.device.type == "meta" for p in _tensors_of(m)):
+            if any(p.is_meta for p in _tensors_of(m)):
                 raise UnsupportedError(
                     f"{name or '<root>'}: sharded module type {type(m).__name__} is not supported "
                     "(supported: ShardedEmbeddingBagCollection, ShardedEmbeddingCollection)"
@@ -181,7 +181,7 @@ def _table_targets(sharded: List[Tuple[str, nn.Module]], init, warnings: List[st
         # DMP(device=meta) still builds DATA_PARALLEL tables on CPU with torch's RNG; refill
         # them (in place) when the module's other tables are on meta, so every table gets
         # plan-invariant values.
-        any_meta = any(b[0].device.type == "meta" for v in sd.values() if isinstance(v, torch.Tensor)
+        any_meta = any(b[0].is_meta for v in sd.values() if isinstance(v, torch.Tensor)
                        for b in _local_blocks(v))
         names.update(k for k, v in sd.items() if isinstance(v, torch.Tensor))
         for key, value in sd.items():
@@ -211,7 +211,7 @@ def _table_targets(sharded: List[Tuple[str, nn.Module]], init, warnings: List[st
                                 "values depend on the sharding plan)"
                             )
             for local, offsets, gshape in _local_blocks(value):
-                if local.numel() == 0 or (local.device.type != "meta" and not any_meta
+                if local.numel() == 0 or (not local.is_meta and not any_meta
                                           and not loading):
                     continue
                 targets.append(Target(
@@ -219,14 +219,14 @@ def _table_targets(sharded: List[Tuple[str, nn.Module]], init, warnings: List[st
                     local_shape=tuple(local.shape), dtype=local.dtype, dist=dist,
                     tensor=local, init_fn=init_fn,
                 ))
-                if local.device.type != "meta" and any_meta:
+                if not local.is_meta and any_meta:
                     refill.add(id(targets[-1]))
         for key, value in sd.items():  # real non-table tensors of the module (eager loads)
             if not loading or _table_name_from_key(key) is not None \
                     or not isinstance(value, torch.Tensor):
                 continue
             for local, offsets, gshape in _local_blocks(value):
-                if local.device.type != "meta" and local.numel():
+                if not local.is_meta and local.numel():
                     targets.append(Target(fqn=key, key=key, global_shape=gshape,
                                           offsets=offsets, local_shape=tuple(local.shape),
                                           dtype=local.dtype, tensor=local))
@@ -261,7 +261,7 @@ def _optimizer_targets(model: nn.Module, loading: bool, names: Set[str]) -> List
                 continue
             names.add(f"state.{pfqn}.{sname}")
             for local, offsets, gshape in _local_blocks(value):
-                if local.numel() == 0 or (local.device.type != "meta" and not loading):
+                if local.numel() == 0 or (not local.is_meta and not loading):
                     continue
                 targets.append(Target(
                     fqn=f"state.{pfqn}.{sname}", key=sname, global_shape=gshape,
@@ -296,7 +296,7 @@ def _known_values(meta: List[torch.Tensor], sharded: List[Tuple[str, nn.Module]]
     values: Dict[int, torch.Tensor] = {}
 
     def put(old: torch.Tensor, new: torch.Tensor) -> None:
-        if old.device.type != "meta" or old.numel() == 0:
+        if not old.is_meta or old.numel() == 0:
             return
         if old.storage_offset() != 0 or not old.is_contiguous() or \
                 old.untyped_storage().nbytes() != old.numel() * old.element_size():
@@ -323,7 +323,7 @@ def _value_unknown(t: torch.Tensor) -> bool:
     """A non-empty integer meta tensor with no recorded value: TBE metadata (offsets,
     placements, counters) only fbgemm's constructor can tell. Floating ones are tables,
     optimizer state or zeros; they need no rebuild."""
-    return t.device.type == "meta" and t.numel() > 0 and not t.is_floating_point() \
+    return t.is_meta and t.numel() > 0 and not t.is_floating_point() \
         and recorded_value(t) is None
 
 
@@ -402,11 +402,13 @@ def build_plan(model: nn.Module, device: torch.device, init=None, *, claimed=fro
         if g is None:
             g = storages[k] = StorageGroup(k, st.nbytes(), where=graph.path(t))
         g.tensors.append(t)
-        extent = _extent(t)
+        # _extent(t), its common case inline (~5 meta tensors per table)
+        extent = (t.storage_offset() + t.numel()) * t.itemsize if t.is_contiguous() \
+            else _extent(t)
         if extent > g.nbytes:
             g.nbytes = extent
     for tg in targets:
-        if tg.tensor.device.type != "meta":
+        if not tg.tensor.is_meta:
             continue  # a real block: loaded (or a DATA_PARALLEL table DMP built, refilled)
         k = storage_key(tg.tensor)
         if k not in storages:  # reachable only through a state_dict view: still needs memory
