@@ -158,6 +158,43 @@ def run_tables(counts: Sequence[int], reps: int, log=print) -> List[dict]:
     return out
 
 
+def plan_parts(n: int, reps: int = 5) -> Dict[str, float]:
+    """CPU µs per table of the plan's parts on one ``shard_on_meta`` model of ``n`` tables:
+    the object-graph walk (``scan``) and the whole plan (``find_parts`` with the device given),
+    each the minimum of ``reps`` calls with the collector paused, as ``materialize`` runs them.
+    Minima, because this box's noise moves single calls by tens of percent; compare trees by
+    alternating processes (``python bench/bench_scale.py plan 3000``)."""
+    from torchrec.distributed.types import ShardingEnv
+    import torch.distributed as dist
+
+    import metamat
+    from metamat.models import find_parts
+    from metamat.models.torchrec.graph import scan
+
+    env = ShardingEnv.from_process_group(dist.group.WORLD)
+    sharder, plan = _sharder_and_plan(_ebc(n))
+    dmp = metamat.shard_on_meta(_ebc(n), env=env, plan=plan, sharders=[sharder])
+    cpu = torch.device("cpu")
+    calls = {"scan": lambda: scan(dmp),
+             "find_parts": lambda: find_parts(dmp, cpu, {}, loading=False)}
+    out = {}
+    was = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        for name, fn in calls.items():
+            best = float("inf")
+            for _ in range(reps):
+                t0 = time.process_time()
+                fn()
+                best = min(best, time.process_time() - t0)
+            out[name] = best * 1e6 / n
+    finally:
+        if was:
+            gc.enable()
+    return out
+
+
 # ---------------------------------------------------------------------------------------------
 # chunks and tensors
 
@@ -333,3 +370,12 @@ def run_scale(a, device=None, log=print) -> list:
     # scale.csv / scale.png above are this mode's results; the GB/s rows and plot of the
     # other modes do not fit counts, so nothing is returned to them.
     return []
+
+
+if __name__ == "__main__":  # python bench/bench_scale.py plan N [REPS]
+    if len(sys.argv) < 3 or sys.argv[1] != "plan":
+        sys.exit("usage: bench_scale.py plan TABLES [REPS]")
+    with process_group():
+        r = plan_parts(int(sys.argv[2]), int(sys.argv[3]) if len(sys.argv) > 3 else 5)
+    print(f"{sys.argv[2]} tables, CPU time per table (min of calls): "
+          + "  ".join(f"{k} {v:.1f} us" for k, v in r.items()))

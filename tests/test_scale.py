@@ -143,3 +143,14 @@ def test_bench_scale_mode_quick(tmp_path, monkeypatch):
     lines = (tmp_path / "scale.csv").read_text().splitlines()
     assert lines[0] == "case,method,count,seconds,us_per_item"
     assert len(lines) > 10
+
+
+def test_plan_parts_times_the_walk_inside_the_plan(world1_env):
+    """bench_scale.plan_parts (the plan timing behind docs/PERFORMANCE.md's eighth round)
+    times a real sharded model's walk and whole plan; the walk is part of the plan."""
+    pytest.importorskip("torchrec")
+    import bench_scale
+
+    r = bench_scale.plan_parts(30, reps=2)
+    assert set(r) == {"scan", "find_parts"}
+    assert 0 < r["scan"] < r["find_parts"] < 1e5  # µs per table
