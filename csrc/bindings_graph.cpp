@@ -25,7 +25,8 @@ namespace {
 template <class V>
 class PtrMap {
  public:
-  // The slot for `key`: `*found` tells whether it was there; a new slot holds V{}.
+  // The slot for `key`: `*found` tells whether it was there; a new slot holds V{}. The
+  // reference is valid until the next get() on this map (which may grow it).
   V& get(const void* key, bool* found) {
     if (2 * (size_ + 1) > keys_.size()) grow();
     size_t i = index(key);
@@ -116,7 +117,8 @@ struct Walk {
     if (found) return known;
     const int r = PyObject_IsInstance(o, tensor);
     if (r < 0) throw py::error_already_set();
-    char& slot = tensor_types.get(Py_TYPE(o), &found);  // the call may have grown the map
+    // looked up again: any get() on a map may grow it and move the slot `known` named
+    char& slot = tensor_types.get(Py_TYPE(o), &found);
     slot = r != 0;
     return r != 0;
   }
@@ -143,7 +145,7 @@ struct Walk {
       if (!v) throw py::error_already_set();
       r = int(PyLong_AsLong(v.ptr()));
     }
-    kind_cache.get(Py_TYPE(child), &found) = char(1 + r);  // the call may have grown the map
+    kind_cache.get(Py_TYPE(child), &found) = char(1 + r);  // looked up again, as in is_tensor
     return r;
   }
 
