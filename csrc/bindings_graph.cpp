@@ -79,7 +79,7 @@ struct Walk {
   PyObject* tensor;      // torch.Tensor
   PyObject* device;      // torch.device
   PyObject* device_refs; // list of (holder, key): attributes holding a torch.device or "meta"
-  py::list stack;
+  std::vector<PyObject*> stack;  // borrowed: every object on it is in `objects` or a root
   py::dict names_of;     // type -> slot names (cache of slot_names)
   py::str s_item{"item"}, s_tuple{"tuple"}, s_attr{"attr"}, s_slot{"slot"}, s_dictkey{"dictkey"},
       s_dict{"__dict__"}, s_meta{"meta"};
@@ -88,6 +88,7 @@ struct Walk {
   PtrMap<char> dict_types;    // has_dict, by type
   PtrMap<char> kind_cache;    // 1 + kind, by type (see kind())
   PtrMap<char> searched;      // metadata objects (and their containers) searched
+  PtrMap<PyObject*> slot_lists;  // object -> its list in `slots` (borrowed: `slots` holds it)
   std::vector<PyObject*> held;  // for_items' snapshots of exact dicts (strong references)
 
   static bool is_container(PyObject* o) {
@@ -100,6 +101,16 @@ struct Walk {
       PyObject *k, *v;
       while (PyDict_Next(o, &pos, &k, &v))
         if (kind(k) || kind(v)) return false;
+      return true;
+    }
+    if (PyTuple_CheckExact(o) || PyList_CheckExact(o)) {  // read in place, no copy
+      // (kind() may run Python for a new type: the list's size is read again each step
+      // and the item held meanwhile)
+      for (Py_ssize_t i = 0; i < Py_SIZE(o); ++i) {
+        py::object item = py::reinterpret_borrow<py::object>(
+            PyTuple_CheckExact(o) ? PyTuple_GET_ITEM(o, i) : PyList_GET_ITEM(o, i));
+        if (kind(item.ptr())) return false;
+      }
       return true;
     }
     py::object seq = py::reinterpret_steal<py::object>(PySequence_Tuple(o));
@@ -162,7 +173,9 @@ struct Walk {
       return;
     }
     if (k == 3 || (in_metadata && k == 1 && is_container(child))) {
-      if (searched.insert(child)) children(child, true);  // now, not recorded
+      // now, not recorded; a container of leaves (shard offsets and sizes: ~8 per table)
+      // holds neither a tensor nor a device attribute, so it is not searched item by item
+      if (searched.insert(child) && !(k == 1 && holds_nothing(child))) children(child, true);
       return;
     }
     if (k == 1 && is_container(child) && holds_nothing(child)) return;  // not recorded
@@ -176,15 +189,18 @@ struct Walk {
     }
     if (!cid || !slot) throw py::error_already_set();
     // Every object but a root gets its slot list when first reached, and the roots are
-    // seeded with empty ones: one lookup tells a new object from a seen one.
-    PyObject* lst = PyDict_GetItemWithError(slots, cid.ptr());  // borrowed; no __missing__
-    if (lst) {
+    // seeded with empty ones: one lookup tells a new object from a seen one. The lists are
+    // also kept here by object (`slots` holds them): an `id` key of `slots` costs a new int,
+    // its hash and a comparison with the int already there.
+    bool seen;
+    PyObject*& lst = slot_lists.get(child, &seen);
+    if (seen) {
       if (PyList_Append(lst, slot.ptr()) < 0) throw py::error_already_set();
       return;
     }
-    if (PyErr_Occurred()) throw py::error_already_set();
     py::list fresh(1);
     PyList_SET_ITEM(fresh.ptr(), 0, slot.release().ptr());
+    lst = fresh.ptr();  // before any other get() on slot_lists
     if (PyDict_SetItem(slots, cid.ptr(), fresh.ptr()) < 0) throw py::error_already_set();
     if (PyDict_SetItem(objects, cid.ptr(), child) < 0) throw py::error_already_set();
     if (k == 2) {
@@ -192,7 +208,7 @@ struct Walk {
       return;
     }
     if (is_tensor(child) && PyList_Append(tensors, child) < 0) throw py::error_already_set();
-    stack.append(py::handle(child));
+    stack.push_back(child);
   }
 
   // f(key, value) for a snapshot of dict `d`'s items in its own order (an exact dict is
@@ -317,23 +333,26 @@ void metamat_bind_graph(py::module_& m) {
         w.device = device.ptr(), w.device_refs = device_refs.ptr();
         std::vector<py::object> seeded;  // roots without a slot list: theirs is removed after
         for (py::handle r : roots) {
-          w.stack.append(r);
+          w.stack.push_back(r.ptr());
           py::object rid = py::reinterpret_steal<py::object>(PyLong_FromVoidPtr(r.ptr()));
           if (!rid) throw py::error_already_set();
-          if (!PyDict_GetItemWithError(slots.ptr(), rid.ptr())) {
+          PyObject* lst = PyDict_GetItemWithError(slots.ptr(), rid.ptr());  // borrowed
+          if (!lst) {
             if (PyErr_Occurred()) throw py::error_already_set();
-            if (PyDict_SetItem(slots.ptr(), rid.ptr(), py::list().ptr()) < 0)
+            py::list empty;
+            if (PyDict_SetItem(slots.ptr(), rid.ptr(), empty.ptr()) < 0)
               throw py::error_already_set();
+            lst = empty.ptr();  // `slots` holds it now
             seeded.push_back(rid);
           }
+          bool seen;
+          w.slot_lists.get(r.ptr(), &seen) = lst;
         }
-        while (PyList_GET_SIZE(w.stack.ptr()) > 0) {
-          const Py_ssize_t last = PyList_GET_SIZE(w.stack.ptr()) - 1;
-          py::object obj = py::reinterpret_borrow<py::object>(PyList_GET_ITEM(w.stack.ptr(), last));
-          if (PyList_SetSlice(w.stack.ptr(), last, last + 1, nullptr) < 0)
-            throw py::error_already_set();
-          if (Py_TYPE(obj.ptr()) == (PyTypeObject*)tensor.ptr()) continue;  // plain tensors
-          w.children(obj.ptr(), false);
+        while (!w.stack.empty()) {
+          PyObject* obj = w.stack.back();
+          w.stack.pop_back();
+          if (Py_TYPE(obj) == (PyTypeObject*)tensor.ptr()) continue;  // plain tensors
+          w.children(obj, false);
         }
         for (const py::object& rid : seeded) {  // a root nothing refers to has no slots
           PyObject* lst = PyDict_GetItemWithError(slots.ptr(), rid.ptr());
