@@ -173,9 +173,13 @@ struct Walk {
       return;
     }
     if (k == 3 || (in_metadata && k == 1 && is_container(child))) {
-      // now, not recorded; a container of leaves (shard offsets and sizes: ~8 per table)
-      // holds neither a tensor nor a device attribute, so it is not searched item by item
-      if (searched.insert(child) && !(k == 1 && holds_nothing(child))) children(child, true);
+      // now, not recorded. An exact list or tuple of leaves (shard offsets and sizes: ~8 per
+      // table) is not searched item by item: its items are leaves, and a container's
+      // references are never "attr" ones, the only kind that records a device. (A subclass
+      // may yield other items than it stores: searched as the Python walk does.)
+      const bool plain_leaves = k == 1 && (PyList_CheckExact(child) || PyTuple_CheckExact(child))
+          && holds_nothing(child);
+      if (searched.insert(child) && !plain_leaves) children(child, true);
       return;
     }
     if (k == 1 && is_container(child) && holds_nothing(child)) return;  // not recorded
@@ -361,5 +365,6 @@ void metamat_bind_graph(py::module_& m) {
         }
       },
       "Walk the object graph from `roots` (already recorded in `objects`) and fill `objects`, "
-      "`slots`, `tensors` and `device_refs` as graph.scan_reference does.");
+      "`slots`, `tensors` and `device_refs` as graph.scan_reference does. `slots` must hold "
+      "no entry but the roots' (graph.scan passes an empty one).");
 }
