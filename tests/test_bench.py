@@ -2,6 +2,7 @@
 import csv
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -23,6 +24,9 @@ def test_bench_quick_writes_every_column(tmp_path):
     assert "caching params will be ignored" not in out and "Warning" not in out, out[-3000:]
     assert r.stdout.count("] load: ") >= 5 and r.stdout.count("] dmp: ") == 3
     assert "torch fill_ (ranks at once)" in r.stdout and "with all 2 ranks writing at once" in r.stdout
+    assert "torch fill_ (paired with metamat)" in r.stdout
+    assert re.search(r"\d\.\d\dx paired \(median of 3 same-process pairs, "
+                     r"\d+\.\d\d-\d+\.\d\dx\)", r.stdout), r.stdout[-2000:]
     assert "results.csv" in r.stdout.splitlines()[-1]
     assert (tmp_path / "throughput.png").stat().st_size > 1000
     with open(tmp_path / "results.csv") as f:
