@@ -6,6 +6,13 @@
 // type objects Python passes in. The Python `scan_reference` is the specification; tests
 // compare the two on real models.
 //
+// What the walk finds is kept here, in a GraphRecord, not in Python dicts: an `id` key cost a
+// new int, two dict inserts (often a resize) and a list per object, and a Slot tuple per
+// reference, ~30% of the walk's instructions (callgrind) and more of its time (allocation and
+// cache misses: scan of 3,000 tables 40-44 -> 22-24 us per table). The record keeps each object
+// and each slot's holder and key alive, and builds Slot lists only when asked (graph.py's
+// read-only views `Graph.objects` and `Graph.slots`).
+//
 // Visit order and slot order are Python's (an object's first slot is where it was first
 // reached): a stack of objects, each object's references in the order `_children` yields them
 // (dict: a tensor key's "dictkey" before its "item"; then attributes of __dict__, then
@@ -13,6 +20,7 @@
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
+#include <stdexcept>
 #include <vector>
 
 namespace py = pybind11;
@@ -36,6 +44,14 @@ class PtrMap {
     }
     keys_[i] = key, ++size_;
     return *found = false, vals_[i];
+  }
+  // The value for `key` without inserting it (V{} if absent).
+  V peek(const void* key, bool* found) const {
+    *found = false;
+    if (keys_.empty()) return V{};
+    for (size_t i = index(key); keys_[i] != nullptr; i = (i + 1) & (keys_.size() - 1))
+      if (keys_[i] == key) return *found = true, vals_[i];
+    return V{};
   }
   // Whether `key` is new (and now present).
   bool insert(const void* key) {
@@ -68,27 +84,108 @@ class PtrMap {
   int shift_ = 64;
 };
 
+// Every object the walk recorded (roots first, then in the order first reached) and every
+// slot: (holder, kind, key) references to it, in the order found. Holds strong references.
+struct GraphRecord {
+  struct Object {
+    PyObject* obj;
+    uint32_t first = kNone, last = kNone;  // its slots: a list through Slot::next
+  };
+  struct Slot {
+    PyObject* holder;
+    PyObject* key;
+    uint32_t next;
+    uint8_t kind;  // a Kind: index into `kinds`
+  };
+  static constexpr uint32_t kNone = 0xffffffffu;
+  enum Kind : uint8_t { kAttr, kSlot, kItem, kDictKey, kTuple };  // `kinds`' order
+
+  std::vector<Object> objects;
+  std::vector<Slot> slots;
+  PtrMap<uint32_t> index;  // object -> 1 + its position in `objects`
+  size_t with_slots = 0;   // objects with at least one slot
+  py::object slot_type;    // graph.Slot
+  py::str kinds[5] = {py::str("attr"), py::str("slot"), py::str("item"), py::str("dictkey"),
+                      py::str("tuple")};
+
+  GraphRecord() = default;
+  GraphRecord(const GraphRecord&) = delete;
+  GraphRecord& operator=(const GraphRecord&) = delete;
+  ~GraphRecord() {
+    for (const Object& o : objects) Py_DECREF(o.obj);
+    for (const Slot& sl : slots) Py_DECREF(sl.holder), Py_XDECREF(sl.key);
+  }
+
+  // Position of `obj`, recorded now if new (`*added`).
+  uint32_t add(PyObject* obj, bool* added) {
+    if (objects.size() >= kNone - 1) throw std::length_error("scan_graph: too many objects");
+    if (objects.size() == objects.capacity()) objects.reserve(2 * objects.size() + 64);
+    bool found;
+    uint32_t& at = index.get(obj, &found);
+    *added = !found;
+    if (found) return at - 1;
+    at = uint32_t(objects.size()) + 1;  // before any other get() on `index`
+    Py_INCREF(obj);  // no throw from here: the push below has its room
+    objects.push_back(Object{obj});
+    return uint32_t(objects.size()) - 1;
+  }
+  void add_slot(uint32_t at, PyObject* holder, Kind kind, PyObject* key) {
+    if (slots.size() >= kNone - 1) throw std::length_error("scan_graph: too many references");
+    if (slots.size() == slots.capacity()) slots.reserve(2 * slots.size() + 64);
+    Py_INCREF(holder), Py_XINCREF(key);  // no throw from here
+    const uint32_t i = uint32_t(slots.size());
+    slots.push_back(Slot{holder, key, kNone, kind});
+    Object& o = objects[at];
+    if (o.last == kNone) o.first = i, ++with_slots;
+    else slots[o.last].next = i;
+    o.last = i;
+  }
+  // Position of the object whose id is `id`, or kNone.
+  uint32_t find(py::handle id) const {
+    void* p = PyLong_AsVoidPtr(id.ptr());
+    if (!p && PyErr_Occurred()) throw py::error_already_set();
+    bool found;
+    const uint32_t at = index.peek(p, &found);
+    return found ? at - 1 : kNone;
+  }
+  py::object make_slot(const Slot& sl) const {
+    py::object out = py::reinterpret_steal<py::object>(
+        ((PyTypeObject*)slot_type.ptr())->tp_alloc((PyTypeObject*)slot_type.ptr(), 3));
+    if (!out) throw py::error_already_set();
+    PyObject* items[3] = {sl.holder, kinds[sl.kind].ptr(), sl.key ? sl.key : Py_None};
+    for (int i = 0; i < 3; ++i) Py_INCREF(items[i]), PyTuple_SET_ITEM(out.ptr(), i, items[i]);
+    return out;
+  }
+  py::list slots_of(uint32_t at) const {
+    py::list out;
+    if (at == kNone) return out;
+    for (uint32_t i = objects[at].first; i != kNone; i = slots[i].next)
+      if (PyList_Append(out.ptr(), make_slot(slots[i]).ptr()) < 0) throw py::error_already_set();
+    return out;
+  }
+};
+
 struct Walk {
-  PyObject* objects;     // dict: id -> object
-  PyObject* slots;       // dict (a defaultdict): id -> list of Slot
+  GraphRecord* rec;      // what is found: objects and their slots
   PyObject* tensors;     // list of tensors reached, in scan order
   PyObject* kinds;       // dict: type -> 0/1/2 (graph._KIND)
   PyObject* kind_of;     // graph._kind_of(obj) for a type not in `kinds`
   PyObject* slot_names;  // graph.slot_names(obj) -> tuple of str
-  PyObject* slot_type;   // graph.Slot
   PyObject* tensor;      // torch.Tensor
   PyObject* device;      // torch.device
   PyObject* device_refs; // list of (holder, key): attributes holding a torch.device or "meta"
-  std::vector<PyObject*> stack;  // borrowed: every object on it is in `objects` or a root
+  std::vector<PyObject*> stack;  // borrowed: every object on it is in `rec` (roots too)
   py::dict names_of;     // type -> slot names (cache of slot_names)
-  py::str s_item{"item"}, s_tuple{"tuple"}, s_attr{"attr"}, s_slot{"slot"}, s_dictkey{"dictkey"},
-      s_dict{"__dict__"}, s_meta{"meta"};
+  using Kind = GraphRecord::Kind;
+  static constexpr Kind kAttr = GraphRecord::kAttr, kSlot = GraphRecord::kSlot,
+                        kItem = GraphRecord::kItem, kDictKey = GraphRecord::kDictKey,
+                        kTuple = GraphRecord::kTuple;
+  py::str s_dict{"__dict__"}, s_meta{"meta"};
 
   PtrMap<char> tensor_types;  // isinstance(x, torch.Tensor) by type
   PtrMap<char> dict_types;    // has_dict, by type
   PtrMap<char> kind_cache;    // 1 + kind, by type (see kind())
   PtrMap<char> searched;      // metadata objects (and their containers) searched
-  PtrMap<PyObject*> slot_lists;  // object -> its list in `slots` (borrowed: `slots` holds it)
   std::vector<PyObject*> held;  // for_items' snapshots of exact dicts (strong references)
 
   static bool is_container(PyObject* o) {
@@ -162,11 +259,10 @@ struct Walk {
 
   // One reference: holder -(kind, key)-> child. `in_metadata`: holder is shard metadata (or a
   // container inside it), searched for device attributes only.
-  void visit(PyObject* holder, PyObject* kind_name, PyObject* key, PyObject* child,
-             bool in_metadata) {
+  void visit(PyObject* holder, Kind ref, PyObject* key, PyObject* child, bool in_metadata) {
     const int k = kind(child);
     if (!k) {
-      if (kind_name == s_attr.ptr() && is_device_value(child)) {
+      if (ref == kAttr && is_device_value(child)) {
         py::tuple ref = py::make_tuple(py::handle(holder), py::handle(key));
         if (PyList_Append(device_refs, ref.ptr()) < 0) throw py::error_already_set();
       }
@@ -183,30 +279,10 @@ struct Walk {
       return;
     }
     if (k == 1 && is_container(child) && holds_nothing(child)) return;  // not recorded
-    py::object cid = py::reinterpret_steal<py::object>(PyLong_FromVoidPtr(child));
-    // graph.Slot is a tuple subclass (holder, kind, key): built here without calling Python
-    py::object slot = py::reinterpret_steal<py::object>(
-        ((PyTypeObject*)slot_type)->tp_alloc((PyTypeObject*)slot_type, 3));
-    if (slot) {
-      PyObject* items[3] = {holder, kind_name, key};
-      for (int i = 0; i < 3; ++i) Py_INCREF(items[i]), PyTuple_SET_ITEM(slot.ptr(), i, items[i]);
-    }
-    if (!cid || !slot) throw py::error_already_set();
-    // Every object but a root gets its slot list when first reached, and the roots are
-    // seeded with empty ones: one lookup tells a new object from a seen one. The lists are
-    // also kept here by object (`slots` holds them): an `id` key of `slots` costs a new int,
-    // its hash and a comparison with the int already there.
-    bool seen;
-    PyObject*& lst = slot_lists.get(child, &seen);
-    if (seen) {
-      if (PyList_Append(lst, slot.ptr()) < 0) throw py::error_already_set();
-      return;
-    }
-    py::list fresh(1);
-    PyList_SET_ITEM(fresh.ptr(), 0, slot.release().ptr());
-    lst = fresh.ptr();  // before any other get() on slot_lists
-    if (PyDict_SetItem(slots, cid.ptr(), fresh.ptr()) < 0) throw py::error_already_set();
-    if (PyDict_SetItem(objects, cid.ptr(), child) < 0) throw py::error_already_set();
+    bool added;
+    const uint32_t at = rec->add(child, &added);
+    rec->add_slot(at, holder, ref, key);
+    if (!added) return;
     if (k == 2) {
       if (PyList_Append(tensors, child) < 0) throw py::error_already_set();
       return;
@@ -263,8 +339,8 @@ struct Walk {
   void children(PyObject* obj, bool in_metadata) {
     if (PyDict_Check(obj)) {  // list(obj.items()): a snapshot, in the mapping's own order
       for_items(obj, [&](PyObject* k, PyObject* v) {
-        if (is_tensor(k)) visit(obj, s_dictkey.ptr(), k, k, in_metadata);
-        visit(obj, s_item.ptr(), k, v, in_metadata);
+        if (is_tensor(k)) visit(obj, kDictKey, k, k, in_metadata);
+        visit(obj, kItem, k, v, in_metadata);
       });
       return;
     }
@@ -274,8 +350,7 @@ struct Walk {
       if (!seq) throw py::error_already_set();
       for (Py_ssize_t i = 0, n = PyTuple_GET_SIZE(seq.ptr()); i < n; ++i) {
         py::object idx = py::reinterpret_steal<py::object>(PyLong_FromSsize_t(i));
-        visit(obj, list ? s_item.ptr() : s_tuple.ptr(), idx.ptr(), PyTuple_GET_ITEM(seq.ptr(), i),
-              in_metadata);
+        visit(obj, list ? kItem : kTuple, idx.ptr(), PyTuple_GET_ITEM(seq.ptr(), i), in_metadata);
       }
       return;
     }
@@ -283,7 +358,7 @@ struct Walk {
       py::object seq = py::reinterpret_steal<py::object>(PySequence_Tuple(obj));
       if (!seq) throw py::error_already_set();
       for (Py_ssize_t i = 0, n = PyTuple_GET_SIZE(seq.ptr()); i < n; ++i)
-        visit(obj, s_tuple.ptr(), Py_None, PyTuple_GET_ITEM(seq.ptr(), i), in_metadata);
+        visit(obj, kTuple, Py_None, PyTuple_GET_ITEM(seq.ptr(), i), in_metadata);
       return;
     }
     if (has_dict(Py_TYPE(obj))) {
@@ -294,7 +369,7 @@ struct Walk {
       }
       if (d && PyDict_Check(d.ptr()))
         for_items(d.ptr(), [&](PyObject* k, PyObject* v) {
-          visit(obj, s_attr.ptr(), k, v, in_metadata);
+          visit(obj, kAttr, k, v, in_metadata);
         });
     }
     PyObject* type = (PyObject*)Py_TYPE(obj);
@@ -314,7 +389,7 @@ struct Walk {
         PyErr_Clear();
         continue;
       }
-      visit(obj, s_slot.ptr(), name, v.ptr(), in_metadata);
+      visit(obj, kSlot, name, v.ptr(), in_metadata);
     }
   }
 };
@@ -322,35 +397,74 @@ struct Walk {
 }  // namespace
 
 void metamat_bind_graph(py::module_& m) {
+  // ids are ints (graph.py's views key by id(obj), as the Python walk's dicts do)
+  py::class_<GraphRecord>(m, "GraphRecord", "What scan_graph found (bindings_graph.cpp).")
+      .def(py::init<>())
+      .def("__len__", [](const GraphRecord& r) { return r.objects.size(); })
+      .def("with_slots", [](const GraphRecord& r) { return r.with_slots; },
+           "How many objects have at least one slot.")
+      .def("objects", [](const GraphRecord& r) {
+             py::list out(r.objects.size());
+             for (size_t i = 0; i < r.objects.size(); ++i) {
+               Py_INCREF(r.objects[i].obj);
+               PyList_SET_ITEM(out.ptr(), Py_ssize_t(i), r.objects[i].obj);
+             }
+             return out;
+           }, "Every object recorded, roots first, then in the order first reached.")
+      .def("ids_with_slots", [](const GraphRecord& r) {
+             py::list out;
+             for (const GraphRecord::Object& o : r.objects) {
+               if (o.first == GraphRecord::kNone) continue;
+               py::object id = py::reinterpret_steal<py::object>(PyLong_FromVoidPtr(o.obj));
+               if (!id || PyList_Append(out.ptr(), id.ptr()) < 0) throw py::error_already_set();
+             }
+             return out;
+           }, "ids of the objects with at least one slot, in record order.")
+      .def("object", [](const GraphRecord& r, py::handle id) -> py::object {
+             const uint32_t at = r.find(id);
+             if (at == GraphRecord::kNone) throw py::key_error(py::str(id));
+             return py::reinterpret_borrow<py::object>(r.objects[at].obj);
+           }, "The object whose id is `id` (KeyError if not recorded).")
+      .def("has", [](const GraphRecord& r, py::handle id) {
+             return r.find(id) != GraphRecord::kNone;
+           })
+      .def("has_slots", [](const GraphRecord& r, py::handle id) {
+             const uint32_t at = r.find(id);
+             return at != GraphRecord::kNone && r.objects[at].first != GraphRecord::kNone;
+           })
+      .def("tuple_held", [](const GraphRecord& r) {
+             py::set out;
+             for (const GraphRecord::Object& o : r.objects)
+               for (uint32_t i = o.first; i != GraphRecord::kNone; i = r.slots[i].next)
+                 if (r.slots[i].kind == GraphRecord::kTuple) {  // immutable: cannot be swapped
+                   py::object id = py::reinterpret_steal<py::object>(PyLong_FromVoidPtr(o.obj));
+                   if (!id || PySet_Add(out.ptr(), id.ptr()) < 0) throw py::error_already_set();
+                   break;
+                 }
+             return out;
+           }, "ids of the objects held in a tuple, set or frozenset (a slot of kind \"tuple\").")
+      .def("slots", [](const GraphRecord& r, py::handle id) { return r.slots_of(r.find(id)); },
+           "A new list of the Slots referring to the object whose id is `id` ([] if none).");
+
   m.def(
       "scan_graph",
-      [](py::list roots, py::dict objects, py::dict slots, py::list tensors,
-         py::dict kinds, py::object kind_of, py::object slot_names, py::object slot_type,
-         py::object tensor, py::object device, py::list device_refs) {
+      [](py::list roots, GraphRecord& rec, py::list tensors, py::dict kinds, py::object kind_of,
+         py::object slot_names, py::object slot_type, py::object tensor, py::object device,
+         py::list device_refs) {
         if (!PyType_Check(slot_type.ptr()) ||
             !PyType_IsSubtype((PyTypeObject*)slot_type.ptr(), &PyTuple_Type))
           throw py::type_error("scan_graph: slot_type must be a tuple subclass");
+        if (!rec.objects.empty()) throw py::value_error("scan_graph: the record must be new");
+        rec.slot_type = slot_type;
         Walk w;
-        w.objects = objects.ptr(), w.slots = slots.ptr();
+        w.rec = &rec;
         w.tensors = tensors.ptr(), w.kinds = kinds.ptr(), w.kind_of = kind_of.ptr();
-        w.slot_names = slot_names.ptr(), w.slot_type = slot_type.ptr(), w.tensor = tensor.ptr();
+        w.slot_names = slot_names.ptr(), w.tensor = tensor.ptr();
         w.device = device.ptr(), w.device_refs = device_refs.ptr();
-        std::vector<py::object> seeded;  // roots without a slot list: theirs is removed after
-        for (py::handle r : roots) {
+        for (py::handle r : roots) {  // the last root is walked first, as in Python
+          bool added;
+          rec.add(r.ptr(), &added);
           w.stack.push_back(r.ptr());
-          py::object rid = py::reinterpret_steal<py::object>(PyLong_FromVoidPtr(r.ptr()));
-          if (!rid) throw py::error_already_set();
-          PyObject* lst = PyDict_GetItemWithError(slots.ptr(), rid.ptr());  // borrowed
-          if (!lst) {
-            if (PyErr_Occurred()) throw py::error_already_set();
-            py::list empty;
-            if (PyDict_SetItem(slots.ptr(), rid.ptr(), empty.ptr()) < 0)
-              throw py::error_already_set();
-            lst = empty.ptr();  // `slots` holds it now
-            seeded.push_back(rid);
-          }
-          bool seen;
-          w.slot_lists.get(r.ptr(), &seen) = lst;
         }
         while (!w.stack.empty()) {
           PyObject* obj = w.stack.back();
@@ -358,13 +472,8 @@ void metamat_bind_graph(py::module_& m) {
           if (Py_TYPE(obj) == (PyTypeObject*)tensor.ptr()) continue;  // plain tensors
           w.children(obj, false);
         }
-        for (const py::object& rid : seeded) {  // a root nothing refers to has no slots
-          PyObject* lst = PyDict_GetItemWithError(slots.ptr(), rid.ptr());
-          if (lst && PyList_GET_SIZE(lst) == 0 && PyDict_DelItem(slots.ptr(), rid.ptr()) < 0)
-            throw py::error_already_set();
-        }
       },
-      "Walk the object graph from `roots` (already recorded in `objects`) and fill `objects`, "
-      "`slots`, `tensors` and `device_refs` as graph.scan_reference does. `slots` must hold "
-      "no entry but the roots' (graph.scan passes an empty one).");
+      "Walk the object graph from `roots` into the new GraphRecord `rec` (roots first), and "
+      "fill `tensors` (every tensor reached but the roots, in scan order) and `device_refs`, as "
+      "graph.scan_reference does.");
 }

@@ -208,3 +208,69 @@ def test_c_walk_equals_python_past_its_tables_first_sizes():
         sm.shard_sizes = [torch.empty(1, device="meta"), {"again": placements[i]}]
     g = _same(objs, {i: p for i, p in enumerate(placements)})
     assert len(g.meta_tensors()) == 300 + 200 + 1
+
+
+def test_the_c_walks_record_reads_like_the_python_walks_dicts():
+    """``scan`` keeps what it finds in a ``_C.GraphRecord``; ``objects`` and ``slots`` read it
+    as mappings with the Python walk's dict/defaultdict behaviour."""
+    m = Holder()
+    want, g = scan_reference(m), scan(m)
+    assert dict(g.objects.items()) == dict(want.objects.items()) and len(g.objects) == len(want.objects)
+    assert list(g.objects) == list(want.objects) and list(g.objects.values())[0] is m
+    assert id(m.buf) in g.objects and g.objects[id(m.buf)] is m.buf
+    assert "x" not in g.objects and 12345 not in g.objects
+    with pytest.raises(KeyError):
+        g.objects[id(object())]
+    with_slots = [i for i, v in want.slots.items() if v]
+    assert sorted(g.slots) == sorted(with_slots) and len(g.slots) == len(with_slots)
+    assert id(m) not in g.slots or g.slots[id(m)]  # a root nothing refers to has no slots
+    stranger = object()
+    assert g.slots.get(id(stranger)) is None and g.slots.get(id(stranger), []) == []
+    assert g.slots[id(stranger)] == []  # like a defaultdict, without adding the key
+    assert id(stranger) not in g.slots and None not in g.slots
+    assert g.slots[id(m.buf)] is not g.slots[id(m.buf)]  # a new list per call
+
+
+def test_the_record_holds_its_references_and_releases_them():
+    import gc
+    import weakref
+
+    m = Holder()
+    t = m.buf
+    before = sys.getrefcount(t)
+    g = scan(m)
+    assert sys.getrefcount(t) > before  # the record holds it (and its holders, keys)
+    slots = g.slots[id(t)]
+    del g
+    gc.collect()
+    assert sys.getrefcount(t) == before + sum(1 for s in slots if s.holder is t or s.key is t)
+    del slots
+    assert sys.getrefcount(t) == before
+    ref = weakref.ref(m)
+    g = scan(m)
+    del m, t, g
+    gc.collect()
+    assert ref() is None  # nothing of the model outlives its graph
+
+
+def test_tuple_held_equals_the_python_walks():
+    m = Holder()
+    want, g = scan_reference(m), scan(m)
+    assert g.tuple_held() == want.tuple_held()
+    assert id(m.views[2][0]) in g.tuple_held() and id(m.buf) in g.tuple_held()  # tuple, set
+    assert id(m.lin.weight) not in g.tuple_held()
+
+
+def test_a_sharded_models_meta_tensor_in_a_tuple_is_refused_before_allocation(world1_env):
+    import metamat
+    from metamat.errors import UnsupportedError
+
+    import bench_scale as bs
+
+    sharder, plan = bs._sharder_and_plan(bs._ebc(3))
+    dmp = metamat.shard_on_meta(bs._ebc(3), env=world1_env, plan=plan, sharders=[sharder])
+    weights = [t for t in scan(dmp).meta_tensors() if t.dim() == 1 and t.is_floating_point()]
+    dmp.frozen = (weights[0],)
+    with pytest.raises(UnsupportedError, match=r"frozen\[0\] is held in an immutable container"):
+        metamat.materialize(dmp, device="cpu")
+    assert weights[0].is_meta

@@ -386,14 +386,13 @@ def build_plan(model: nn.Module, device: torch.device, init=None, *, claimed=fro
     values = _known_values(meta, sharded, device)
 
     storages: Dict[int, StorageGroup] = {}
-    slots = graph.slots
+    in_tuples = graph.tuple_held()
     for t in meta:  # one pass (~5 tensors per table)
-        for slot in slots[id(t)]:
-            if slot[1] == "tuple":  # Slot.kind
-                raise UnsupportedError(
-                    f"meta tensor {graph.path(t)} is held in an immutable container; "
-                    "metamat cannot swap it"
-                )
+        if id(t) in in_tuples:
+            raise UnsupportedError(
+                f"meta tensor {graph.path(t)} is held in an immutable container; "
+                "metamat cannot swap it"
+            )
         st = t.untyped_storage()
         k = st._cdata  # storage_key(t)
         if k in claimed:
