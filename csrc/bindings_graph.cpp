@@ -19,8 +19,10 @@
 // __slots__ names); metadata is searched depth-first when reached.
 #include <pybind11/pybind11.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <stdexcept>
+#include <utility>
 #include <vector>
 
 namespace py = pybind11;
@@ -85,7 +87,10 @@ class PtrMap {
 };
 
 // Every object the walk recorded (roots first, then in the order first reached) and every
-// slot: (holder, kind, key) references to it, in the order found. Holds strong references.
+// slot: (holder, kind, key) references to it, in the order found. Holds strong references,
+// and is not tracked by Python's collector: a Graph must not be stored where its model can
+// reach it (a cycle through the record would never be freed; materialize keeps graphs in
+// locals only, tests/test_graph_scan.py checks a materialized model is freed).
 struct GraphRecord {
   struct Object {
     PyObject* obj;
@@ -140,10 +145,14 @@ struct GraphRecord {
     else slots[o.last].next = i;
     o.last = i;
   }
-  // Position of the object whose id is `id`, or kNone.
+  // Position of the object whose id is `id`, or kNone (an int no pointer has included).
   uint32_t find(py::handle id) const {
     void* p = PyLong_AsVoidPtr(id.ptr());
-    if (!p && PyErr_Occurred()) throw py::error_already_set();
+    if (!p && PyErr_Occurred()) {
+      if (!PyErr_ExceptionMatches(PyExc_OverflowError)) throw py::error_already_set();
+      PyErr_Clear();
+      return kNone;
+    }
     bool found;
     const uint32_t at = index.peek(p, &found);
     return found ? at - 1 : kNone;
@@ -412,19 +421,33 @@ void metamat_bind_graph(py::module_& m) {
              return out;
            }, "Every object recorded, roots first, then in the order first reached.")
       .def("ids_with_slots", [](const GraphRecord& r) {
+             // in the order of their first slots: the Python walk's dict order
+             std::vector<std::pair<uint32_t, PyObject*>> firsts;
+             for (const GraphRecord::Object& o : r.objects)
+               if (o.first != GraphRecord::kNone) firsts.emplace_back(o.first, o.obj);
+             std::sort(firsts.begin(), firsts.end());
              py::list out;
-             for (const GraphRecord::Object& o : r.objects) {
-               if (o.first == GraphRecord::kNone) continue;
-               py::object id = py::reinterpret_steal<py::object>(PyLong_FromVoidPtr(o.obj));
+             for (const auto& f : firsts) {
+               py::object id = py::reinterpret_steal<py::object>(PyLong_FromVoidPtr(f.second));
                if (!id || PyList_Append(out.ptr(), id.ptr()) < 0) throw py::error_already_set();
              }
              return out;
-           }, "ids of the objects with at least one slot, in record order.")
+           }, "ids of the objects with at least one slot, in the order of their first slots.")
       .def("object", [](const GraphRecord& r, py::handle id) -> py::object {
              const uint32_t at = r.find(id);
-             if (at == GraphRecord::kNone) throw py::key_error(py::str(id));
+             if (at == GraphRecord::kNone) {
+               PyErr_SetObject(PyExc_KeyError, id.ptr());
+               throw py::error_already_set();
+             }
              return py::reinterpret_borrow<py::object>(r.objects[at].obj);
            }, "The object whose id is `id` (KeyError if not recorded).")
+      .def("first_slot", [](const GraphRecord& r, py::handle id) -> py::object {
+             const uint32_t at = r.find(id);
+             if (at == GraphRecord::kNone || r.objects[at].first == GraphRecord::kNone)
+               return py::none();
+             return r.make_slot(r.slots[r.objects[at].first]);
+           }, "The first Slot referring to the object whose id is `id` (where the walk first "
+              "reached it), or None.")
       .def("has", [](const GraphRecord& r, py::handle id) {
              return r.find(id) != GraphRecord::kNone;
            })

@@ -219,16 +219,19 @@ def test_the_c_walks_record_reads_like_the_python_walks_dicts():
     assert list(g.objects) == list(want.objects) and list(g.objects.values())[0] is m
     assert id(m.buf) in g.objects and g.objects[id(m.buf)] is m.buf
     assert "x" not in g.objects and 12345 not in g.objects
-    with pytest.raises(KeyError):
-        g.objects[id(object())]
-    with_slots = [i for i, v in want.slots.items() if v]
-    assert sorted(g.slots) == sorted(with_slots) and len(g.slots) == len(with_slots)
-    assert id(m) not in g.slots or g.slots[id(m)]  # a root nothing refers to has no slots
     stranger = object()
+    with pytest.raises(KeyError) as e:
+        g.objects[id(stranger)]
+    assert e.value.args == (id(stranger),)
+    with_slots = [i for i, v in want.slots.items() if v]
+    assert list(g.slots) == with_slots and len(g.slots) == len(with_slots)  # the dict's order
     assert g.slots.get(id(stranger)) is None and g.slots.get(id(stranger), []) == []
-    assert g.slots[id(stranger)] == []  # like a defaultdict, without adding the key
-    assert id(stranger) not in g.slots and None not in g.slots
+    assert g.slots[id(stranger)] == [] == g.slots["x"]  # like a defaultdict, adding no key
+    assert id(stranger) not in g.slots and None not in g.slots and 2**70 not in g.slots
+    assert g.slots.get(2**70) is None and 2**70 not in g.objects and -1 not in g.objects
     assert g.slots[id(m.buf)] is not g.slots[id(m.buf)]  # a new list per call
+    lone = nn.Linear(2, 2, device="meta")
+    assert id(lone) in scan(lone).objects and id(lone) not in scan(lone).slots  # a root
 
 
 def test_the_record_holds_its_references_and_releases_them():
@@ -274,3 +277,22 @@ def test_a_sharded_models_meta_tensor_in_a_tuple_is_refused_before_allocation(wo
     with pytest.raises(UnsupportedError, match=r"frozen\[0\] is held in an immutable container"):
         metamat.materialize(dmp, device="cpu")
     assert weights[0].is_meta
+
+
+def test_a_materialized_model_is_freed(world1_env):
+    """The C walk's record holds strong references the collector cannot see: no graph may stay
+    reachable from the model after materialize (a cycle through it would never be freed)."""
+    import gc
+    import weakref
+
+    import metamat
+
+    import bench_scale as bs
+
+    sharder, plan = bs._sharder_and_plan(bs._ebc(3))
+    dmp = metamat.shard_on_meta(bs._ebc(3), env=world1_env, plan=plan, sharders=[sharder])
+    metamat.materialize(dmp, device="cpu")
+    ref = weakref.ref(dmp)
+    del dmp
+    gc.collect()
+    assert ref() is None

@@ -249,9 +249,7 @@ class _RecordSlots(Mapping):
         self._rec = rec
 
     def __getitem__(self, i: int) -> List[Slot]:
-        if not isinstance(i, int):
-            raise KeyError(i)
-        return self._rec.slots(i)
+        return self._rec.slots(i) if isinstance(i, int) else []
 
     def get(self, i: int, default: Any = None) -> Any:
         return self._rec.slots(i) if i in self else default
@@ -270,7 +268,9 @@ class Graph:
     """Result of ``scan``: objects by id, their slots, and a readable path to each.
 
     ``objects`` (id -> object) and ``slots`` (id -> list of Slot) are dicts when the Python
-    walk made the graph and read-only mappings over the C walk's record otherwise.
+    walk made the graph and read-only mappings over the C walk's record otherwise. The record
+    holds strong references that Python's collector cannot see: never store a Graph where its
+    model can reach it.
     """
 
     def __init__(self) -> None:
@@ -296,14 +296,17 @@ class Graph:
         if p is not None:
             return p
         chain = []
-        slots = self.slots
+        first = {}
         # the first slot of a non-root object is the reference it was first reached through
-        while i not in self._root_names and slots.get(i) and i not in self._paths:
+        while i not in self._paths and i not in self._root_names:
+            slot = first[i] = self._first_slot(i)
+            if slot is None:
+                break
             chain.append(i)
-            i = id(slots[i][0].holder)
+            i = id(slot.holder)
         p = self._paths.get(i) or self._root_names.get(i, "?")
         for c in reversed(chain):
-            _, kind, key = slots[c][0]
+            _, kind, key = first[c]
             name = key if isinstance(key, (str, int)) else type(key).__name__
             base = "" if p == "<model>" else p
             if kind in ("item", "tuple") and isinstance(key, int):
@@ -312,6 +315,12 @@ class Graph:
                 p = f"{base}.{name}" if base else str(name)
             self._paths[c] = p
         return p
+
+    def _first_slot(self, i: int):
+        if isinstance(self.slots, _RecordSlots):
+            return self.slots._rec.first_slot(i)
+        v = self.slots.get(i)
+        return v[0] if v else None
 
     def tensors(self) -> Iterator[torch.Tensor]:
         """Every storage-backed tensor reached (wrapper tensors excluded)."""
@@ -357,7 +366,7 @@ def _start(roots: Tuple[Any, ...]) -> Graph:
 def scan(root: Any, *extra_roots: Any) -> Graph:
     """Walk the object graph from ``root`` and record every tensor, module and slot.
 
-    The walk runs in C (``_C.scan_graph``, ~20x faster: a sharded model holds ~140
+    The walk runs in C (``_C.scan_graph``, ~10x faster: a sharded model holds ~140
     references per table) and keeps what it finds in a ``_C.GraphRecord``, which the
     graph's ``objects`` and ``slots`` read; :func:`scan_reference` is the same walk in Python,
     its specification.
