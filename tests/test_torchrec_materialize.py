@@ -365,6 +365,33 @@ def worker_error(rank, world_size):
     return {"msg": msg, "before": before, "after": after, "ckpt_raised": ckpt_raised}
 
 
+def worker_gpu_host(rank, world_size, via):
+    """Shard as on a machine with a GPU (``torch.cuda.is_available()`` True while the DMP is
+    built; there is none here), then materialize on the CPU and train a step next to eager."""
+    real_available = torch.cuda.is_available
+    torch.cuda.is_available = lambda: True
+    try:
+        dmp, sharder, plan, tables = _build_sharded(rank, world_size, "ebc", "fused", EBC_KINDS,
+                                                    via=via)
+    except Exception as e:  # noqa: BLE001 - reported to the parent
+        return {"build_error": f"{type(e).__name__}: {e}"}
+    finally:
+        torch.cuda.is_available = real_available
+    res = {"before_meta_bytes": meta_bytes_of(dmp)}
+    try:
+        metamat_materialize(dmp, device="cpu", seed=SEED)
+    except metamat.UnsupportedError as e:
+        return {"materialize_error": str(e)}
+    res["meta_left"] = no_meta_left(dmp)
+    res["devices"] = sorted({str(t.device) for t in dmp.state_dict().values()
+                             if isinstance(t, torch.Tensor)})
+    batch = kjt_batch(len(tables), batch=4, rows=40, seed=rank)
+    eager = _eager_copy("ebc", tables, sharder, plan, world_size, dmp.state_dict())
+    res["out_eager"] = _step(eager, batch)
+    res["out"] = _step(dmp, batch)
+    return res
+
+
 def metamat_shard_on_meta(*a, **k):
     from metamat import shard_on_meta
 
@@ -456,9 +483,34 @@ def test_ec_fused_world2(device_str):
 
 
 @pytest.mark.multiprocess
+def test_gpu_host_keeps_data_parallel_tables_on_meta():
+    """TorchRec builds data-parallel tables for real on the GPU when one is visible, even for
+    a DMP on meta (``use_cpu`` from ``torch.cuda.is_available()``); shard_on_meta keeps them
+    on meta, so they materialize on the CPU like every other table."""
+    (r,) = run_dist(worker_gpu_host, 1, "metamat")
+    assert "build_error" not in r, r.get("build_error")
+    assert r["meta_left"] == [] and r["devices"] == ["cpu"], r
+    meta_b, real_b = r["before_meta_bytes"]
+    assert meta_b > 0 and real_b < 1024, r["before_meta_bytes"]  # the DP table was on meta
+    torch.testing.assert_close(r["out"], r["out_eager"], rtol=0, atol=0)
+    # the same DMP built by TorchRec alone asks for the GPU: here there is none; on a GPU
+    # host the table is real on it and materialize refuses it before writing anything
+    (r,) = run_dist(worker_gpu_host, 1, "dmp")
+    if torch.cuda.is_available():
+        assert "allocated this table block on cuda" in r.get("materialize_error", ""), r
+    else:
+        assert "build_error" in r and "CUDA" in r["build_error"], r
+
+
+@pytest.mark.multiprocess
 def test_plain_dmp_on_meta_world2():
     """A DMP the user built with device=meta, init_parameters=False (fused TW/RW/CW/TWRW;
     its DP table DMP puts on CPU is refilled in place with the plan-invariant values)."""
+    if torch.cuda.is_available():
+        # TorchRec puts that DP table on the GPU (host_kernels.py): refused, nothing written
+        with pytest.raises(RuntimeError, match="allocated this table block on cuda"):
+            run_dist(worker_sharded, 2, "ebc", "fused", EBC_KINDS, "dmp", False, True)
+        return
     res = run_dist(worker_sharded, 2, "ebc", "fused", EBC_KINDS, "dmp", False, True)
     for r in res:
         assert r["meta_left"] == [], r["meta_left"]
@@ -598,8 +650,9 @@ def test_non_cpu_device_for_tbes_is_refused_before_allocating():
 
 
 def worker_no_plan(rank, world_size):
-    """shard_on_meta without a plan runs TorchRec's planner (for the CPU here), as
-    DistributedModelParallel(model) does."""
+    """shard_on_meta without a plan runs TorchRec's planner, as DistributedModelParallel(model)
+    does, for its default compute device: the CPU here, CUDA on a GPU host (where the H100
+    run of stop 31 found the eager DMP below, planned for the CPU, with another plan)."""
     from torchrec import EmbeddingBagCollection
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.types import ShardingEnv
@@ -610,7 +663,9 @@ def worker_no_plan(rank, world_size):
     env = ShardingEnv.from_process_group(dist.group.WORLD)
     eager = DistributedModelParallel(EmbeddingBagCollection(tables=tables,
                                                             device=torch.device("meta")),
-                                     env, device=torch.device("cpu"))
+                                     env, device=torch.device(
+                                         "cuda", 0) if torch.cuda.is_available() else
+                                     torch.device("cpu"))
     return {"left": no_meta_left(dmp), "blocks": local_blocks(dmp.state_dict()),
             "same_plan": str(dmp.plan) == str(eager.plan)}
 

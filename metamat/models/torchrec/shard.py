@@ -30,6 +30,7 @@ from ..._gcpause import gc_paused
 from .compat import check_versions
 from .fastbuild import linear_table_optimizers
 from .fastnames import indexed_table_names
+from .host_kernels import host_dense_kernels
 from .meta_factories import MetaFactories
 
 __all__ = ["shard_on_meta", "MetaDDP"]
@@ -215,6 +216,9 @@ def shard_on_meta(
                                        if torch.device(compute_device).index is not None
                                        else (torch.cuda.current_device()
                                              if torch.cuda.is_available() else None)))
+            else:
+                # the CPU layout, data-parallel tables included, also on a GPU host
+                stack.enter_context(host_dense_kernels())
             stack.enter_context(MetaFactories(cuda=cuda_layout))
             stack.enter_context(gc_paused())  # ~100 live objects per table: see _gcpause
             stack.enter_context(linear_table_optimizers())  # TorchRec's is quadratic

@@ -381,6 +381,16 @@ def build_plan(model: nn.Module, device: torch.device, init=None, *, claimed=fro
     names: Set[str] = set()
     optim_names: Set[str] = set()
     targets = _table_targets(sharded, init, warnings, loading, refill, names)
+    for tg in targets:
+        if id(tg) in refill and tg.tensor.device != device:
+            # DMP(device=meta) on a GPU host: TorchRec builds DATA_PARALLEL tables for real
+            # on the GPU (host_kernels.py); refilled there, the model would mix devices.
+            raise UnsupportedError(
+                f"{tg.fqn}: TorchRec allocated this table block on {tg.tensor.device} "
+                "although the model was sharded on meta (it does so for data-parallel tables "
+                f"when a GPU is visible); it cannot be materialized on {device}. Shard with "
+                "metamat.shard_on_meta, which keeps it on meta"
+            )
     targets += _optimizer_targets(model, loading, optim_names)
     meta = graph.meta_tensors()  # ~25 tensor objects per table: listed once
     values = _known_values(meta, sharded, device)
