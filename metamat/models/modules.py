@@ -11,7 +11,7 @@ comes from. *Register* (:mod:`.module_register`): swaps the real tensors in.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import nn
@@ -126,14 +126,34 @@ def entry_targets(e: Entry, x: torch.Tensor) -> List[Target]:
     return out
 
 
-def _fsdp_params(model: nn.Module) -> Dict[int, Any]:
-    """id(sharded parameter) -> FSDPParam, for every FSDP2 module of ``model``."""
+def named_modules_pruned(root: nn.Module, prune: Callable[[str, nn.Module], bool], *,
+                         remove_duplicate: bool = True) -> Iterator[Tuple[str, nn.Module]]:
+    """``root.named_modules(remove_duplicate=...)``, in its order, except that nothing below
+    a module for which ``prune(name, module)`` holds is visited (that module still is).
+    TorchRec's sharded modules hold ~1 module per table that the adapters skip anyway."""
+    seen: Optional[Set[int]] = set() if remove_duplicate else None
+    stack: List[Tuple[str, nn.Module]] = [("", root)]
+    while stack:
+        name, m = stack.pop()
+        if seen is not None:
+            if id(m) in seen:
+                continue
+            seen.add(id(m))
+        yield name, m
+        children = m._modules
+        if children and not prune(name, m):
+            stack.extend(reversed([(f"{name}.{k}" if name else k, c)
+                                   for k, c in children.items() if c is not None]))
+
+
+def _fsdp_params(modules: Iterable[nn.Module]) -> Dict[int, Any]:
+    """id(sharded parameter) -> FSDPParam, for every FSDP2 module among ``modules``."""
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # pragma: no cover - torch without FSDP2
         return {}
     out: Dict[int, Any] = {}
-    for m in model.modules():
+    for m in modules:
         if not isinstance(m, FSDPModule):
             continue
         state = m._get_fsdp_state()
@@ -175,10 +195,6 @@ def _layout(fqn: str, t: torch.Tensor):
     return shape, tuple(t.stride()), local_shape, offsets, mesh, placements
 
 
-def _skipped(name: str, skip: Sequence[str]) -> bool:
-    return any(s == "" or name == s or name.startswith(s + ".") for s in skip)
-
-
 def find_entries(root: nn.Module, skip: Sequence[str] = ()) -> List[Entry]:
     """Every parameter/buffer object of ``root``'s modules, outside the ``skip`` subtrees.
 
@@ -194,10 +210,14 @@ def find_entries(root: nn.Module, skip: Sequence[str] = ()) -> List[Entry]:
     """
     by_id: Dict[int, Entry] = {}
     order: List[Entry] = []
-    fsdp = _fsdp_params(root)
-    for mname, m in root.named_modules(remove_duplicate=False):
-        if skip and _skipped(mname, skip):
-            continue
+    if "" in skip:
+        return order
+    skipped = set(skip)
+    # the skipped subtrees are not walked (an FSDP module there manages nothing outside them)
+    modules = [(n, m) for n, m in named_modules_pruned(
+        root, lambda n, _m: n in skipped, remove_duplicate=False) if n not in skipped]
+    fsdp = _fsdp_params(m for _, m in modules)
+    for mname, m in modules:
         prefix = f"{mname}." if mname else ""
         for is_param, table in ((True, m._parameters), (False, m._buffers)):
             for k, t in table.items():

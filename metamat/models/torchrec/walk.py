@@ -75,9 +75,13 @@ def sharded_modules(root: nn.Module) -> List[Tuple[str, nn.Module]]:
     from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
     from torchrec.distributed.types import ShardedModule
 
+    from ..modules import named_modules_pruned
+
+    tables = (ShardedEmbeddingBagCollection, ShardedEmbeddingCollection)
     out = []
-    for name, m in root.named_modules():
-        if isinstance(m, (ShardedEmbeddingBagCollection, ShardedEmbeddingCollection)):
+    # not below a table module: its ~1 module per table is never a sharded module
+    for name, m in named_modules_pruned(root, lambda _n, m: isinstance(m, tables)):
+        if isinstance(m, tables):
             out.append((name, m))
         elif isinstance(m, ShardedModule) and not _is_container(m):
             if any(p.is_meta for p in _tensors_of(m)):
