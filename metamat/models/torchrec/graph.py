@@ -112,6 +112,10 @@ def is_wrapper_tensor(t: torch.Tensor) -> bool:
     return hasattr(t, "_local_shards") or hasattr(t, "_local_tensor")
 
 
+# tensor type -> is_wrapper_tensor of its instances (ShardedTensor, DTensor: True; plain
+# tensors, parameters, TorchRec's TableBatchedEmbeddingSlice: False)
+_WRAPPER_TYPES: Dict[type, bool] = {torch.Tensor: False, nn.Parameter: False}
+
 _SLOT_NAMES: Dict[type, Tuple[str, ...]] = {}
 
 
@@ -332,9 +336,15 @@ class Graph:
         """Every storage-backed meta tensor reached (listed once: the register stage swaps
         slots, the objects listed stay meta)."""
         if self._meta is None:  # tensors() inline: ~9 tensor objects per table
-            plain = (torch.Tensor, nn.Parameter)
-            self._meta = [t for t in self._tensors
-                          if (type(t) in plain or not is_wrapper_tensor(t)) and t.is_meta]
+            wrapper = _WRAPPER_TYPES
+            meta = []
+            for t in self._tensors:
+                w = wrapper.get(type(t))
+                if w is None:  # decided once per type: hasattr on a tensor is slow (~2 µs)
+                    w = wrapper[type(t)] = is_wrapper_tensor(t)
+                if not w and t.is_meta:
+                    meta.append(t)
+            self._meta = meta
         return self._meta
 
     def tuple_held(self) -> set:

@@ -177,6 +177,7 @@ def _table_targets(sharded: List[Tuple[str, nn.Module]], init, warnings: List[st
     refilled and recorded in ``refill``; all real ones when ``loading``). ``names`` receives
     every state_dict key of the sharded modules, with or without a block on this rank."""
     configs: Dict[str, Dict[str, Any]] = {name: _table_configs(sm) for name, sm in sharded}
+    known: Dict[int, Optional[Dist]] = {}  # id(init_fn) -> its distribution
     targets = []
     for name, sm in sharded:
         prefix = f"{name}." if name else ""
@@ -204,7 +205,10 @@ def _table_targets(sharded: List[Tuple[str, nn.Module]], init, warnings: List[st
                 if cfg.init_fn is None:
                     dist = default_table_dist(cfg.num_embeddings)
                 else:
-                    dist = dist_from_init_fn(cfg.init_fn)
+                    # one partial per table, alive during this call: id is a safe key
+                    dist = known.get(id(cfg.init_fn), _UNSEEN)
+                    if dist is _UNSEEN:
+                        dist = known[id(cfg.init_fn)] = dist_from_init_fn(cfg.init_fn)
                     if dist is None:
                         init_fn = cfg.init_fn
                         if table not in warned:
@@ -235,6 +239,9 @@ def _table_targets(sharded: List[Tuple[str, nn.Module]], init, warnings: List[st
                                           offsets=offsets, local_shape=tuple(local.shape),
                                           dtype=local.dtype, tensor=local))
     return targets
+
+
+_UNSEEN = object()
 
 
 def _init_callable(key: str, value):
