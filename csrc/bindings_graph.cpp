@@ -194,11 +194,32 @@ struct Walk {
   PtrMap<char> tensor_types;  // isinstance(x, torch.Tensor) by type
   PtrMap<char> dict_types;    // has_dict, by type
   PtrMap<char> kind_cache;    // 1 + kind, by type (see kind())
+
+  // The per-type facts above (and whether it is a set), asked ~230 times per table of a sharded model for a few
+  // dozen types: a direct-mapped cache in front of the maps (a probe of a map and its growth
+  // check cost more than the rest of kind()). A slot another type takes is refilled from the
+  // maps. -1: not known yet.
+  struct TypeFacts {
+    PyTypeObject* type = nullptr;
+    int8_t kind = -1, tensor = -1, dict = -1, set = -1;
+  };
+  TypeFacts facts[256];
+  TypeFacts& facts_of(PyTypeObject* type) {
+    TypeFacts& f = facts[(uint64_t(uintptr_t(type)) * 0x9E3779B97F4A7C15ull) >> 56];
+    if (f.type != type) f = TypeFacts{type};
+    return f;
+  }
   PtrMap<char> searched;      // metadata objects (and their containers) searched
   std::vector<PyObject*> held;  // for_items' snapshots of exact dicts (strong references)
 
-  static bool is_container(PyObject* o) {
-    return PyDict_Check(o) || PyList_Check(o) || PyTuple_Check(o) || PyAnySet_Check(o);
+  bool is_container(PyObject* o) {
+    return PyDict_Check(o) || PyList_Check(o) || PyTuple_Check(o) || is_set(o);
+  }
+  // PyAnySet_Check, decided once per type (for any other type it walks the MRO twice)
+  bool is_set(PyObject* o) {
+    TypeFacts& f = facts_of(Py_TYPE(o));
+    if (f.set < 0) f.set = PyAnySet_Check(o) ? 1 : 0;
+    return f.set;
   }
   // graph._holds_nothing: a container whose every element (and key) is a leaf.
   bool holds_nothing(PyObject* o) {
@@ -229,6 +250,13 @@ struct Walk {
   // isinstance(o, torch.Tensor), decided once per type (~200 ns per call in Python: the
   // tensor metaclass); the walk's objects keep their types alive.
   bool is_tensor(PyObject* o) {
+    const int8_t fact = facts_of(Py_TYPE(o)).tensor;
+    if (fact >= 0) return fact;
+    const bool r = is_tensor_slow(o);
+    facts_of(Py_TYPE(o)).tensor = r;  // again: the slow path may run Python
+    return r;
+  }
+  bool is_tensor_slow(PyObject* o) {
     bool found;
     char& known = tensor_types.get(Py_TYPE(o), &found);
     if (found) return known;
@@ -249,6 +277,13 @@ struct Walk {
   // graph._KIND of the child's type: asked once per reference (~150 per table), so kept
   // here too (1 + kind; 0: not asked yet). A type's kind never changes.
   int kind(PyObject* child) {
+    const int8_t fact = facts_of(Py_TYPE(child)).kind;
+    if (fact >= 0) return fact;
+    const int r = kind_slow(child);
+    facts_of(Py_TYPE(child)).kind = int8_t(r);  // again: kind_of may have run Python
+    return r;
+  }
+  int kind_slow(PyObject* child) {
     bool found;
     char& cached = kind_cache.get(Py_TYPE(child), &found);
     if (found && cached) return cached - 1;
@@ -338,6 +373,11 @@ struct Walk {
   // dict, or a `__dict__` the class defines. Asking objects without one costs an
   // AttributeError each (a formatted message); decided once per type.
   bool has_dict(PyTypeObject* type) {
+    TypeFacts& f = facts_of(type);
+    if (f.dict < 0) f.dict = has_dict_slow(type);
+    return f.dict;
+  }
+  bool has_dict_slow(PyTypeObject* type) {
     bool found;
     char& known = dict_types.get(type, &found);
     if (!found)
@@ -363,7 +403,7 @@ struct Walk {
       }
       return;
     }
-    if (PyAnySet_Check(obj)) {
+    if (is_set(obj)) {
       py::object seq = py::reinterpret_steal<py::object>(PySequence_Tuple(obj));
       if (!seq) throw py::error_already_set();
       for (Py_ssize_t i = 0, n = PyTuple_GET_SIZE(seq.ptr()); i < n; ++i)
