@@ -629,6 +629,20 @@ def test_dist_from_init_fn():
     assert dist_from_init_fn(P(torch.nn.init.xavier_uniform_)) is None
     assert dist_from_init_fn(P(torch.nn.init.uniform_, generator=torch.Generator())) is None
     assert dist_from_init_fn(lambda t: t) is None
+    # the lookup by call: a second partial of the same call hits it, keyword order aside
+    from metamat import rules
+
+    first = P(torch.nn.init.uniform_, a=-0.25, b=0.75)
+    assert dist_from_init_fn(first) == Uniform(-0.25, 0.75)
+    assert (torch.nn.init.uniform_, (), (("a", -0.25), ("b", 0.75))) in rules._PARTIAL_DISTS
+    assert dist_from_init_fn(P(torch.nn.init.uniform_, b=0.75, a=-0.25)) == Uniform(-0.25, 0.75)
+    assert dist_from_init_fn(P(torch.nn.init.uniform_, a=-0.25, b=0.5)) == Uniform(-0.25, 0.5)
+    gen = P(torch.nn.init.uniform_, generator=torch.Generator())
+    assert dist_from_init_fn(gen) is None and dist_from_init_fn(gen) is None
+    assert not any(any(k == "generator" for k, _ in key[2]) for key in rules._PARTIAL_DISTS)
+    a = torch.tensor(-0.5)  # not a plain value: answered, never kept
+    assert dist_from_init_fn(P(torch.nn.init.uniform_, a=a, b=0.5)) == Uniform(-0.5, 0.5)
+    assert not any(v is a for key in rules._PARTIAL_DISTS for _, v in key[2])
 
 
 def worker_cuda_refused(rank, world_size):

@@ -177,7 +177,6 @@ def _table_targets(sharded: List[Tuple[str, nn.Module]], init, warnings: List[st
     refilled and recorded in ``refill``; all real ones when ``loading``). ``names`` receives
     every state_dict key of the sharded modules, with or without a block on this rank."""
     configs: Dict[str, Dict[str, Any]] = {name: _table_configs(sm) for name, sm in sharded}
-    known: Dict[int, Optional[Dist]] = {}  # id(init_fn) -> its distribution
     targets = []
     for name, sm in sharded:
         prefix = f"{name}." if name else ""
@@ -205,10 +204,7 @@ def _table_targets(sharded: List[Tuple[str, nn.Module]], init, warnings: List[st
                 if cfg.init_fn is None:
                     dist = default_table_dist(cfg.num_embeddings)
                 else:
-                    # one partial per table, alive during this call: id is a safe key
-                    dist = known.get(id(cfg.init_fn), _UNSEEN)
-                    if dist is _UNSEEN:
-                        dist = known[id(cfg.init_fn)] = dist_from_init_fn(cfg.init_fn)
+                    dist = dist_from_init_fn(cfg.init_fn)
                     if dist is None:
                         init_fn = cfg.init_fn
                         if table not in warned:
@@ -241,9 +237,6 @@ def _table_targets(sharded: List[Tuple[str, nn.Module]], init, warnings: List[st
     return targets
 
 
-_UNSEEN = object()
-
-
 def _init_callable(key: str, value):
     """An ``init=`` tensor or callable for a table, as a per-block init_fn."""
     if isinstance(value, torch.Tensor):
@@ -252,6 +245,9 @@ def _init_callable(key: str, value):
         copy_block.metamat_block = True
         return copy_block
     return value
+
+
+_ZEROS = Zeros()  # frozen: one for every optimizer state block
 
 
 def _optimizer_targets(model: nn.Module, loading: bool, names: Set[str]) -> List[Target]:
@@ -277,7 +273,7 @@ def _optimizer_targets(model: nn.Module, loading: bool, names: Set[str]) -> List
                 targets.append(Target(
                     fqn=f"state.{pfqn}.{sname}", key=sname, global_shape=gshape,
                     offsets=offsets, local_shape=tuple(local.shape), dtype=local.dtype,
-                    dist=Zeros(), tensor=local, optimizer=True,
+                    dist=_ZEROS, tensor=local, optimizer=True,
                 ))
     return targets
 
