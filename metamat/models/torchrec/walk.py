@@ -278,13 +278,6 @@ def _optimizer_targets(model: nn.Module, loading: bool, names: Set[str]) -> List
     return targets
 
 
-def _contiguous_range(t: torch.Tensor) -> Optional[Tuple[int, int]]:
-    if not t.is_contiguous():
-        return None
-    isz = t.element_size()
-    return t.storage_offset() * isz, (t.storage_offset() + t.numel()) * isz
-
-
 def _extent(t: torch.Tensor) -> int:
     if t.is_contiguous():  # the common case, without a Python loop over the dimensions
         return (t.storage_offset() + t.numel()) * t.element_size()
@@ -429,7 +422,7 @@ def build_plan(model: nn.Module, device: torch.device, init=None, *, claimed=fro
         k = storage_key(tg.tensor)
         if k not in storages:  # reachable only through a state_dict view: still needs memory
             storages[k] = StorageGroup(k, tg.tensor.untyped_storage().nbytes(), where=tg.fqn)
-        if _contiguous_range(tg.tensor) is None:
+        if not tg.tensor.is_contiguous():
             raise UnsupportedError(f"{tg.fqn}: local block is not contiguous in its storage")
         storages[k].kind = "targets"
 
