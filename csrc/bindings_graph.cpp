@@ -195,10 +195,10 @@ struct Walk {
   PtrMap<char> dict_types;    // has_dict, by type
   PtrMap<char> kind_cache;    // 1 + kind, by type (see kind())
 
-  // The per-type facts above (and whether it is a set), asked ~230 times per table of a sharded model for a few
-  // dozen types: a direct-mapped cache in front of the maps (a probe of a map and its growth
-  // check cost more than the rest of kind()). A slot another type takes is refilled from the
-  // maps. -1: not known yet.
+  // The per-type facts above (and whether it is a set), asked ~230 times per table of a
+  // sharded model for a few dozen types: a direct-mapped cache in front of the maps (a probe
+  // of a map and its growth check cost more than the rest of kind()). A slot another type
+  // takes is refilled from the maps. -1: not known yet.
   struct TypeFacts {
     PyTypeObject* type = nullptr;
     int8_t kind = -1, tensor = -1, dict = -1, set = -1;

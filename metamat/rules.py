@@ -269,8 +269,8 @@ def dist_from_init_fn(init_fn: Any) -> Optional[Dist]:
         kw = init_fn.keywords
         try:
             return _PARTIAL_DISTS[(init_fn.func, init_fn.args, tuple(kw.items()) if kw else ())]
-        except (KeyError, TypeError):  # not seen yet; or an unhashable argument
-            pass
+        except Exception:  # noqa: BLE001 - not seen yet, unhashable, a tensor's __eq__: the
+            pass           # full path below answers
     fn, args, kwargs = init_fn, (), {}
     if isinstance(init_fn, functools.partial):
         fn, args, kwargs = init_fn.func, init_fn.args, dict(init_fn.keywords or {})

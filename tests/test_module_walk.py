@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 from torch import nn
@@ -85,3 +86,8 @@ def test_a_cycle_ends_as_in_torch():
     b.a = a
     got = [n for n, _ in named_modules_pruned(a, lambda n, m: False)]
     assert got == [n for n, _ in a.named_modules()] == ["", "b"]
+    # keeping duplicates, torch's walk never ends on a cycle (RecursionError): nor this one
+    with pytest.raises(RecursionError):
+        list(a.named_modules(remove_duplicate=False))
+    with pytest.raises(RecursionError, match="a cycle"):
+        list(named_modules_pruned(a, lambda n, m: False, remove_duplicate=False))

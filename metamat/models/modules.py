@@ -10,6 +10,7 @@ comes from. *Register* (:mod:`.module_register`): swaps the real tensors in.
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Set, Tuple
 
@@ -132,9 +133,10 @@ def named_modules_pruned(root: nn.Module, prune: Callable[[str, nn.Module], bool
     a module for which ``prune(name, module)`` holds is visited (that module still is).
     TorchRec's sharded modules hold ~1 module per table that the adapters skip anyway."""
     seen: Optional[Set[int]] = set() if remove_duplicate else None
-    stack: List[Tuple[str, nn.Module]] = [("", root)]
+    limit = sys.getrecursionlimit()  # where torch's recursive walk gives up (a cycle)
+    stack: List[Tuple[str, nn.Module, int]] = [("", root, 0)]
     while stack:
-        name, m = stack.pop()
+        name, m, depth = stack.pop()
         if seen is not None:
             if id(m) in seen:
                 continue
@@ -142,7 +144,9 @@ def named_modules_pruned(root: nn.Module, prune: Callable[[str, nn.Module], bool
         yield name, m
         children = m._modules
         if children and not prune(name, m):
-            stack.extend(reversed([(f"{name}.{k}" if name else k, c)
+            if depth >= limit:
+                raise RecursionError(f"module {name!r} is {depth} modules deep: a cycle?")
+            stack.extend(reversed([(f"{name}.{k}" if name else k, c, depth + 1)
                                    for k, c in children.items() if c is not None]))
 
 
