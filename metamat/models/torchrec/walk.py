@@ -219,11 +219,10 @@ def _table_targets(sharded: List[Tuple[str, nn.Module]], init, warnings: List[st
                 if local.numel() == 0 or (not local.is_meta and not any_meta
                                           and not loading):
                     continue
-                targets.append(Target(
-                    fqn=key, key=table, global_shape=gshape, offsets=offsets,
-                    local_shape=tuple(local.shape), dtype=local.dtype, dist=dist,
-                    tensor=local, init_fn=init_fn,
-                ))
+                # positional (~0.5 µs per target less than keywords): fqn, key, global_shape,
+                # offsets, local_shape, dtype, dist, tensor, init_fn
+                targets.append(Target(key, table, gshape, offsets, tuple(local.shape),
+                                      local.dtype, dist, local, init_fn))
                 if not local.is_meta and any_meta:
                     refill.add(id(targets[-1]))
         for key, value in sd.items():  # real non-table tensors of the module (eager loads)
@@ -267,15 +266,15 @@ def _optimizer_targets(model: nn.Module, loading: bool, names: Set[str]) -> List
         for sname, value in states.items():
             if not isinstance(value, torch.Tensor):
                 continue
-            names.add(f"state.{pfqn}.{sname}")
+            path = f"state.{pfqn}.{sname}"
+            names.add(path)
             for local, offsets, gshape in _local_blocks(value):
                 if local.numel() == 0 or (not local.is_meta and not loading):
                     continue
-                targets.append(Target(
-                    fqn=f"state.{pfqn}.{sname}", key=sname, global_shape=gshape,
-                    offsets=offsets, local_shape=tuple(local.shape), dtype=local.dtype,
-                    dist=_ZEROS, tensor=local, optimizer=True,
-                ))
+                tg = Target(path, sname, gshape, offsets, tuple(local.shape), local.dtype,
+                            _ZEROS, local)  # positional, as in _table_targets
+                tg.optimizer = True
+                targets.append(tg)
     return targets
 
 
@@ -401,14 +400,14 @@ def build_plan(model: nn.Module, device: torch.device, init=None, *, claimed=fro
     in_tuples = graph.tuple_held()
     starts = []  # contiguous tensors at offset 0: the only ones a recorded value can fill
     for t in meta:  # one pass (~5 tensors per table, nearly all views into a TBE's storage)
-        if id(t) in in_tuples:
+        if in_tuples and id(t) in in_tuples:
             raise UnsupportedError(
                 f"meta tensor {graph.path(t)} is held in an immutable container; "
                 "metamat cannot swap it"
             )
         st = t.untyped_storage()
         k = st._cdata  # storage_key(t)
-        if k in claimed:
+        if claimed and k in claimed:
             continue
         g = storages.get(k)
         if g is None:
