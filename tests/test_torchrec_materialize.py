@@ -666,22 +666,31 @@ def test_non_cpu_device_for_tbes_is_refused_before_allocating():
 def worker_no_plan(rank, world_size):
     """shard_on_meta without a plan runs TorchRec's planner, as DistributedModelParallel(model)
     does, for its default compute device: the CPU here, CUDA on a GPU host (where the H100
-    run of stop 31 found the eager DMP below, planned for the CPU, with another plan)."""
+    run of stop 31 found an eager DMP planned for the CPU with another plan). On a GPU host
+    the two ranks share one GPU, where an eager DMP cannot be built (DDP's gloo check of its
+    data-parallel table fails, H200 run of stop 32): the plan is then compared with TorchRec's
+    planner called as DMP's constructor calls it."""
     from torchrec import EmbeddingBagCollection
     from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+    from torchrec.distributed.sharding_plan import get_default_sharders
     from torchrec.distributed.types import ShardingEnv
+    from torchrec.distributed.comm import get_local_size
 
     tables = ebc_tables(n=4, rows=64)
     dmp = metamat_shard_on_meta(EmbeddingBagCollection(tables=tables, device=torch.device("meta")))
     metamat_materialize(dmp, device="cpu", seed=SEED)
     env = ShardingEnv.from_process_group(dist.group.WORLD)
-    eager = DistributedModelParallel(EmbeddingBagCollection(tables=tables,
-                                                            device=torch.device("meta")),
-                                     env, device=torch.device(
-                                         "cuda", 0) if torch.cuda.is_available() else
-                                     torch.device("cpu"))
+    fresh = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
+    if torch.cuda.is_available():
+        planner = EmbeddingShardingPlanner(topology=Topology(
+            local_world_size=get_local_size(env.world_size), world_size=env.world_size,
+            compute_device="cuda"))
+        want = planner.collective_plan(fresh, get_default_sharders(), env.process_group)
+    else:
+        want = DistributedModelParallel(fresh, env, device=torch.device("cpu")).plan
     return {"left": no_meta_left(dmp), "blocks": local_blocks(dmp.state_dict()),
-            "same_plan": str(dmp.plan) == str(eager.plan)}
+            "same_plan": str(dmp.plan) == str(want)}
 
 
 @pytest.mark.multiprocess
