@@ -11,7 +11,8 @@ state-dict post-hook then replaces most of those entries by the table's ShardedT
 pre-hooks, own tensors, children in order, post-hooks with their return-value rules) and reads
 a child that is a plain ``nn.Module`` or ``nn.ModuleDict`` without hooks or extra state
 directly. Weights are detached only if they are still in the result after the hooks, the same
-values ``state_dict()`` gives. A module that overrides ``state_dict`` or
+values ``state_dict()`` gives (a post-hook sees the parameters themselves, as with
+``keep_vars=True``; TorchRec's only replaces them). A module that overrides ``state_dict`` or
 ``_save_to_state_dict`` gets its own ``state_dict()``. ``destination._metadata`` (module
 versions, for ``load_state_dict``) is not produced: the plan never reads it.
 tests/test_torchrec_state_dict.py compares the result with ``state_dict()`` on every sharding
