@@ -2,7 +2,8 @@
 // holds ~95 objects and ~140 references per embedding table, and the Python loop over them
 // cost ~0.5 ms per table. Shard metadata (kind 3) is searched for devices only, containers of
 // leaves and shared constants (enums, layouts, process groups: graph._LEAF_TYPES) are not
-// recorded: ~32 objects and ~43 slots per table are. Torch-free: tensors are recognised by the
+// recorded: ~32 objects and ~43 slots per table are. The hook registries of modules and
+// optimizers (graph._HOOK_ATTRS, ~13 per table) are skipped by name, unread. Torch-free: tensors are recognised by the
 // type objects Python passes in. The Python `scan_reference` is the specification; tests
 // compare the two on real models.
 //
@@ -64,8 +65,14 @@ class PtrMap {
 
  private:
   size_t index(const void* key) const {
-    // Fibonacci hashing of the address (objects are 16-byte aligned: the low bits carry none)
-    return size_t((uint64_t(uintptr_t(key)) * 0x9E3779B97F4A7C15ull) >> shift_);
+    // Objects are 16-byte aligned (the low 4 bits carry nothing). Each 64 KiB block of
+    // memory is placed by Fibonacci hashing of its address; inside the block, the address
+    // keeps its order. The walk meets objects of one kind in the order they were made, mostly
+    // rising addresses: their probes then hit neighbouring entries, where a fully hashed
+    // address cost a cache miss per probe (~10% of a walk of 10k tables).
+    const uint64_t a = uint64_t(uintptr_t(key));
+    const size_t mask = keys_.size() - 1;
+    return size_t((((a >> 16) * 0x9E3779B97F4A7C15ull) >> shift_) ^ (a >> 4)) & mask;
   }
   void grow() {
     std::vector<const void*> keys(keys_.empty() ? 64 : 2 * keys_.size(), nullptr);
@@ -183,6 +190,8 @@ struct Walk {
   PyObject* tensor;      // torch.Tensor
   PyObject* device;      // torch.device
   PyObject* device_refs; // list of (holder, key): attributes holding a torch.device or "meta"
+  PyObject* hook_owners; // graph._HOOK_OWNERS: types whose hook registries are not walked
+  PyObject* hook_attrs;  // graph._HOOK_ATTRS: the names of those registries (a frozenset)
   std::vector<PyObject*> stack;  // borrowed: every object on it is in `rec` (roots too)
   py::dict names_of;     // type -> slot names (cache of slot_names)
   using Kind = GraphRecord::Kind;
@@ -201,7 +210,7 @@ struct Walk {
   // takes is refilled from the maps. -1: not known yet.
   struct TypeFacts {
     PyTypeObject* type = nullptr;
-    int8_t kind = -1, tensor = -1, dict = -1, set = -1;
+    int8_t kind = -1, tensor = -1, dict = -1, set = -1, hooks = -1;
   };
   TypeFacts facts[256];
   TypeFacts& facts_of(PyTypeObject* type) {
@@ -265,6 +274,21 @@ struct Walk {
     // looked up again: any get() on a map may grow it and move the slot `known` named
     char& slot = tensor_types.get(Py_TYPE(o), &found);
     slot = r != 0;
+    return r != 0;
+  }
+
+  // isinstance(o, hook_owners), decided once per type
+  bool owns_hooks(PyObject* o) {
+    const int8_t fact = facts_of(Py_TYPE(o)).hooks;
+    if (fact >= 0) return fact;
+    const int r = PyObject_IsInstance(o, hook_owners);
+    if (r < 0) throw py::error_already_set();
+    facts_of(Py_TYPE(o)).hooks = int8_t(r != 0);  // again: isinstance may have run Python
+    return r != 0;
+  }
+  bool is_hook_attr(PyObject* name) {
+    const int r = PySet_Contains(hook_attrs, name);
+    if (r < 0) throw py::error_already_set();
     return r != 0;
   }
 
@@ -339,6 +363,11 @@ struct Walk {
   // read with PyDict_Next: no item tuples; a subclass such as OrderedDict through items()).
   template <class F>
   void for_items(PyObject* d, F&& f) {
+    for_items(d, f, [](PyObject*) { return false; });
+  }
+  // ... leaving out the items whose key `skip(key)` names, unread (their values not touched)
+  template <class F, class Skip>
+  void for_items(PyObject* d, F&& f, Skip&& skip) {
     if (PyDict_CheckExact(d)) {
       // the snapshot goes on `held` (shared by nested calls, stack-wise: no allocation per
       // dict); its references keep the items alive whatever the visits run
@@ -355,6 +384,7 @@ struct Walk {
       PyObject *k, *v;
       held.reserve(base + 2 * size_t(PyDict_GET_SIZE(d)));  // no push_back below can throw
       while (PyDict_Next(d, &pos, &k, &v)) {
+        if (skip(k)) continue;
         Py_INCREF(k), Py_INCREF(v);
         held.push_back(k), held.push_back(v);
       }
@@ -365,7 +395,7 @@ struct Walk {
     if (!items) throw py::error_already_set();
     for (Py_ssize_t i = 0, n = PyList_GET_SIZE(items.ptr()); i < n; ++i) {
       PyObject* kv = PyList_GET_ITEM(items.ptr(), i);
-      f(PyTuple_GET_ITEM(kv, 0), PyTuple_GET_ITEM(kv, 1));
+      if (!skip(PyTuple_GET_ITEM(kv, 0))) f(PyTuple_GET_ITEM(kv, 0), PyTuple_GET_ITEM(kv, 1));
     }
   }
 
@@ -416,10 +446,11 @@ struct Walk {
         if (!PyErr_ExceptionMatches(PyExc_AttributeError)) throw py::error_already_set();
         PyErr_Clear();
       }
-      if (d && PyDict_Check(d.ptr()))
-        for_items(d.ptr(), [&](PyObject* k, PyObject* v) {
-          visit(obj, kAttr, k, v, in_metadata);
-        });
+      if (d && PyDict_Check(d.ptr())) {
+        const bool hooks = owns_hooks(obj);
+        for_items(d.ptr(), [&](PyObject* k, PyObject* v) { visit(obj, kAttr, k, v, in_metadata); },
+                  [&](PyObject* k) { return hooks && PyUnicode_CheckExact(k) && is_hook_attr(k); });
+      }
     }
     PyObject* type = (PyObject*)Py_TYPE(obj);
     PyObject* names = PyDict_GetItemWithError(names_of.ptr(), type);  // borrowed
@@ -513,7 +544,7 @@ void metamat_bind_graph(py::module_& m) {
       "scan_graph",
       [](py::list roots, GraphRecord& rec, py::list tensors, py::dict kinds, py::object kind_of,
          py::object slot_names, py::object slot_type, py::object tensor, py::object device,
-         py::list device_refs) {
+         py::list device_refs, py::tuple hook_owners, py::frozenset hook_attrs) {
         if (!PyType_Check(slot_type.ptr()) ||
             !PyType_IsSubtype((PyTypeObject*)slot_type.ptr(), &PyTuple_Type))
           throw py::type_error("scan_graph: slot_type must be a tuple subclass");
@@ -524,6 +555,7 @@ void metamat_bind_graph(py::module_& m) {
         w.tensors = tensors.ptr(), w.kinds = kinds.ptr(), w.kind_of = kind_of.ptr();
         w.slot_names = slot_names.ptr(), w.tensor = tensor.ptr();
         w.device = device.ptr(), w.device_refs = device_refs.ptr();
+        w.hook_owners = hook_owners.ptr(), w.hook_attrs = hook_attrs.ptr();
         for (py::handle r : roots) {  // the last root is walked first, as in Python
           bool added;
           rec.add(r.ptr(), &added);

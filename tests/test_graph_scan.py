@@ -152,6 +152,43 @@ def test_containers_of_leaves_are_not_recorded():
     assert id(m.mixed) in g.objects and g.slots[id(m.buf)]
 
 
+class _HookObject:  # a callable object of a walked kind holding a tensor
+    def __init__(self, t):
+        self.t = t
+
+    def __call__(self, *args, **kwargs):
+        return None
+
+
+_HookObject.__module__ = "metamat.fake"
+
+
+def test_hook_registries_are_not_read():
+    """Modules' and optimizers' hook registries hold code, not state: the walk skips them by
+    name (unread, ~13 per table of a sharded model), also when a hook is an object that would
+    be walked elsewhere; an attribute of the same name on another object is walked."""
+    m = Holder()
+    hidden = torch.empty(3, device="meta")
+    m.register_forward_hook(_HookObject(hidden))
+    m.lin.register_forward_pre_hook(_HookObject(hidden))
+    m.register_load_state_dict_pre_hook(_HookObject(hidden))  # torch wraps it (_WrappedHook)
+    opt = torch.optim.SGD([nn.Parameter(torch.empty(2, device="meta"))], lr=0.1)
+    opt.register_step_pre_hook(_HookObject(hidden))
+    m.opt = opt
+    g = _same(m)
+    assert id(hidden) not in g.objects
+    for registry in (m._forward_hooks, m.lin._forward_pre_hooks,
+                     m._load_state_dict_pre_hooks, opt._optimizer_step_pre_hooks):
+        assert registry and id(registry) not in g.objects
+    assert id(opt.param_groups[0]["params"][0]) in g.objects  # the optimizer's state is walked
+
+    other = _HookObject(None)
+    other._forward_hooks = {"h": _HookObject(hidden)}  # not a module: an ordinary attribute
+    m.other = other
+    g = _same(m)
+    assert g.slots[id(hidden)] and g.path(hidden) == "other._forward_hooks.h.t"
+
+
 def test_shared_constants_and_handles_are_leaves(world1_env):
     """Enum members, layouts, memory formats and process groups hold no tensor: no slots for
     them (a sharded model refers to them ~20 times per table); TensorProperties, whose fields

@@ -7,7 +7,8 @@ object graph instead: modules, optimizers, containers, tensors' own ``__dict__``
 and objects of torch/torchrec/fbgemm classes. For each object it records the slots that
 refer to it, so the register stage can swap in a replacement everywhere at once. What can
 hold nothing to swap is not recorded: containers of leaves (str, int, ...), and torch's
-shard metadata, which is only searched for the devices its placements name.
+shard metadata, which is only searched for the devices its placements name. The hook
+registries of modules and optimizers are not read at all (they hold code, not state).
 """
 from __future__ import annotations
 
@@ -98,6 +99,21 @@ _LEAF_DATACLASSES = {
         frozenset(_STM_FIELDS["TensorProperties"]),  # the fields fastbuild copies too
 }
 _CONTAINERS = (dict, list, tuple, set, frozenset)
+
+# The hook registries of modules and optimizers hold code (functions, bound methods, which are
+# leaves to the walk anyway), not state. They are skipped by name, unread: ~13 containers per
+# table of a sharded model (a module and a fused optimizer per table), each a cache miss at
+# 10k tables.
+_HOOK_OWNERS = (nn.Module, torch.optim.Optimizer)
+_HOOK_ATTRS = frozenset({
+    "_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+    "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_backward_hooks",
+    "_backward_pre_hooks", "_state_dict_hooks", "_state_dict_pre_hooks",
+    "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks",
+    "_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
+    "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
+    "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks",
+})
 
 # TorchRec's EmbeddingShardingInfo keeps the *unsharded* construction-time parameter
 # (`.param`, full table size). It is not model state: eager TorchRec leaves it on meta too.
@@ -207,8 +223,10 @@ def _children(obj: Any) -> Iterator[Tuple[str, Any, Any]]:
         return
     d = getattr(obj, "__dict__", None)
     if isinstance(d, dict):
+        hooks = isinstance(obj, _HOOK_OWNERS)
         for k, v in list(d.items()):
-            yield "attr", k, v
+            if not (hooks and k in _HOOK_ATTRS):
+                yield "attr", k, v
     for name in slot_names(obj):
         try:
             v = object.__getattribute__(obj, name)
@@ -394,7 +412,7 @@ def scan(root: Any, *extra_roots: Any) -> Graph:
     g = _start(roots)
     rec = core().GraphRecord()
     core().scan_graph(list(roots), rec, g._tensors, _KIND, _kind_of, slot_names, Slot,
-                      torch.Tensor, torch.device, g.device_refs)
+                      torch.Tensor, torch.device, g.device_refs, _HOOK_OWNERS, _HOOK_ATTRS)
     g.objects, g.slots = _RecordObjects(rec), _RecordSlots(rec)
     return g
 
