@@ -3,9 +3,9 @@
 // cost ~0.5 ms per table. Shard metadata (kind 3) is searched for devices only, containers of
 // leaves and shared constants (enums, layouts, process groups: graph._LEAF_TYPES) are not
 // recorded: ~32 objects and ~43 slots per table are. The hook registries of modules and
-// optimizers (graph._HOOK_ATTRS, ~13 per table) are skipped by name, unread. Torch-free: tensors are recognised by the
-// type objects Python passes in. The Python `scan_reference` is the specification; tests
-// compare the two on real models.
+// optimizers (graph._HOOK_ATTRS, ~13 per table) are skipped by name, unread. Torch-free:
+// tensors are recognised by the type objects Python passes in. The Python `scan_reference` is
+// the specification; tests compare the two on real models.
 //
 // What the walk finds is kept here, in a GraphRecord, not in Python dicts: an `id` key cost a
 // new int, two dict inserts (often a resize) and a list per object, and a Slot tuple per
@@ -52,11 +52,19 @@ struct HugeAlloc {
     const size_t bytes = n * sizeof(T);
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
     if (bytes >= kHuge) {
-      void* p = mmap(nullptr, round(bytes), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS,
-                     -1, 0);
+      // mapped 2 MiB larger and trimmed to a 2 MiB-aligned range: a huge page needs one, and
+      // kernels before ~6.7 do not align anonymous mappings by themselves
+      const size_t size = round(bytes);
+      void* p = mmap(nullptr, size + kHuge, PROT_READ | PROT_WRITE,
+                     MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
       if (p == MAP_FAILED) throw std::bad_alloc();
-      madvise(p, round(bytes), MADV_HUGEPAGE);  // a hint: 4 KiB pages if refused
-      return static_cast<T*>(p);
+      char* const base = static_cast<char*>(p);
+      char* const start = base + (kHuge - uintptr_t(base) % kHuge) % kHuge;
+      if (start > base) munmap(base, size_t(start - base));
+      if (start + size < base + size + kHuge)
+        munmap(start + size, size_t(base + size + kHuge - (start + size)));
+      madvise(start, size, MADV_HUGEPAGE);  // a hint: 4 KiB pages if refused
+      return reinterpret_cast<T*>(start);
     }
 #endif
     return std::allocator<T>().allocate(n);
@@ -114,15 +122,19 @@ class PtrMap {
 
  private:
   size_t index(const void* key) const {
-    // Objects are 16-byte aligned (the low 4 bits carry nothing). Each 64 KiB block of
-    // memory is placed by Fibonacci hashing of its address; inside the block, the address
-    // keeps its order. The walk meets objects of one kind in the order they were made, mostly
-    // rising addresses: their probes then hit neighbouring entries, where a fully hashed
-    // address cost a cache miss per probe (~10% of a walk of 10k tables).
+    // Fibonacci hashing of the address (objects are 16-byte aligned: the low bits carry none)
     const uint64_t a = uint64_t(uintptr_t(key));
-    const size_t mask = keys_.size() - 1;
-    return size_t((((a >> 16) * 0x9E3779B97F4A7C15ull) >> shift_) ^ (a >> 4)) & mask;
+    if (shift_ > 64 - kBlockEntriesLog2) return size_t((a * 0x9E3779B97F4A7C15ull) >> shift_);
+    // A big map: each 64 KiB block of memory starts at a Fibonacci-hashed entry and keeps its
+    // address order from there. The walk meets objects of one kind in the order they were
+    // made, mostly rising addresses, so successive probes hit neighbouring entries, where a
+    // fully hashed address cost a cache miss per probe (~10% of a walk of 10k tables).
+    const size_t start = size_t(((a >> 16) * 0x9E3779B97F4A7C15ull) >> shift_);
+    return (start + size_t(a >> 4)) & (keys_.size() - 1);
   }
+  // 4096 entries of 16 bytes: one 64 KiB block. Smaller maps (the per-type caches) hash every
+  // address bit: there, keys of one block 1 KiB apart would share an entry.
+  static constexpr int kBlockEntriesLog2 = 12;
   void grow() {
     HugeVector<const void*> keys(keys_.empty() ? 64 : 2 * keys_.size(), nullptr);
     HugeVector<V> vals(keys.size());
@@ -256,7 +268,8 @@ struct Walk {
   // The per-type facts above (and whether it is a set), asked ~230 times per table of a
   // sharded model for a few dozen types: a direct-mapped cache in front of the maps (a probe
   // of a map and its growth check cost more than the rest of kind()). A slot another type
-  // takes is refilled from the maps. -1: not known yet.
+  // takes is refilled from the maps (`hooks`, which has none, is asked again). -1: not known
+  // yet.
   struct TypeFacts {
     PyTypeObject* type = nullptr;
     int8_t kind = -1, tensor = -1, dict = -1, set = -1, hooks = -1;

@@ -248,16 +248,16 @@ def test_c_walk_equals_python_past_its_tables_first_sizes():
 
 
 def test_c_walk_equals_python_past_two_mib_of_record():
-    """~150k objects: the record's vectors and the maps pass 2 MiB, where the C walk asks for
-    huge pages (its own allocator: mmap, madvise, munmap), and grow several times there."""
+    """300k objects: the record's vectors and the maps pass 2 MiB, where the C walk asks for
+    huge pages (its own allocator: mmap, madvise, munmap), and each grows again there."""
     Cell = dataclasses.make_dataclass("Cell", [("w", object), ("nxt", object)])
     Cell.__module__ = "metamat.fake"
     shared = torch.empty(4, device="meta")
-    cells = [Cell(shared if i % 1000 == 0 else None, None) for i in range(150_000)]
+    cells = [Cell(shared if i % 1000 == 0 else None, None) for i in range(300_000)]
     for a, b in zip(cells, cells[7::7]):
         a.nxt = b  # more than one slot for some objects
     g = _same(cells)
-    assert len(g.objects) == 150_002 and len(g.slots[id(shared)]) == 150
+    assert len(g.objects) == 300_002 and len(g.slots[id(shared)]) == 300
 
 
 def test_the_c_walks_record_reads_like_the_python_walks_dicts():

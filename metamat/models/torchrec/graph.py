@@ -100,10 +100,11 @@ _LEAF_DATACLASSES = {
 }
 _CONTAINERS = (dict, list, tuple, set, frozenset)
 
-# The hook registries of modules and optimizers hold code (functions, bound methods, which are
-# leaves to the walk anyway), not state. They are skipped by name, unread: ~13 containers per
-# table of a sharded model (a module and a fused optimizer per table), each a cache miss at
-# 10k tables.
+# The hook registries of modules and optimizers hold code, not state: functions and bound
+# methods (leaves to the walk) or torch's wrappers of them (`_WrappedHook`, which was walked).
+# They are skipped by name, unread: ~13 containers per table of a sharded model (a module and
+# a fused optimizer per table), each a cache miss at 10k tables. A hook object holding a meta
+# tensor is therefore not found.
 _HOOK_OWNERS = (nn.Module, torch.optim.Optimizer)
 _HOOK_ATTRS = frozenset({
     "_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
@@ -189,7 +190,7 @@ def _leaf_dataclass(cls: type, name: str) -> bool:
 
 def _holds_nothing(container: Any) -> bool:
     """A container whose every element (and key) is a leaf: nothing in it can be swapped
-    (``feature_names``, ``ranks``, empty hook dicts: ~20 per table of a sharded model)."""
+    (``feature_names``, ``ranks``, empty buffer dicts: ~25 per table of a sharded model)."""
     items = list(container.items()) if isinstance(container, dict) else container
     for item in items:
         for v in (item if isinstance(container, dict) else (item,)):
@@ -225,7 +226,7 @@ def _children(obj: Any) -> Iterator[Tuple[str, Any, Any]]:
     if isinstance(d, dict):
         hooks = isinstance(obj, _HOOK_OWNERS)
         for k, v in list(d.items()):
-            if not (hooks and k in _HOOK_ATTRS):
+            if not (hooks and type(k) is str and k in _HOOK_ATTRS):  # as the C walk
                 yield "attr", k, v
     for name in slot_names(obj):
         try:
