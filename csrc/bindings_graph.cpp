@@ -61,8 +61,7 @@ struct HugeAlloc {
       char* const base = static_cast<char*>(p);
       char* const start = base + (kHuge - uintptr_t(base) % kHuge) % kHuge;
       if (start > base) munmap(base, size_t(start - base));
-      if (start + size < base + size + kHuge)
-        munmap(start + size, size_t(base + size + kHuge - (start + size)));
+      munmap(start + size, size_t(base + kHuge - start));  // the tail: never empty
       madvise(start, size, MADV_HUGEPAGE);  // a hint: 4 KiB pages if refused
       return reinterpret_cast<T*>(start);
     }
