@@ -105,7 +105,7 @@ def test_open_checkpoint_is_the_same_with_and_without_the_c_pass(dcp_blobs, monk
     for name in sd:
         a, b = fast.tensors()[name], slow.tensors()[name]
         assert (a.dtype, a.global_shape) == (b.dtype, b.global_shape)
-        assert [vars(c) for c in a.chunks] == [vars(c) for c in b.chunks]
+        assert [c._asdict() for c in a.chunks] == [c._asdict() for c in b.chunks]
 
 
 def test_metadata_limit_declines_the_blob(dcp_blobs):

@@ -140,7 +140,10 @@ def _open_dcp(path: str) -> Checkpoint:
         with fh:
             fsize = fs.fsize(fh)
             for fqn, offs, _, info in items:
-                _check_range(f, fsize, fqn, offs, info)
+                o, n = info.offset, info.length
+                if type(o) is not int or type(n) is not int or o < 0 or n < 0 \
+                        or o + n > fsize:  # the common case inline; the check names it
+                    _check_range(f, fsize, fqn, offs, info)
             first = fs.pread(fh, 4, items[0][3].offset)
             file_fmt = "dcp" if first == b"PK\x03\x04" else "dcp-safetensors"
             if fmt is not None and fmt != file_fmt:
@@ -187,26 +190,28 @@ def _add_torch_save_chunks(entries: Dict[str, TensorEntry], f: str, fh, fsize: i
         except (OSError, ValueError):
             mm = None
     pickles: Dict[bytes, object] = {}
-    located: Dict[tuple, tuple] = {}  # (TensorRef, record size) -> (offset in record, Chunk)
+    # (id of a TensorRef, record size) -> (offset in record, Chunk); the refs live in
+    # `pickles` until the end, so their ids stay theirs (hashing a TensorRef hashes its fields)
+    located: Dict[tuple, tuple] = {}
     try:
         blobs = core().zip_blobs(mm, [it[3].offset for it in items],
                                  [it[3].length for it in items], limit(METADATA_BYTES)) \
             if mm is not None else [None] * len(items)
         for (fqn, offs, sizes, info), blob in zip(items, blobs):
-            arch = _archive(mm, f, blob, pickles) if blob is not None else None
-            if arch is None:
+            obj = _unpickled(mm, f, blob, pickles) if blob is not None else None
+            if obj is None:
                 _add_torch_save_chunk(entries[fqn], f, fh, offs, sizes, info)
             else:
-                _add_parsed_chunk(entries[fqn], f, arch, offs, sizes, info, located)
+                _add_parsed_chunk(entries[fqn], f, obj, blob[2], offs, sizes, info, located)
     finally:
         if mm is not None:
             mm.close()
 
 
-def _archive(mm, f: str, blob: tuple, pickles: Dict[bytes, object]):
-    """The ``TorchSaveArchive`` of a blob ``zip_blobs`` located, or None if its pickle does
-    not load (the careful parser then says why)."""
-    pkl_at, pkl_size, records = blob
+def _unpickled(mm, f: str, blob: tuple, pickles: Dict[bytes, object]):
+    """The ``data.pkl`` object of a blob ``zip_blobs`` located, or None if it does not load
+    (the careful parser then says why)."""
+    pkl_at, pkl_size, _records = blob
     data = mm[pkl_at:pkl_at + pkl_size]
     obj = pickles.get(data)
     if obj is None:
@@ -214,7 +219,7 @@ def _archive(mm, f: str, blob: tuple, pickles: Dict[bytes, object]):
             obj = pickles[data] = _RestrictedUnpickler(io.BytesIO(data), f).load()
         except Exception:  # noqa: BLE001 - anything odd: the careful parser decides
             return None
-    return TorchSaveArchive(f, obj, records)
+    return obj
 
 
 def _add_torch_save_chunk(entry: TensorEntry, f: str, fh, offs, sizes, info) -> None:
@@ -222,33 +227,34 @@ def _add_torch_save_chunk(entry: TensorEntry, f: str, fh, offs, sizes, info) -> 
         arch = parse_torch_save(f, base=info.offset, length=info.length, f=fh)
     except CheckpointError as e:
         raise e.with_tensor(entry.name) from e.__cause__
-    _add_parsed_chunk(entry, f, arch, offs, sizes, info)
+    _add_parsed_chunk(entry, f, arch.obj, arch.records, offs, sizes, info)
 
 
-def _add_parsed_chunk(entry: TensorEntry, f: str, arch, offs, sizes, info,
+def _add_parsed_chunk(entry: TensorEntry, f: str, ref, records, offs, sizes, info,
                       located: Optional[Dict[tuple, tuple]] = None) -> None:
-    if not isinstance(arch.obj, TensorRef):
-        raise InvalidHeaderError(f"blob at {info.offset} holds {type(arch.obj).__name__}, "
+    """Append the chunk of a blob whose ``data.pkl`` gave ``ref`` and whose storage records
+    are ``records`` (the archive is built only for the first chunk of each view)."""
+    if not isinstance(ref, TensorRef):
+        raise InvalidHeaderError(f"blob at {info.offset} holds {type(ref).__name__}, "
                                  "not a tensor", file=f, tensor=entry.name)
-    ref = arch.obj
     if ref.storage.dtype != entry.dtype:
         raise DtypeMismatchError(f"chunk at {offs} is {ref.storage.dtype}, metadata says "
                                  f"{entry.dtype}", file=f, tensor=entry.name)
     if ref.size != sizes:
         raise ShapeMismatchError(f"chunk at {offs} has shape {ref.size}, metadata says {sizes}",
                                  file=f, tensor=entry.name)
-    rec = arch.records.get(ref.storage.key)
+    rec = records.get(ref.storage.key)
     if located is not None and rec is not None:
         # chunks of one shape share one TensorRef (one data.pkl): check the view once
-        known = located.get((ref, rec[1]))
+        known = located.get((id(ref), rec[1]))
         if known is not None:
             delta, ch = known
             entry.chunks.append(Chunk(f, rec[0] + delta, ch.nbytes, tuple(offs), ch.sizes,
                                       ch.strides))
             return
-    ch = tensor_chunk(arch, ref, offs, entry.name)
+    ch = tensor_chunk(TorchSaveArchive(f, ref, records), ref, offs, entry.name)
     if located is not None:
-        located[(ref, rec[1])] = (ch.byte_offset - rec[0], ch)
+        located[(id(ref), rec[1])] = (ch.byte_offset - rec[0], ch)
     entry.chunks.append(ch)
 
 
