@@ -329,7 +329,7 @@ def measured_growth(case: str, counts: Sequence[int], rounds: int = 7) -> Dict[s
         out = fn(arg)
         return clock() - t0, out
 
-    order = list(counts)
+    dirs: Dict[int, str] = {}  # checkpoint directory of each count (chunks and tensors)
     if case == "tables":
         from torchrec.distributed.types import ShardingEnv
         import torch.distributed as dist
@@ -342,28 +342,31 @@ def measured_growth(case: str, counts: Sequence[int], rounds: int = 7) -> Dict[s
             dmp = metamat.shard_on_meta(n_ebc[1], env=env, plan=plan, sharders=[sharder])
             return metamat.materialize(dmp, device="cpu")
 
-        for r in range(rounds):
-            for n in (order if r % 2 == 0 else order[::-1]):
-                # the user's EBC on meta is built outside the timed call, as in run_tables
-                t, rep = timed(meta, (n, _ebc(n)))
-                keep("metamat shard_on_meta+materialize", n, t)
-                keep("metamat plan phase", n, rep.seconds["plan"])
+        def measure(n):
+            # the user's EBC on meta is built outside the timed call, as in run_tables
+            t, rep = timed(meta, (n, _ebc(n)))
+            keep("metamat shard_on_meta+materialize", n, t)
+            keep("metamat plan phase", n, rep.seconds["plan"])
     else:
         prepare = _tensors_case if case == "tensors" else _chunks_case(case)
-        dirs = {n: tempfile.mkdtemp(prefix="metamat-growth-") for n in counts}
-        try:
-            models = {n: prepare(n, dirs[n]) for n in counts}
-            for r in range(rounds):
-                for n in (order if r % 2 == 0 else order[::-1]):
-                    keep("metamat open_checkpoint", n,
-                         timed(metamat.open_checkpoint, dirs[n])[0])
-                    m = models[n]()
-                    keep("metamat materialize(load)", n,
-                         timed(lambda mod: metamat.materialize(mod, dirs[n], device="cpu"),
-                               m)[0])
-        finally:
-            for d in dirs.values():
-                shutil.rmtree(d, ignore_errors=True)
+        models = {}
+
+        def measure(n):
+            keep("metamat open_checkpoint", n, timed(metamat.open_checkpoint, dirs[n])[0])
+            keep("metamat materialize(load)", n,
+                 timed(lambda m: metamat.materialize(m, dirs[n], device="cpu"),
+                       models[n]())[0])
+    try:
+        if case != "tables":
+            for n in counts:
+                dirs[n] = tempfile.mkdtemp(prefix="metamat-growth-")
+                models[n] = prepare(n, dirs[n])
+        for r in range(rounds):
+            for n in (counts if r % 2 == 0 else counts[::-1]):
+                measure(n)
+    finally:
+        for d in dirs.values():
+            shutil.rmtree(d, ignore_errors=True)
     results = [dict(case=case, method=m, count=n, seconds=s) for (m, n), s in best.items()]
     return {m: per_item_growth(results, case, m) for m in sorted({m for m, _ in best})}
 
