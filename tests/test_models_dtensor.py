@@ -59,7 +59,7 @@ class Conv(nn.Module):
 def test_plain_meta_module_init_and_nd_load(tmp_path):
     m = Conv(device="meta")
     assert not has_dtensor(m)
-    rep = materialize_dtensor(m, seed=2)
+    rep = materialize_dtensor(m, seed=2, device="cpu")
     assert rep.source == "init" and rep.num_tensors == 8
     b = 1 / (3 * 5) ** 0.5
     assert m.conv.weight.abs().max() <= b and m.conv.bias.abs().max() <= b
@@ -74,7 +74,7 @@ def test_plain_meta_module_init_and_nd_load(tmp_path):
     sd["bn.num_batches_tracked"] = torch.tensor(5)
     save_file(sd, str(tmp_path / "c.safetensors"))
     m = Conv(device="meta")
-    rep = materialize_dtensor(m, str(tmp_path / "c.safetensors"))
+    rep = materialize_dtensor(m, str(tmp_path / "c.safetensors"), device="cpu")
     for k, v in m.state_dict().items():
         assert torch.equal(v, sd[k]), k
     assert rep.read_amplification == 1.0 and rep.bytes_needed == rep.bytes_read
@@ -86,16 +86,16 @@ def test_errors_leave_model_unchanged(tmp_path):
     save_file(sd, str(tmp_path / "c.safetensors"))
     m = Conv(device="meta")
     with pytest.raises(MissingTensorError, match="conv.bias"):
-        materialize_dtensor(m, str(tmp_path / "c.safetensors"))
+        materialize_dtensor(m, str(tmp_path / "c.safetensors"), device="cpu")
     assert all(p.is_meta for p in m.parameters())
-    rep = materialize_dtensor(m, str(tmp_path / "c.safetensors"), strict=False)
+    rep = materialize_dtensor(m, str(tmp_path / "c.safetensors"), strict=False, device="cpu")
     assert rep.initialized == ["conv.bias"] and not m.conv.bias.is_meta
 
     sd["conv.bias"] = torch.zeros(5)
     save_file(sd, str(tmp_path / "d.safetensors"))
     m = Conv(device="meta")
     with pytest.raises(ShapeMismatchError, match="conv.bias"):
-        materialize_dtensor(m, str(tmp_path / "d.safetensors"))
+        materialize_dtensor(m, str(tmp_path / "d.safetensors"), device="cpu")
     assert all(p.is_meta for p in m.parameters())
 
     bare = nn.Module()
@@ -103,7 +103,7 @@ def test_errors_leave_model_unchanged(tmp_path):
     with pytest.raises(UnsupportedError, match="'w'"):
         materialize_dtensor(bare)
     assert bare.w.is_meta
-    materialize_dtensor(bare, init={"w": metamat.Zeros()})
+    materialize_dtensor(bare, init={"w": metamat.Zeros()}, device="cpu")
     assert torch.equal(bare.w.detach(), torch.zeros(3, 3))
 
 
@@ -111,9 +111,10 @@ def test_rename_and_prefix(tmp_path):
     sd = {k: v.detach() for k, v in Conv().state_dict().items()}
     save_file({"model." + k: v for k, v in sd.items()}, str(tmp_path / "p.safetensors"))
     m = Conv(device="meta")
-    rep = materialize_dtensor(m, str(tmp_path / "p.safetensors"))
+    rep = materialize_dtensor(m, str(tmp_path / "p.safetensors"), device="cpu")
     assert rep.key_prefixes == {"model": "model."}
     assert torch.equal(m.conv.weight.detach(), sd["conv.weight"])
     m = Conv(device="meta")
-    materialize_dtensor(m, str(tmp_path / "p.safetensors"), rename=lambda k: "model." + k)
+    materialize_dtensor(m, str(tmp_path / "p.safetensors"), rename=lambda k: "model." + k,
+                        device="cpu")
     assert torch.equal(m.emb.weight.detach(), sd["emb.weight"])
