@@ -38,12 +38,29 @@ def test_loads_json_errors():
     assert "xff" not in str(ei.value)
     with pytest.raises(InvalidHeaderError, match="not valid JSON"):
         loads_json(b"{", "index", "f")
-    with pytest.raises(InvalidHeaderError, match="nested too deeply"):
+    with pytest.raises(InvalidHeaderError, match="nested more than 100 levels"):
         loads_json(b"[" * 100000 + b"]" * 100000, "index", "f")
     with pytest.raises(LimitExceededError, match="PYTHONINTMAXSTRDIGITS") as ei:
         loads_json(b"[" + b"1" * 4301 + b"]", "index", "f")
     assert ei.value.env == "PYTHONINTMAXSTRDIGITS"
     assert loads_json(b'{"a": [1, 2]}', "index", "f") == {"a": [1, 2]}
+
+
+def test_json_depth_is_refused_alike_on_every_python(monkeypatch):
+    """3.11's json parses 150 levels and raises near 1,000; 3.12's parses 5,000: the limit,
+    not the interpreter, decides."""
+    nest = lambda n: b'{"m": ' + b"[" * (n - 1) + b"]" * (n - 1) + b"}"  # noqa: E731
+    assert loads_json(nest(100), "index", "f")["m"]
+    for n in (101, 150, 900, 5000):
+        with pytest.raises(InvalidHeaderError, match="nested more than 100 levels.*"
+                           "METAMAT_MAX_JSON_DEPTH"):
+            loads_json(nest(n), "index", "f")
+    # brackets inside strings only raise the bound that decides whether to walk at all
+    assert loads_json(b'{"k": "' + b"[" * 500 + b'"}', "index", "f") == {"k": "[" * 500}
+    monkeypatch.setenv("METAMAT_MAX_JSON_DEPTH", "200")
+    assert loads_json(nest(150), "index", "f")["m"]
+    with pytest.raises(InvalidHeaderError, match="more than 200"):
+        loads_json(nest(201), "index", "f")
 
 
 def test_short_repr_bounds():

@@ -136,7 +136,9 @@ def read_header(path: str, base: int = 0, blob_len: Optional[int] = None) -> Saf
         raise InvalidHeaderError("not a safetensors file: header does not start with '{'",
                                  file=path)
     try:
-        hdr = loads_json(raw, "header", path, object_pairs_hook=_no_duplicates)
+        # no depth walk: the checks below refuse any value nested deeper than the format's
+        hdr = loads_json(raw, "header", path, object_pairs_hook=_no_duplicates,
+                         check_depth=False)
     except _DuplicateKey as e:
         raise InvalidHeaderError("name appears twice in the header", file=path,
                                  tensor=e.args[0]) from None
