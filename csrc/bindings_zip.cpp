@@ -11,7 +11,8 @@
 // an end record at the very end with no comment, one disk, the central directory right
 // before it (or before the zip64 end record and locator torch writes, which must agree),
 // stored (uncompressed), unencrypted entries without zip64 sizes or extra fields, unique ASCII
-// names, local headers that repeat the name and fit in the blob, exactly one
+// names, local headers that repeat the name, records that fit in the blob and end before the
+// next entry's local header (the directory for the last), exactly one
 // "<prefix>/data.pkl", a "<prefix>/byteorder" (if any) that says "little", CRC-32s of both
 // matching the directory, sizes within the metadata limit.
 #include <pybind11/pybind11.h>
@@ -114,6 +115,19 @@ py::object blob_records(const uint8_t* buf, uint64_t size, uint64_t base, uint64
   }
   if (pos != base + cd_end) return py::none();  // zipfile reads entries until the size is used
 
+  // Where an entry's data may run to: the next entry's local header, or the directory for the
+  // last. A record that runs past it overlaps another entry (a zip-bomb pattern, which the
+  // careful parser and zipfile from Python 3.12 refuse); entries sharing a header: declined.
+  std::vector<uint64_t> starts;
+  starts.reserve(entries.size());
+  for (const Entry& en : entries) starts.push_back(en.lho);
+  std::sort(starts.begin(), starts.end());
+  if (std::adjacent_find(starts.begin(), starts.end()) != starts.end()) return py::none();
+  auto room = [&](uint32_t lho) {
+    auto next = std::upper_bound(starts.begin(), starts.end(), uint64_t(lho));
+    return next == starts.end() ? cd_off : *next;
+  };
+
   // (absolute data offset) of an entry after checking its local header; false if unusual
   auto record = [&](const Entry& en, uint64_t* at) {
     if (uint64_t(en.lho) + 30 > length) return false;
@@ -122,7 +136,9 @@ py::object blob_records(const uint8_t* buf, uint64_t size, uint64_t base, uint64
     if (std::memcmp(l, "PK\x03\x04", 4) != 0 || u16(l + 8) != 0 || nl != en.name.size())
       return false;
     const uint64_t start = uint64_t(en.lho) + 30 + nl + u16(l + 28);
-    if (start + en.size > length || std::memcmp(l + 30, en.name.data(), nl) != 0) return false;
+    if (start + en.size > length || start + en.size > room(en.lho) ||
+        std::memcmp(l + 30, en.name.data(), nl) != 0)
+      return false;
     *at = base + start;
     return true;
   };

@@ -7,12 +7,14 @@ from __future__ import annotations
 
 import io
 import os
+import struct
 
 import pytest
 import torch
 
 from metamat._ext import core
 from metamat.checkpoint import CheckpointError, open_checkpoint
+from metamat.checkpoint.errors import InvalidHeaderError
 from metamat.checkpoint.limits import METADATA_BYTES, limit
 from metamat.checkpoint.torch_save import _RestrictedUnpickler, parse_torch_save
 
@@ -85,6 +87,40 @@ def test_every_single_byte_damage_is_declined_or_read_alike(dcp_blobs, tmp_path)
     # tensor bytes and unchecked header fields (times, attributes) are read alike; the
     # structure, names, sizes and both CRC-checked records are declined
     assert accepted > 100 and declined > 1000, (accepted, declined)
+
+
+def test_a_record_running_into_the_next_entry_is_refused_by_both(dcp_blobs, tmp_path):
+    """A tensor record grown (both sizes in its directory entry) to end one byte into the next
+    entry's local header still fits in the blob: the careful parser refuses it on every
+    Python (zipfile checks only the records it opens, and only from 3.12 / 3.11.8), the C
+    pass declines it."""
+    _, _, blobs = dcp_blobs
+    f, base, length = blobs[0]
+    good = _read(f)[base:base + length]
+    blob = bytearray(good)
+    central = []  # (offset of the directory entry, name, local header offset)
+    at = blob.find(b"PK\x01\x02")
+    while at >= 0:
+        nlen = struct.unpack_from("<H", blob, at + 28)[0]
+        central.append((at, bytes(blob[at + 46:at + 46 + nlen]).decode(),
+                        struct.unpack_from("<I", blob, at + 42)[0]))
+        at = blob.find(b"PK\x01\x02", at + 46)
+    at, name, lho = next(c for c in central if "/data/" in c[1])
+    nlen, elen = struct.unpack_from("<HH", blob, lho + 26)
+    start = lho + 30 + nlen + elen
+    nxt = min(c[2] for c in central if c[2] > lho)
+    struct.pack_into("<II", blob, at + 20, nxt + 1 - start, nxt + 1 - start)
+    p = str(tmp_path / "blob")
+    with open(p, "wb") as fh:
+        fh.write(blob)
+    with pytest.raises(InvalidHeaderError, match=f"{name} overlaps the next entry"):
+        parse_torch_save(p)
+    assert _c_records(bytes(blob), 0, len(blob)) is None
+    # one byte less ends at the next header: read alike by both
+    struct.pack_into("<II", blob, at + 20, nxt - start, nxt - start)
+    with open(p, "wb") as fh:
+        fh.write(blob)
+    assert _c_records(bytes(blob), 0, len(blob))[1] == parse_torch_save(p).records
 
 
 def test_open_checkpoint_is_the_same_with_and_without_the_c_pass(dcp_blobs, monkeypatch):

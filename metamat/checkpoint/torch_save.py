@@ -235,9 +235,40 @@ def parse_torch_save(path: str, base: int = 0, length: Optional[int] = None,
                 raise InvalidHeaderError("zip archive has no single <prefix>/data.pkl",
                                          file=path)
             prefix = pkl[0].filename[: -len("data.pkl")]
+            # Each record read must end before the next entry's local header (the directory
+            # for the last): overlapping entries are a zip-bomb pattern that zipfile refuses
+            # from Python 3.12 (and 3.11.8) on opening a record; here on every Python, and
+            # for the tensor records too, which are located, not opened.
+            by_offset = sorted(infos, key=lambda i: i.header_offset)
+            room = {id(a): b.header_offset for a, b in zip(by_offset, by_offset[1:])}
+            room[id(by_offset[-1])] = zf.start_dir
+
+            def data_start(info: zipfile.ZipInfo, size: int, stored: bool = False) -> int:
+                """Where ``info``'s data starts in the blob, after its local header."""
+                hdr = fs.pread(f, 30, base + info.header_offset)
+                if len(hdr) != 30 or hdr[:4] != b"PK\x03\x04":
+                    raise InvalidHeaderError(f"bad local header for record {info.filename}",
+                                             file=path)
+                if stored and struct.unpack("<H", hdr[8:10])[0] != 0:
+                    raise UnsupportedFormatError(f"record {info.filename} is compressed",
+                                                 file=path)
+                nlen, elen = struct.unpack("<HH", hdr[26:30])
+                start = info.header_offset + 30 + nlen + elen
+                if start + size > length:
+                    raise TruncatedFileError(
+                        f"record {info.filename} runs past the end of the blob", file=path)
+                if start + size > room[id(info)]:
+                    raise InvalidHeaderError(
+                        f"record {info.filename} overlaps the next entry of the zip archive "
+                        "(possible zip bomb)", file=path)
+                return start
+
             bo = names.get(prefix + "byteorder")
-            if bo is not None and _read_record(zf, bo, path).strip() not in (b"little",):
-                raise UnsupportedFormatError("big-endian torch.save archive", file=path)
+            if bo is not None:
+                data_start(bo, bo.compress_size)
+                if _read_record(zf, bo, path).strip() not in (b"little",):
+                    raise UnsupportedFormatError("big-endian torch.save archive", file=path)
+            data_start(pkl[0], pkl[0].compress_size)
             try:
                 raw = _read_record(zf, pkl[0], path)
                 obj = _RestrictedUnpickler(io.BytesIO(raw), path).load()
@@ -256,18 +287,8 @@ def parse_torch_save(path: str, base: int = 0, length: Optional[int] = None,
                 key = name[len(dprefix):]
                 if info.compress_type != zipfile.ZIP_STORED:
                     raise UnsupportedFormatError(f"record {name} is compressed", file=path)
-                hdr = fs.pread(f, 30, base + info.header_offset)
-                if len(hdr) != 30 or hdr[:4] != b"PK\x03\x04":
-                    raise InvalidHeaderError(f"bad local header for record {name}", file=path)
-                method, = struct.unpack("<H", hdr[8:10])
-                nlen, elen = struct.unpack("<HH", hdr[26:30])
-                if method != 0:
-                    raise UnsupportedFormatError(f"record {name} is compressed", file=path)
-                start = info.header_offset + 30 + nlen + elen
-                if start + info.file_size > length:
-                    raise TruncatedFileError(f"record {name} runs past the end of the blob",
-                                             file=path)
-                records[key] = (base + start, info.file_size)
+                records[key] = (base + data_start(info, info.file_size, stored=True),
+                                info.file_size)
         except CheckpointError:
             raise
         except _ZIP_ERRORS as e:  # a damaged archive: zipfile raises many types
