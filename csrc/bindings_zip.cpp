@@ -80,7 +80,10 @@ py::object blob_records(const uint8_t* buf, uint64_t size, uint64_t base, uint64
   if (length >= 98 && std::memcmp(e - 20, "PK\x06\x07", 4) == 0) {
     // zip64 locator and end record: zipfile reads the counts from them; they must agree
     const uint8_t* z = e - 20 - 56;
+    // ... and sit where the locator says, 44 bytes long after its size field, right after the
+    // directory (zipfile checks these from Python 3.12 on; the careful parser on every one)
     if (u32(e - 16) != 0 || u32(e - 4) > 1 || std::memcmp(z, "PK\x06\x06", 4) != 0 ||
+        u32(e - 12) != length - 98 || u32(e - 8) || u32(z + 4) != 44 || u32(z + 8) ||
         u32(z + 16) || u32(z + 20) || u32(z + 24) != n || u32(z + 28) || u32(z + 32) != n ||
         u32(z + 36) || u32(z + 40) != cd_size || u32(z + 44) || u32(z + 48) != cd_off ||
         u32(z + 52))

@@ -123,6 +123,25 @@ def test_a_record_running_into_the_next_entry_is_refused_by_both(dcp_blobs, tmp_
     assert _c_records(bytes(blob), 0, len(blob))[1] == parse_torch_save(p).records
 
 
+@pytest.mark.parametrize("field,at_end", [("zip64 record size", 98 - 4),
+                                           ("locator's record offset", 20 + 22 - 8)])
+def test_a_zip64_end_record_out_of_place_is_refused_by_both(dcp_blobs, tmp_path, field, at_end):
+    """torch writes a zip64 end record and locator; zipfile from Python 3.12 refuses the
+    archive when the record's size field or the locator's offset is off (3.11.7 read it):
+    the careful parser refuses it on every Python, the C pass declines it."""
+    _, _, blobs = dcp_blobs
+    f, base, length = blobs[0]
+    blob = bytearray(_read(f)[base:base + length])
+    assert blob[-98:-94] == b"PK\x06\x06" and blob[-42:-38] == b"PK\x06\x07"
+    blob[-at_end] ^= 0x01
+    p = str(tmp_path / "blob")
+    with open(p, "wb") as fh:
+        fh.write(blob)
+    with pytest.raises(InvalidHeaderError, match="zip64 end"):
+        parse_torch_save(p)
+    assert _c_records(bytes(blob), 0, len(blob)) is None, field
+
+
 def test_open_checkpoint_is_the_same_with_and_without_the_c_pass(dcp_blobs, monkeypatch):
     path, sd, _ = dcp_blobs
     fast = open_checkpoint(path)

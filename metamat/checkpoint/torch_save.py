@@ -307,7 +307,24 @@ def _check_central_directory(buf, path: str) -> None:
     if end is not None:
         check(METADATA_BYTES, end[zipfile._ECD_SIZE], file=path,
               what="zip central directory size")
+        _check_zip64_end(buf, end[zipfile._ECD_LOCATION], path)
     buf.seek(0)
+
+
+def _check_zip64_end(buf, at: int, path: str) -> None:
+    """The zip64 end record (torch writes one) must end where its locator says and the
+    central directory must end at it, as zipfile checks from Python 3.12 (and 3.11.10) on:
+    3.11.7 does not, so the check is here for every Python."""
+    if at < 76:
+        return
+    buf.seek(at - 76)
+    raw = buf.read(76)
+    if len(raw) != 76 or raw[56:60] != b"PK\x06\x07" or raw[:4] != b"PK\x06\x06":
+        return  # no zip64 records before the end record: zipfile uses the end record alone
+    _, size, _, _, _, _, _, _, dir_size, dir_offset = struct.unpack("<4sQ2H2L4Q", raw[:56])
+    reloff, = struct.unpack("<Q", raw[64:72])
+    if reloff != at - 76 or dir_offset + dir_size != reloff or size != 44:
+        raise InvalidHeaderError("corrupt zip64 end of central directory record", file=path)
 
 
 def _read_record(zf: zipfile.ZipFile, info: zipfile.ZipInfo, path: str) -> bytes:
