@@ -252,6 +252,7 @@ struct Walk {
   PyObject* device_refs; // list of (holder, key): attributes holding a torch.device or "meta"
   PyObject* hook_owners; // graph._HOOK_OWNERS: types whose hook registries are not walked
   PyObject* hook_attrs;  // graph._HOOK_ATTRS: the names of those registries (a frozenset)
+  PyObject* metadata_skip;  // graph._METADATA_SKIP: metadata type -> fields not searched
   std::vector<PyObject*> stack;  // borrowed: every object on it is in `rec` (roots too)
   py::dict names_of;     // type -> slot names (cache of slot_names)
   using Kind = GraphRecord::Kind;
@@ -345,6 +346,18 @@ struct Walk {
     const int r = PyObject_IsInstance(o, hook_owners);
     if (r < 0) throw py::error_already_set();
     facts_of(Py_TYPE(o)).hooks = int8_t(r != 0);  // again: isinstance may have run Python
+    return r != 0;
+  }
+  // The fields of a metadata object's type that hold no device (offsets, sizes, a worker's
+  // rank...): left unread by the search, or nullptr (a frozenset, borrowed).
+  PyObject* skipped_fields(PyObject* obj) {
+    PyObject* s = PyDict_GetItemWithError(metadata_skip, (PyObject*)Py_TYPE(obj));
+    if (!s && PyErr_Occurred()) throw py::error_already_set();
+    return s;
+  }
+  bool contains(PyObject* set, PyObject* key) {
+    const int r = PySet_Contains(set, key);
+    if (r < 0) throw py::error_already_set();
     return r != 0;
   }
   bool is_hook_attr(PyObject* name) {
@@ -509,8 +522,12 @@ struct Walk {
       }
       if (d && PyDict_Check(d.ptr())) {
         const bool hooks = owns_hooks(obj);
+        PyObject* skip = in_metadata ? skipped_fields(obj) : nullptr;
         for_items(d.ptr(), [&](PyObject* k, PyObject* v) { visit(obj, kAttr, k, v, in_metadata); },
-                  [&](PyObject* k) { return hooks && PyUnicode_CheckExact(k) && is_hook_attr(k); });
+                  [&](PyObject* k) {
+                    return (hooks && PyUnicode_CheckExact(k) && is_hook_attr(k)) ||
+                           (skip && PyUnicode_CheckExact(k) && contains(skip, k));
+                  });
       }
     }
     PyObject* type = (PyObject*)Py_TYPE(obj);
@@ -522,8 +539,10 @@ struct Walk {
       names_of[py::handle(type)] = r;
       names = r.ptr();
     }
+    PyObject* skip = in_metadata && PyTuple_GET_SIZE(names) ? skipped_fields(obj) : nullptr;
     for (Py_ssize_t i = 0, n = PyTuple_GET_SIZE(names); i < n; ++i) {
       PyObject* name = PyTuple_GET_ITEM(names, i);
+      if (skip && contains(skip, name)) continue;
       py::object v = py::reinterpret_steal<py::object>(PyObject_GenericGetAttr(obj, name));
       if (!v) {  // object.__getattribute__ raised: an empty slot is skipped
         if (!PyErr_ExceptionMatches(PyExc_AttributeError)) throw py::error_already_set();
@@ -605,7 +624,8 @@ void metamat_bind_graph(py::module_& m) {
       "scan_graph",
       [](py::list roots, GraphRecord& rec, py::list tensors, py::dict kinds, py::object kind_of,
          py::object slot_names, py::object slot_type, py::object tensor, py::object device,
-         py::list device_refs, py::tuple hook_owners, py::frozenset hook_attrs) {
+         py::list device_refs, py::tuple hook_owners, py::frozenset hook_attrs,
+         py::dict metadata_skip) {
         if (!PyType_Check(slot_type.ptr()) ||
             !PyType_IsSubtype((PyTypeObject*)slot_type.ptr(), &PyTuple_Type))
           throw py::type_error("scan_graph: slot_type must be a tuple subclass");
@@ -617,6 +637,7 @@ void metamat_bind_graph(py::module_& m) {
         w.slot_names = slot_names.ptr(), w.tensor = tensor.ptr();
         w.device = device.ptr(), w.device_refs = device_refs.ptr();
         w.hook_owners = hook_owners.ptr(), w.hook_attrs = hook_attrs.ptr();
+        w.metadata_skip = metadata_skip.ptr();
         for (py::handle r : roots) {  // the last root is walked first, as in Python
           bool added;
           rec.add(r.ptr(), &added);

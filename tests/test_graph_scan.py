@@ -132,14 +132,18 @@ def test_shard_metadata_is_searched_for_devices_not_recorded():
     sm = ShardMetadata(shard_offsets=[0, 0], shard_sizes=[5, 2], placement="rank:0/meta")
     m.md = ShardedTensorMetadata(shards_metadata=[sm, sm], size=torch.Size([5, 2]),
                                  tensor_properties=TensorProperties(dtype=torch.float32))
-    hidden = torch.empty(3, device="meta")
-    sm.shard_sizes = [5, hidden]  # a tensor inside metadata is still found and swappable
+    hidden, unread = torch.empty(3, device="meta"), torch.empty(2, device="meta")
+    m.md.extra = [5, hidden]  # a field a newer torch might add: still searched, and a
+    # tensor inside metadata is found and swappable
+    sm.shard_sizes = [5, unread]  # offsets and sizes hold ints: left unread (one cache miss
+    # each at 10k tables)
     g = _same(m)
     assert not g.of_type(ShardMetadata) and not g.of_type(ShardedTensorMetadata)
     assert (sm.placement, "_device") in [(h, k) for h, k in g.device_refs]
     assert sum(1 for h, _ in g.device_refs if h is sm.placement) == 1  # shared: searched once
     (slot,) = g.slots[id(hidden)]
-    assert slot.holder is sm.shard_sizes and slot.key == 1
+    assert slot.holder is m.md.extra and slot.key == 1
+    assert id(unread) not in g.objects
 
 
 def test_containers_of_leaves_are_not_recorded():
@@ -242,7 +246,8 @@ def test_c_walk_equals_python_past_its_tables_first_sizes():
     placements = [ShardMetadata(shard_offsets=[i], shard_sizes=[1], placement="rank:0/meta")
                   for i in range(2000)]
     for i, sm in enumerate(placements[::10]):
-        sm.shard_sizes = [torch.empty(1, device="meta"), {"again": placements[i]}]
+        # (in the placement: offsets and sizes are not searched)
+        sm.placement = [torch.empty(1, device="meta"), {"again": placements[i]}]
     g = _same(objs, {i: p for i, p in enumerate(placements)})
     assert len(g.meta_tensors()) == 300 + 200 + 1
 
