@@ -81,7 +81,7 @@ py::object blob_records(const uint8_t* buf, uint64_t size, uint64_t base, uint64
     // zip64 locator and end record: zipfile reads the counts from them; they must agree
     const uint8_t* z = e - 20 - 56;
     // ... and sit where the locator says, 44 bytes long after its size field, right after the
-    // directory (zipfile checks these from Python 3.12 on; the careful parser on every one)
+    // directory (newer zipfiles check these, e.g. Python 3.12.3's; the careful parser does)
     if (u32(e - 16) != 0 || u32(e - 4) > 1 || std::memcmp(z, "PK\x06\x06", 4) != 0 ||
         u32(e - 12) != length - 98 || u32(e - 8) || u32(z + 4) != 44 || u32(z + 8) ||
         u32(z + 16) || u32(z + 20) || u32(z + 24) != n || u32(z + 28) || u32(z + 32) != n ||
@@ -120,7 +120,7 @@ py::object blob_records(const uint8_t* buf, uint64_t size, uint64_t base, uint64
 
   // Where an entry's data may run to: the next entry's local header, or the directory for the
   // last. A record that runs past it overlaps another entry (a zip-bomb pattern, which the
-  // careful parser and zipfile from Python 3.12 refuse); entries sharing a header: declined.
+  // careful parser and newer zipfiles refuse); entries sharing a header: declined.
   std::vector<uint64_t> starts;
   starts.reserve(entries.size());
   for (const Entry& en : entries) starts.push_back(en.lho);

@@ -92,7 +92,7 @@ def test_every_single_byte_damage_is_declined_or_read_alike(dcp_blobs, tmp_path)
 def test_a_record_running_into_the_next_entry_is_refused_by_both(dcp_blobs, tmp_path):
     """A tensor record grown (both sizes in its directory entry) to end one byte into the next
     entry's local header still fits in the blob: the careful parser refuses it on every
-    Python (zipfile checks only the records it opens, and only from 3.12 / 3.11.8), the C
+    Python (zipfile checks only the records it opens, and only in newer Pythons), the C
     pass declines it."""
     _, _, blobs = dcp_blobs
     f, base, length = blobs[0]
@@ -126,7 +126,7 @@ def test_a_record_running_into_the_next_entry_is_refused_by_both(dcp_blobs, tmp_
 @pytest.mark.parametrize("field,at_end", [("zip64 record size", 98 - 4),
                                            ("locator's record offset", 20 + 22 - 8)])
 def test_a_zip64_end_record_out_of_place_is_refused_by_both(dcp_blobs, tmp_path, field, at_end):
-    """torch writes a zip64 end record and locator; zipfile from Python 3.12 refuses the
+    """torch writes a zip64 end record and locator; Python 3.12.3's zipfile refuses the
     archive when the record's size field or the locator's offset is off (3.11.7 read it):
     the careful parser refuses it on every Python, the C pass declines it."""
     _, _, blobs = dcp_blobs

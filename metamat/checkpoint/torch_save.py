@@ -237,8 +237,8 @@ def parse_torch_save(path: str, base: int = 0, length: Optional[int] = None,
             prefix = pkl[0].filename[: -len("data.pkl")]
             # Each record read must end before the next entry's local header (the directory
             # for the last): overlapping entries are a zip-bomb pattern that zipfile refuses
-            # from Python 3.12 (and 3.11.8) on opening a record; here on every Python, and
-            # for the tensor records too, which are located, not opened.
+            # on opening a record in newer Pythons (the GPU host's 3.12.3; not 3.11.7); here
+            # on every Python, and for the tensor records too, which are located, not opened.
             by_offset = sorted(infos, key=lambda i: i.header_offset)
             room = {id(a): b.header_offset for a, b in zip(by_offset, by_offset[1:])}
             room[id(by_offset[-1])] = zf.start_dir
@@ -313,8 +313,8 @@ def _check_central_directory(buf, path: str) -> None:
 
 def _check_zip64_end(buf, at: int, path: str) -> None:
     """The zip64 end record (torch writes one) must end where its locator says and the
-    central directory must end at it, as zipfile checks from Python 3.12 (and 3.11.10) on:
-    3.11.7 does not, so the check is here for every Python."""
+    central directory must end at it, as zipfile checks in newer Pythons (the GPU host's
+    3.12.3; not 3.11.7), so the check is here for every Python."""
     if at < 76:
         return
     buf.seek(at - 76)
