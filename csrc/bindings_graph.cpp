@@ -360,11 +360,7 @@ struct Walk {
     if (r < 0) throw py::error_already_set();
     return r != 0;
   }
-  bool is_hook_attr(PyObject* name) {
-    const int r = PySet_Contains(hook_attrs, name);
-    if (r < 0) throw py::error_already_set();
-    return r != 0;
-  }
+  bool is_hook_attr(PyObject* name) { return contains(hook_attrs, name); }
 
   // A torch.device, or the str "meta" (TorchRec keeps some devices as strings).
   bool is_device_value(PyObject* v) {
