@@ -30,6 +30,7 @@ from ..._gcpause import gc_paused
 from .compat import check_versions
 from .fastbuild import linear_table_optimizers
 from .fastnames import indexed_table_names
+from .fastranks import indexed_group_ranks
 from .host_kernels import host_dense_kernels
 from .meta_factories import MetaFactories
 
@@ -223,6 +224,7 @@ def shard_on_meta(
             stack.enter_context(gc_paused())  # ~100 live objects per table: see _gcpause
             stack.enter_context(linear_table_optimizers())  # TorchRec's is quadratic
             stack.enter_context(indexed_table_names())  # its name filter too
+            stack.enter_context(indexed_group_ranks())  # torch's placement check: per world
             dmp = DistributedModelParallel(
                 module,
                 env=env,
