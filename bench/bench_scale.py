@@ -10,6 +10,10 @@ Three sweeps, each with its baselines measured in the same run:
   and materialize-load against ``dcp.load`` and DCP's own ``read_metadata``.
 * ``tensors``: N small tensors (16 floats) in one DCP checkpoint -> open + materialize-load
   against ``dcp.load`` into real tensors.
+* ``ranks``: 20 row-wise tables (a shard per rank) sharded for a world of N ranks ->
+  ``shard_on_meta`` against eager DMP, each in a child process on a ``fake`` process group of
+  N ranks (rank 0's shards; the collectives do nothing). On a fake group TorchRec builds no
+  module state (its ShardedTensors); the fused optimizer's is built, in both methods.
 
 Prints seconds and microseconds per item against the count, writes ``scale.csv`` and a
 log-log ``scale.png`` under ``--out``. ``METAMAT_SCALE_CLOCK=cpu`` measures this process's CPU
@@ -39,6 +43,9 @@ TABLE_COUNTS = (10, 100, 1000, 10000)
 CHUNK_COUNTS = (100, 1000, 10000, 100000)
 QUICK_TABLE_COUNTS = (10, 100, 300)  # --quick: under a minute on an idle 2-core box
 QUICK_CHUNK_COUNTS = (100, 1000, 3000)
+RANK_COUNTS = (64, 256, 1024, 4096)
+QUICK_RANK_COUNTS = (16, 64, 256)
+RANK_TABLES = 20
 
 
 @contextlib.contextmanager
@@ -192,6 +199,68 @@ def plan_parts(n: int, reps: int = 5) -> Dict[str, float]:
     finally:
         if was:
             gc.enable()
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# ranks
+
+
+def time_ranks(world: int, tables: int, method: str) -> float:
+    """Seconds of ``method`` ("metamat" or "eager") sharding ``tables`` row-wise tables for a
+    world of ``world`` ranks, as rank 0 of a fake process group. Run it in a process of its
+    own (``python bench/bench_scale.py ranks WORLD TABLES METHOD``): it initialises the default
+    group."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
+    from torchrec.distributed.types import ShardingEnv, ShardingPlan
+
+    import metamat
+
+    rows = 4 * world  # every rank gets rows
+    sharder = EmbeddingBagCollectionSharder(fused_params={
+        "optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.05})
+    ebc = _ebc(tables, rows=rows)
+    mp = construct_module_sharding_plan(
+        ebc, {c.name: row_wise() for c in ebc.embedding_bag_configs()},
+        local_size=8, world_size=world, device_type="cpu", sharder=sharder)
+    for ps in mp.values():
+        ps.compute_kernel = "fused"
+    plan = ShardingPlan({"": mp})
+    env = ShardingEnv.from_process_group(dist.group.WORLD)
+    ebc = _ebc(tables, rows=rows)  # the input of the timed call, built outside it
+    gc.collect()
+    t0 = clock()
+    if method == "metamat":
+        metamat.shard_on_meta(ebc, env=env, plan=plan, sharders=[sharder])
+    else:
+        DistributedModelParallel(ebc, env=env, device=torch.device("cpu"), plan=plan,
+                                 sharders=[sharder])
+    return clock() - t0
+
+
+def run_ranks(counts: Sequence[int], log=print) -> List[dict]:
+    import subprocess
+
+    out = []
+    for n in counts:
+        got = {}
+        for method, label in (("eager", "torchrec-dmp (eager)"),
+                              ("metamat", "metamat shard_on_meta")):
+            r = subprocess.run([sys.executable, os.path.abspath(__file__), "ranks", str(n),
+                                str(RANK_TABLES), method], capture_output=True, text=True)
+            if r.returncode != 0:
+                raise RuntimeError(f"ranks {n} {method} failed:\n{r.stderr[-3000:]}")
+            got[method] = float(r.stdout.split()[-1])
+            out.append(dict(case="ranks", method=label, count=n, seconds=got[method]))
+        log(f"ranks {n:>7} ({RANK_TABLES} row-wise tables): eager DMP {got['eager']:8.3f} s  "
+            f"shard_on_meta {got['metamat']:8.3f} s ({got['metamat'] / got['eager']:.2f}x)")
     return out
 
 
@@ -431,6 +500,7 @@ def run_scale(a, device=None, log=print) -> list:
     """The --mode scale entry point of bench/materialize.py."""
     tc = QUICK_TABLE_COUNTS if a.quick else TABLE_COUNTS
     cc = QUICK_CHUNK_COUNTS if a.quick else CHUNK_COUNTS
+    rc = QUICK_RANK_COUNTS if a.quick else RANK_COUNTS
     reps = 1 if a.quick else max(1, a.reps)
     results: List[dict] = []
     log("\n== scale: seconds against the count (one process, world size 1; "
@@ -440,6 +510,7 @@ def run_scale(a, device=None, log=print) -> list:
         results += run_chunks(cc, reps, "rows", log=log)
         results += run_chunks(cc[:-1] if not a.quick else cc, reps, "cols", log=log)
         results += run_tensors(cc, reps, log=log)
+    results += run_ranks(rc, log=log)  # child processes, each with its own (fake) group
     if a.out:
         write_scale_csv(os.path.join(a.out, "scale.csv"), results)
         try:
@@ -452,9 +523,12 @@ def run_scale(a, device=None, log=print) -> list:
     return []
 
 
-if __name__ == "__main__":  # python bench/bench_scale.py plan N [REPS]
+if __name__ == "__main__":  # python bench/bench_scale.py plan N [REPS] | ranks W N METHOD
+    if len(sys.argv) == 5 and sys.argv[1] == "ranks":
+        print(time_ranks(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]))
+        sys.exit(0)
     if len(sys.argv) < 3 or sys.argv[1] != "plan":
-        sys.exit("usage: bench_scale.py plan TABLES [REPS]")
+        sys.exit("usage: bench_scale.py plan TABLES [REPS] | ranks WORLD TABLES METHOD")
     with process_group():
         r = plan_parts(int(sys.argv[2]), int(sys.argv[3]) if len(sys.argv) > 3 else 5)
     print(f"{sys.argv[2]} tables, CPU time per table (min of calls): "
