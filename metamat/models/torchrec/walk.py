@@ -411,7 +411,9 @@ def build_plan(model: nn.Module, device: torch.device, init=None, *, claimed=fro
             continue
         g = storages.get(k)
         if g is None:
-            g = storages[k] = StorageGroup(k, st.nbytes(), where=graph.path(t))
+            # no `where`: a readable path costs ~5 µs and only an error message needs one
+            # (a TBE has ~50 small metadata storages: 18k paths for 320 modules)
+            g = storages[k] = StorageGroup(k, st.nbytes())
         g.tensors.append(t)
         # _extent(t), its common case inline (~5 meta tensors per table)
         if t.is_contiguous():
@@ -443,7 +445,7 @@ def build_plan(model: nn.Module, device: torch.device, init=None, *, claimed=fro
             continue
         if any(not t.is_floating_point() for t in g.tensors):
             raise UnsupportedError(
-                f"meta tensor {g.where} ({g.tensors[0].dtype}, shape "
+                f"meta tensor {g.where or graph.path(g.tensors[0])} ({g.tensors[0].dtype}, shape "
                 f"{tuple(g.tensors[0].shape)}) holds metadata metamat cannot compute; "
                 "build the model with metamat.shard_on_meta"
             )
