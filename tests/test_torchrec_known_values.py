@@ -176,3 +176,18 @@ def test_torchrec_values_recomputed_only_when_not_recorded(world1_env):
         assert torch.equal(computed[id(obj_b)], recorded_value(obj_r)), name
         compared += 1
     assert compared >= 3, compared
+
+
+def test_integer_metadata_nobody_can_compute_is_named(world1_env):
+    """An integer meta tensor whose value neither the record nor fbgemm's rebuild can give:
+    the plan refuses it before allocating and names where it is held (the path is found only
+    for that message)."""
+    import metamat
+
+    ebc, sharder, plan = _model("fused")
+    dmp = metamat.shard_on_meta(ebc(), env=world1_env, plan=plan, sharders=[sharder])
+    w = _wrappers(dmp)[0]
+    w._emb_module.mystery_ids = torch.empty(7, dtype=torch.int64, device="meta")
+    with pytest.raises(metamat.UnsupportedError, match=r"mystery_ids.*int64, shape \(7,\)"):
+        metamat.materialize(dmp, device="cpu")
+    assert w._emb_module.mystery_ids.is_meta  # nothing was swapped

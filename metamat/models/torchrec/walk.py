@@ -444,8 +444,9 @@ def build_plan(model: nn.Module, device: torch.device, init=None, *, claimed=fro
         if g.kind != "zeros" or g.nbytes == 0:
             continue
         if any(not t.is_floating_point() for t in g.tensors):
+            where = g.where or graph.path(g.tensors[0])
             raise UnsupportedError(
-                f"meta tensor {g.where or graph.path(g.tensors[0])} ({g.tensors[0].dtype}, shape "
+                f"meta tensor {where} ({g.tensors[0].dtype}, shape "
                 f"{tuple(g.tensors[0].shape)}) holds metadata metamat cannot compute; "
                 "build the model with metamat.shard_on_meta"
             )
