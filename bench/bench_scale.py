@@ -10,6 +10,9 @@ Three sweeps, each with its baselines measured in the same run:
   and materialize-load against ``dcp.load`` and DCP's own ``read_metadata``.
 * ``tensors``: N small tensors (16 floats) in one DCP checkpoint -> open + materialize-load
   against ``dcp.load`` into real tensors.
+* ``modules``: N EmbeddingBagCollections of 10 tiny tables each (towers in a ModuleDict,
+  table-wise) -> shard_on_meta + materialize against eager DMP: the per-module cost (one
+  fbgemm TBE per module, with ~50 small metadata buffers of its own).
 * ``ranks``: 20 row-wise tables (a shard per rank) sharded for a world of N ranks ->
   ``shard_on_meta`` against eager DMP, each in a child process on a ``fake`` process group of
   N ranks (rank 0's shards; the collectives do nothing). On a fake group TorchRec builds no
@@ -43,6 +46,9 @@ TABLE_COUNTS = (10, 100, 1000, 10000)
 CHUNK_COUNTS = (100, 1000, 10000, 100000)
 QUICK_TABLE_COUNTS = (10, 100, 300)  # --quick: under a minute on an idle 2-core box
 QUICK_CHUNK_COUNTS = (100, 1000, 3000)
+MODULE_COUNTS = (10, 40, 160, 640)
+QUICK_MODULE_COUNTS = (5, 20)
+MODULE_TABLES = 10
 RANK_COUNTS = (64, 256, 1024, 4096)
 QUICK_RANK_COUNTS = (16, 64, 256)
 RANK_TABLES = 20
@@ -199,6 +205,68 @@ def plan_parts(n: int, reps: int = 5) -> Dict[str, float]:
     finally:
         if was:
             gc.enable()
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# modules
+
+
+def _towers(m: int, tables: int = MODULE_TABLES) -> nn.Module:
+    """``m`` EmbeddingBagCollections of ``tables`` tiny tables each, on meta."""
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    class Towers(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.towers = nn.ModuleDict({
+                f"m{j}": EmbeddingBagCollection(tables=[
+                    EmbeddingBagConfig(name=f"m{j}t{i}", embedding_dim=16, num_embeddings=100,
+                                       feature_names=[f"m{j}f{i}"]) for i in range(tables)],
+                    device=torch.device("meta")) for j in range(m)})
+
+    return Towers()
+
+
+def run_modules(counts: Sequence[int], reps: int, log=print) -> List[dict]:
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.types import ShardingEnv, ShardingPlan
+    import torch.distributed as dist
+
+    import metamat
+
+    env = ShardingEnv.from_process_group(dist.group.WORLD)
+    out = []
+    for n in counts:
+        proto = _towers(n)
+        plans = {}
+        sharder = None
+        for j in range(n):
+            sharder, mp = _sharder_and_plan(proto.towers[f"m{j}"])
+            plans[f"towers.m{j}"] = mp.plan[""]
+        plan = ShardingPlan(plans)
+        r = max(1, reps if n <= 40 else min(reps, 2))
+        phases: Dict[str, List[float]] = {}
+
+        def eager(model):
+            DistributedModelParallel(model, env=env, device=torch.device("cpu"), plan=plan,
+                                     sharders=[sharder])
+
+        def meta(model):
+            dmp = metamat.shard_on_meta(model, env=env, plan=plan, sharders=[sharder])
+            rep = metamat.materialize(dmp, device="cpu")
+            phases.setdefault("plan", []).append(rep.seconds["plan"])
+
+        t_eager = _median(eager, r, setup=lambda: _towers(n))
+        t_meta = _median(meta, r, setup=lambda: _towers(n))
+        t_plan = statistics.median(phases["plan"])
+        out += [dict(case="modules", method="torchrec-dmp (eager)", count=n, seconds=t_eager),
+                dict(case="modules", method="metamat shard_on_meta+materialize", count=n,
+                     seconds=t_meta),
+                dict(case="modules", method="metamat plan phase", count=n, seconds=t_plan)]
+        log(f"modules {n:>5} (x{MODULE_TABLES} tables): eager DMP {t_eager:8.3f} s  metamat "
+            f"{t_meta:8.3f} s ({t_meta / t_eager:.2f}x)  plan {t_plan * 1e3 / n:.2f} ms/module")
     return out
 
 
@@ -505,6 +573,7 @@ def run_scale(a, device=None, log=print) -> list:
     tc = QUICK_TABLE_COUNTS if a.quick else TABLE_COUNTS
     cc = QUICK_CHUNK_COUNTS if a.quick else CHUNK_COUNTS
     rc = QUICK_RANK_COUNTS if a.quick else RANK_COUNTS
+    mc = QUICK_MODULE_COUNTS if a.quick else MODULE_COUNTS
     reps = 1 if a.quick else max(1, a.reps)
     results: List[dict] = []
     log("\n== scale: seconds against the count (one process, world size 1; "
@@ -514,6 +583,7 @@ def run_scale(a, device=None, log=print) -> list:
         results += run_chunks(cc, reps, "rows", log=log)
         results += run_chunks(cc[:-1] if not a.quick else cc, reps, "cols", log=log)
         results += run_tensors(cc, reps, log=log)
+        results += run_modules(mc, reps, log=log)
     results += run_ranks(rc, log=log)  # child processes, each with its own (fake) group
     if a.out:
         write_scale_csv(os.path.join(a.out, "scale.csv"), results)

@@ -160,11 +160,13 @@ def test_bench_scale_mode_quick(tmp_path, monkeypatch):
     monkeypatch.setattr(bench_scale, "QUICK_TABLE_COUNTS", (10, 40))
     monkeypatch.setattr(bench_scale, "QUICK_CHUNK_COUNTS", (100, 400))
     monkeypatch.setattr(bench_scale, "QUICK_RANK_COUNTS", (16, 64))
+    monkeypatch.setattr(bench_scale, "QUICK_MODULE_COUNTS", (2, 4))
     assert bench_main.main(["--mode", "scale", "--quick", "--out", str(tmp_path)]) == 0
     lines = (tmp_path / "scale.csv").read_text().splitlines()
     assert lines[0] == "case,method,count,seconds,us_per_item"
     assert len(lines) > 10
     assert sum(line.startswith("ranks,") for line in lines) == 4  # 2 world sizes x 2 methods
+    assert sum(line.startswith("modules,") for line in lines) == 6  # 2 counts x 3 rows
 
 
 def test_plan_parts_reports_the_walk_and_the_plan(world1_env):
