@@ -102,17 +102,21 @@ def _ebc(n: int, rows: int = 100, dim: int = 16):
     return EmbeddingBagCollection(tables=cfgs, device=torch.device("meta"))
 
 
-def _sharder_and_plan(ebc):
+def _sharder_and_plan(ebc, world_size: int = 1, row_wise: bool = False):
+    """The sharder (FUSED, row-wise Adagrad) and plan of ``ebc``: every table on rank 0, or
+    with ``row_wise`` every table split over all ``world_size`` ranks (8 per host)."""
     from fbgemm_gpu.split_embedding_configs import EmbOptimType
-    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, table_wise
+    from torchrec.distributed import sharding_plan as sp
     from torchrec.distributed.types import ShardingPlan
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
 
     sharder = EmbeddingBagCollectionSharder(fused_params={
         "optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.05})
-    mp = construct_module_sharding_plan(
-        ebc, {c.name: table_wise(rank=0) for c in ebc.embedding_bag_configs()},
-        local_size=1, world_size=1, device_type="cpu", sharder=sharder)
+    mp = sp.construct_module_sharding_plan(
+        ebc, {c.name: sp.row_wise() if row_wise else sp.table_wise(rank=0)
+              for c in ebc.embedding_bag_configs()},
+        local_size=min(8, world_size), world_size=world_size, device_type="cpu",
+        sharder=sharder)
     for _, ps in mp.items():
         ps.compute_kernel = "fused"
     return sharder, ShardingPlan({"": mp})
@@ -283,24 +287,13 @@ def time_ranks(world: int, tables: int, method: str) -> float:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
-    from fbgemm_gpu.split_embedding_configs import EmbOptimType
-    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
     from torchrec.distributed.model_parallel import DistributedModelParallel
-    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
-    from torchrec.distributed.types import ShardingEnv, ShardingPlan
+    from torchrec.distributed.types import ShardingEnv
 
     import metamat
 
     rows = 4 * world  # every rank gets rows
-    sharder = EmbeddingBagCollectionSharder(fused_params={
-        "optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.05})
-    ebc = _ebc(tables, rows=rows)
-    mp = construct_module_sharding_plan(
-        ebc, {c.name: row_wise() for c in ebc.embedding_bag_configs()},
-        local_size=8, world_size=world, device_type="cpu", sharder=sharder)
-    for ps in mp.values():
-        ps.compute_kernel = "fused"
-    plan = ShardingPlan({"": mp})
+    sharder, plan = _sharder_and_plan(_ebc(tables, rows=rows), world, row_wise=True)
     env = ShardingEnv.from_process_group(dist.group.WORLD)
     ebc = _ebc(tables, rows=rows)  # the input of the timed call, built outside it
     gc.collect()

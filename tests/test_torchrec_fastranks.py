@@ -60,19 +60,10 @@ _MANY_RANKS = textwrap.dedent("""
     sys.path.insert(0, sys.argv[2])
     import bench_scale
     import metamat
-    from fbgemm_gpu.split_embedding_configs import EmbOptimType
-    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
-    from torchrec.distributed.types import ShardingEnv, ShardingPlan
+    from torchrec.distributed.types import ShardingEnv
 
-    ebc = bench_scale._ebc(2, rows=4 * world)
-    sharder = EmbeddingBagCollectionSharder(fused_params={
-        "optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.05})
-    mp = construct_module_sharding_plan(
-        ebc, {c.name: row_wise() for c in ebc.embedding_bag_configs()},
-        local_size=8, world_size=world, device_type="cpu", sharder=sharder)
-    for ps in mp.values():
-        ps.compute_kernel = "fused"
+    sharder, plan = bench_scale._sharder_and_plan(bench_scale._ebc(2, rows=4 * world), world,
+                                                  row_wise=True)
     calls = [0]
     real = c10d.get_process_group_ranks
 
@@ -83,7 +74,7 @@ _MANY_RANKS = textwrap.dedent("""
     c10d.get_process_group_ranks = counted
     dmp = metamat.shard_on_meta(bench_scale._ebc(2, rows=4 * world),
                                 env=ShardingEnv.from_process_group(dist.group.WORLD),
-                                plan=ShardingPlan({"": mp}), sharders=[sharder])
+                                plan=plan, sharders=[sharder])
     # (TorchRec builds no module state on a "fake" group: the fused optimizer's is built)
     st = dmp.fused_optimizer.params["embedding_bags.t1.weight"]
     print(calls[0], len(st.metadata().shards_metadata))
