@@ -247,8 +247,8 @@ def run_modules(counts: Sequence[int], reps: int, log=print) -> List[dict]:
         plans = {}
         sharder = None
         for j in range(n):
-            sharder, mp = _sharder_and_plan(proto.towers[f"m{j}"])
-            plans[f"towers.m{j}"] = mp.plan[""]
+            sharder, tower_plan = _sharder_and_plan(proto.towers[f"m{j}"])
+            plans[f"towers.m{j}"] = tower_plan.plan[""]
         plan = ShardingPlan(plans)
         r = max(1, reps if n <= 40 else min(reps, 2))
         phases: Dict[str, List[float]] = {}
