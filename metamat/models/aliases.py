@@ -56,7 +56,7 @@ def find_aliases(root: nn.Module, entries: Sequence[Entry], warnings: List[str])
             continue
         slots = graph.slots.get(id(t), [])
         if any(s.kind == "tuple" for s in slots):
-            warnings.append(f"meta tensor {graph.path(t)} is held in an immutable container: "
+            warnings.append(f"meta tensor {graph.tuple_path(t)} is held in an immutable container: "
                             "that reference stays on meta")
         out.append(t)
     return Aliases(graph, out)

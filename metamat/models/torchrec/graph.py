@@ -400,6 +400,15 @@ class Graph:
             return "?"
         return self._path_of(i)
 
+    def tuple_path(self, obj: Any) -> str:
+        """The path of ``obj`` through the first immutable container that holds it (its
+        ``path`` is where the walk first reached it, which may be a mutable holder)."""
+        for s in self.slots.get(id(obj)) or ():
+            if s.kind == "tuple":
+                base = self.path(s.holder)
+                return f"{'' if base == '<model>' else base}[{s.key}]"
+        return self.path(obj)
+
 
 def _start(roots: Tuple[Any, ...]) -> Graph:
     g = Graph()
@@ -443,7 +452,7 @@ def scan_reference(root: Any, *extra_roots: Any) -> Graph:
     roots = (root,) + extra_roots
     g = _start(roots)
     objects, slots, tensors = g.objects, g.slots, g._tensors
-    stack: List[Any] = list(roots)
+    queue: List[Any] = list(roots)  # breadth-first: the C walk's order (see its comment)
     kind_of, kinds = _kind_of, _KIND
     searched: set = set()  # ids of metadata objects (and their containers) searched
 
@@ -472,12 +481,11 @@ def scan_reference(root: Any, *extra_roots: Any) -> Graph:
                 tensors.append(child)
             elif isinstance(child, torch.Tensor):
                 tensors.append(child)
-                stack.append(child)
+                queue.append(child)
             else:
-                stack.append(child)
+                queue.append(child)
 
-    while stack:
-        obj = stack.pop()
+    for obj in queue:  # grows while walked
         if type(obj) is torch.Tensor:
             continue  # plain tensors hold nothing else worth walking
         for kind, key, child in _children(obj):

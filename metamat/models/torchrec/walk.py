@@ -402,7 +402,7 @@ def build_plan(model: nn.Module, device: torch.device, init=None, *, claimed=fro
     for t in meta:  # one pass (~5 tensors per table, nearly all views into a TBE's storage)
         if in_tuples and id(t) in in_tuples:
             raise UnsupportedError(
-                f"meta tensor {graph.path(t)} is held in an immutable container; "
+                f"meta tensor {graph.tuple_path(t)} is held in an immutable container; "
                 "metamat cannot swap it"
             )
         st = t.untyped_storage()
