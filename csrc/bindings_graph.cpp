@@ -17,11 +17,16 @@
 // Visit order and slot order are Python's (an object's first slot is where it was first
 // reached): a queue of objects, breadth-first, each object's references in the order
 // `_children` yields them (dict: a tensor key's "dictkey" before its "item"; then attributes
-// of __dict__, then __slots__ names); metadata is searched depth-first when reached.
-// Breadth-first, because a sharded model's objects of one kind were made one after another
-// (10,000 ShardedTensors, then their metadata, ...): visiting them level by level reads memory
-// in roughly the order it was written, where depth-first jumped between ~50 kinds per table
-// (10k tables: walk 0.86x, plan phase 0.93x, paired in one process; docs/PERFORMANCE.md).
+// of __dict__, then __slots__ names); metadata is searched depth-first when reached. Objects
+// of the `later` types (TorchRec's sharded modules) wait in a second queue, each walked when
+// the first runs empty, so one sharded module's objects are walked before the next one's.
+// Breadth-first, because TorchRec makes a sharded module's objects kind by kind (10,000
+// ShardedTensors, then their metadata, ...): visiting them level by level reads memory in
+// roughly the order it was written, where depth-first jumped between ~50 kinds per table. One
+// module at a time, because each module's objects were made together: breadth-first across 320
+// small modules walked 1.26x slower than depth-first. (Against depth-first, 10k tables in one
+// module: walk 0.84x, plan phase 0.90x; 320 modules: walk 0.97x, plan 1.03x. See
+// docs/PERFORMANCE.md, stop 37.)
 #include <pybind11/pybind11.h>
 
 #include <algorithm>
@@ -257,7 +262,9 @@ struct Walk {
   PyObject* hook_owners; // graph._HOOK_OWNERS: types whose hook registries are not walked
   PyObject* hook_attrs;  // graph._HOOK_ATTRS: the names of those registries (a frozenset)
   PyObject* metadata_skip;  // graph._METADATA_SKIP: metadata type -> fields not searched
+  PyObject* later_types;  // graph._walked_later(): types whose objects wait in `later`
   std::vector<PyObject*> queue;  // borrowed: every object in it is in `rec` (roots too)
+  std::vector<PyObject*> later;  // borrowed, as `queue`: objects of `later_types`
   py::dict names_of;     // type -> slot names (cache of slot_names)
   using Kind = GraphRecord::Kind;
   static constexpr Kind kAttr = GraphRecord::kAttr, kSlot = GraphRecord::kSlot,
@@ -276,7 +283,7 @@ struct Walk {
   // yet.
   struct TypeFacts {
     PyTypeObject* type = nullptr;
-    int8_t kind = -1, tensor = -1, dict = -1, set = -1, hooks = -1;
+    int8_t kind = -1, tensor = -1, dict = -1, set = -1, hooks = -1, later = -1;
   };
   TypeFacts facts[256];
   TypeFacts& facts_of(PyTypeObject* type) {
@@ -350,6 +357,15 @@ struct Walk {
     const int r = PyObject_IsInstance(o, hook_owners);
     if (r < 0) throw py::error_already_set();
     facts_of(Py_TYPE(o)).hooks = int8_t(r != 0);  // again: isinstance may have run Python
+    return r != 0;
+  }
+  // isinstance(o, later_types), decided once per type
+  bool walked_later(PyObject* o) {
+    const int8_t fact = facts_of(Py_TYPE(o)).later;
+    if (fact >= 0) return fact;
+    const int r = PyTuple_GET_SIZE(later_types) ? PyObject_IsInstance(o, later_types) : 0;
+    if (r < 0) throw py::error_already_set();
+    facts_of(Py_TYPE(o)).later = int8_t(r != 0);  // again: isinstance may have run Python
     return r != 0;
   }
   // The fields of a metadata object's type that hold no device (offsets, sizes, a worker's
@@ -430,7 +446,7 @@ struct Walk {
       return;
     }
     if (is_tensor(child) && PyList_Append(tensors, child) < 0) throw py::error_already_set();
-    queue.push_back(child);
+    (walked_later(child) ? later : queue).push_back(child);
   }
 
   // f(key, value) for a snapshot of dict `d`'s items in its own order (an exact dict is
@@ -625,7 +641,7 @@ void metamat_bind_graph(py::module_& m) {
       [](py::list roots, GraphRecord& rec, py::list tensors, py::dict kinds, py::object kind_of,
          py::object slot_names, py::object slot_type, py::object tensor, py::object device,
          py::list device_refs, py::tuple hook_owners, py::frozenset hook_attrs,
-         py::dict metadata_skip) {
+         py::dict metadata_skip, py::tuple later_types) {
         if (!PyType_Check(slot_type.ptr()) ||
             !PyType_IsSubtype((PyTypeObject*)slot_type.ptr(), &PyTuple_Type))
           throw py::type_error("scan_graph: slot_type must be a tuple subclass");
@@ -637,14 +653,18 @@ void metamat_bind_graph(py::module_& m) {
         w.slot_names = slot_names.ptr(), w.tensor = tensor.ptr();
         w.device = device.ptr(), w.device_refs = device_refs.ptr();
         w.hook_owners = hook_owners.ptr(), w.hook_attrs = hook_attrs.ptr();
-        w.metadata_skip = metadata_skip.ptr();
+        w.metadata_skip = metadata_skip.ptr(), w.later_types = later_types.ptr();
         for (py::handle r : roots) {
           bool added;
           rec.add(r.ptr(), &added);
           w.queue.push_back(r.ptr());
         }
-        for (size_t head = 0; head < w.queue.size(); ++head) {  // grows while walked
-          PyObject* obj = w.queue[head];
+        // both queues grow while walked; `later` is read only when `queue` has run empty
+        for (size_t head = 0, next = 0;;) {
+          PyObject* obj;
+          if (head < w.queue.size()) obj = w.queue[head++];
+          else if (next < w.later.size()) obj = w.later[next++];
+          else break;
           if (Py_TYPE(obj) == (PyTypeObject*)tensor.ptr()) continue;  // plain tensors
           w.children(obj, false);
         }

@@ -123,6 +123,57 @@ def test_c_walk_equals_python_on_a_sharded_model(world1_env):
     assert len(g.meta_tensors()) >= 20
 
 
+def test_c_walk_equals_python_on_several_sharded_modules(world1_env):
+    import metamat
+    from torchrec.distributed.types import ShardingPlan
+    from torchrec.distributed.types import ShardedModule
+
+    import bench_scale as bs
+
+    proto, plans = bs._towers(3, tables=2), {}
+    for j in range(3):
+        sharder, tower_plan = bs._sharder_and_plan(proto.towers[f"m{j}"])
+        plans[f"towers.m{j}"] = tower_plan.plan[""]
+    dmp = metamat.shard_on_meta(bs._towers(3, tables=2), env=world1_env,
+                                plan=ShardingPlan(plans), sharders=[sharder])
+    g = _same(dmp, dmp.fused_optimizer)
+    modules = [o for o in g.objects.values() if isinstance(o, ShardedModule)]
+    assert modules == [dmp.module.towers[f"m{j}"] for j in range(3)]  # in the order reached
+
+
+@dataclasses.dataclass(eq=False)  # walked: a dataclass
+class _Unit:
+    items: list
+
+
+@dataclasses.dataclass(eq=False)
+class _Other:
+    items: list
+
+
+def test_objects_of_later_types_are_walked_one_at_a_time(monkeypatch):
+    """Breadth-first, but an object of a `later` type (TorchRec's sharded modules) waits until
+    nothing else is queued; then it and what only it reaches are walked before the next one."""
+    from metamat.models.torchrec import graph
+
+    monkeypatch.setattr(graph, "_walked_later", lambda: (_Unit,))
+    t = [torch.empty(i + 1, device="meta") for i in range(4)]
+    a_deep, b_deep = _Other([t[0]]), _Other([t[1]])
+    a, b = _Unit([a_deep]), _Unit([b_deep])
+    near = _Other([t[2], _Other([t[3]])])
+    root = [a, near, b]
+    # recorded when first reached: the root's three, then what `near` reaches, then `a`'s
+    # and then `b`'s own (the tensors in the same order)
+    want = [root, a, near, b, near.items, near.items[1], near.items[1].items,
+            a.items, a_deep, a_deep.items, b.items, b_deep, b_deep.items]
+    for walk in (scan_reference, scan):
+        g = walk(root)
+        order = [o for o in g.objects.values() if not isinstance(o, torch.Tensor)]
+        assert [id(o) for o in order] == [id(o) for o in want], walk.__name__
+        assert [id(x) for x in g._tensors] == [id(t[2]), id(t[3]), id(t[0]), id(t[1])]
+    _same(root)
+
+
 def test_shard_metadata_is_searched_for_devices_not_recorded():
     from torch.distributed._shard.metadata import ShardMetadata
     from torch.distributed._shard.sharded_tensor.metadata import (ShardedTensorMetadata,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import sys
 from operator import itemgetter
 import types
 from collections import defaultdict
@@ -129,6 +130,14 @@ _HOOK_ATTRS = frozenset({
     "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
     "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks",
 })
+
+
+def _walked_later() -> Tuple[type, ...]:
+    """Types whose objects the walk visits one at a time, once nothing else is queued: TorchRec's
+    sharded modules (each module's objects were made together; see csrc/bindings_graph.cpp)."""
+    types_ = sys.modules.get("torchrec.distributed.types")  # a model holds none without it
+    return (types_.ShardedModule,) if types_ is not None else ()
+
 
 # TorchRec's EmbeddingShardingInfo keeps the *unsharded* construction-time parameter
 # (`.param`, full table size). It is not model state: eager TorchRec leaves it on meta too.
@@ -442,7 +451,7 @@ def scan(root: Any, *extra_roots: Any) -> Graph:
     rec = core().GraphRecord()
     core().scan_graph(list(roots), rec, g._tensors, _KIND, _kind_of, slot_names, Slot,
                       torch.Tensor, torch.device, g.device_refs, _HOOK_OWNERS, _HOOK_ATTRS,
-                      _METADATA_SKIP)
+                      _METADATA_SKIP, _walked_later())
     g.objects, g.slots = _RecordObjects(rec), _RecordSlots(rec)
     return g
 
@@ -452,7 +461,10 @@ def scan_reference(root: Any, *extra_roots: Any) -> Graph:
     roots = (root,) + extra_roots
     g = _start(roots)
     objects, slots, tensors = g.objects, g.slots, g._tensors
-    queue: List[Any] = list(roots)  # breadth-first: the C walk's order (see its comment)
+    # breadth-first, sharded modules one at a time: the C walk's order (see its comment)
+    queue: List[Any] = list(roots)
+    later: List[Any] = []
+    later_types = _walked_later()
     kind_of, kinds = _kind_of, _KIND
     searched: set = set()  # ids of metadata objects (and their containers) searched
 
@@ -479,13 +491,19 @@ def scan_reference(root: Any, *extra_roots: Any) -> Graph:
             objects[cid] = child
             if k == 2:
                 tensors.append(child)
-            elif isinstance(child, torch.Tensor):
-                tensors.append(child)
-                queue.append(child)
             else:
-                queue.append(child)
+                if isinstance(child, torch.Tensor):
+                    tensors.append(child)
+                (later if later_types and isinstance(child, later_types) else queue).append(child)
 
-    for obj in queue:  # grows while walked
+    head = nxt = 0
+    while True:  # both queues grow while walked; `later` is read when `queue` has run empty
+        if head < len(queue):
+            obj, head = queue[head], head + 1
+        elif nxt < len(later):
+            obj, nxt = later[nxt], nxt + 1
+        else:
+            break
         if type(obj) is torch.Tensor:
             continue  # plain tensors hold nothing else worth walking
         for kind, key, child in _children(obj):
