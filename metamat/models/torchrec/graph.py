@@ -435,7 +435,8 @@ def scan(root: Any, *extra_roots: Any) -> Graph:
     The walk runs in C (``_C.scan_graph``, ~10x faster: a sharded model holds ~140
     references per table) and keeps what it finds in a ``_C.GraphRecord``, which the
     graph's ``objects`` and ``slots`` read; :func:`scan_reference` is the same walk in Python,
-    its specification.
+    its specification. It goes breadth-first, TorchRec's sharded modules one at a time: close
+    to the order the objects were made in (csrc/bindings_graph.cpp says why).
 
     Args:
         root: usually the model (a DMP or any ``nn.Module``).
