@@ -125,8 +125,7 @@ def test_c_walk_equals_python_on_a_sharded_model(world1_env):
 
 def test_c_walk_equals_python_on_several_sharded_modules(world1_env):
     import metamat
-    from torchrec.distributed.types import ShardingPlan
-    from torchrec.distributed.types import ShardedModule
+    from torchrec.distributed.types import ShardedModule, ShardingPlan
 
     import bench_scale as bs
 
