@@ -49,6 +49,9 @@ double resident_fraction(int fd, int64_t off, int64_t len) {
   }();
   if (len <= 0) return 1.0;
   const int64_t a0 = align_down(off, page), a1 = align_up(off + len, page);
+  // The mapping's pages are never touched (mincore only asks whether they are resident), so
+  // a file that shrinks meanwhile cannot raise SIGBUS here; nothing else in metamat maps a
+  // checkpoint file (bindings_zip.cpp preads).
   void* m = ::mmap(nullptr, size_t(a1 - a0), PROT_READ, MAP_SHARED, fd, off_t(a0));
   if (m == MAP_FAILED) return -1.0;
   std::vector<unsigned char> vec(size_t((a1 - a0) / page));

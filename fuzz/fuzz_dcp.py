@@ -5,8 +5,11 @@
 A valid one-process DCP checkpoint of each serialization is written at start. Input byte 0
 picks it (even: TORCH_SAVE, odd: SAFETENSORS); bit 0 of byte 1 set means bytes 2-17 are a
 signed (offset, length) pair given to the storage entry of tensor ``byte 1 >> 1 % 4``; the
-rest of the input replaces the ``.distcp`` data file. ``.metadata`` (a pickle DCP trusts) is
-only ever written by the harness, never fuzzed as bytes.
+rest of the input replaces the ``.distcp`` data file. Bit 1 of byte 1 set: the data file
+shrinks to ``(byte 0 >> 1) / 128`` of its size while ``open_checkpoint`` reads it (just
+before the C pass over its blobs: another job rewriting the checkpoint; a mapped file gave
+SIGBUS). ``.metadata`` (a pickle DCP trusts) is only ever written by the harness, never fuzzed
+as bytes.
 """
 import dataclasses
 import os
@@ -55,8 +58,15 @@ def TestOneInput(data: bytes) -> None:
     else:
         raw = raw_md
     H.write(os.path.join(d, ".metadata"), raw)
-    H.write(os.path.join(d, files[0]), body)
-    H.check(d)
+    data_file = os.path.join(d, files[0])
+    H.write(data_file, body)
+    if data[1] & 2:
+        import hostile_gen
+        cut = len(body) * (data[0] >> 1) // 128
+        with hostile_gen.during_zip_pass(lambda: hostile_gen.truncate(data_file, cut)):
+            H.check(d)
+    else:
+        H.check(d)
 
 
 if __name__ == "__main__":

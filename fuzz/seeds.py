@@ -36,11 +36,14 @@ def main(out: str) -> None:
         for name, raw in _index_seeds().items():
             H.write(os.path.join(out, "safetensors", f"index_{name}"), raw)
         shutil.copy(bases["ts"], os.path.join(out, "torch_save", "valid"))
-        for sel, key in ((b"\x00\x00", "dcp"), (b"\x01\x00", "dcpst")):
+        # the valid files, and the TORCH_SAVE one shrinking to half while it is opened
+        for sel, key, name in ((b"\x00\x00", "dcp", "valid_dcp"),
+                               (b"\x01\x00", "dcpst", "valid_dcpst"),
+                               (b"\x80\x02", "dcp", "shrinks_dcp")):
             d = bases[key]
             data = [f for f in sorted(os.listdir(d)) if f.endswith(".distcp")][0]
             with open(os.path.join(d, data), "rb") as f:
-                H.write(os.path.join(out, "dcp", f"valid_{key}"), sel + f.read())
+                H.write(os.path.join(out, "dcp", name), sel + f.read())
         for v in hostile_gen.all_variants():
             if v.base not in ("st", "ts"):
                 continue

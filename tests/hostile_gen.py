@@ -101,6 +101,43 @@ def truncate(p: str, n: int) -> None:
         f.truncate(n)
 
 
+class during_zip_pass:  # noqa: N801 - a context manager, used like a function
+    """While active, ``fn()`` runs once, just before metamat's C pass starts reading the
+    torch.save blobs of a DCP data file (``_C.zip_blobs*``): e.g. truncating the file, as
+    another job rewriting the checkpoint would while it is being opened. ``self.ran``: it did.
+    (A file read through a mapping then killed the process with SIGBUS.)"""
+
+    def __init__(self, fn: Callable[[], object]) -> None:
+        self.fn, self.ran, self.result = fn, False, None
+
+    def run(self) -> None:
+        """``fn()`` now, unless it ran already."""
+        if not self.ran:
+            self.ran, self.result = True, self.fn()
+
+    def __enter__(self) -> "during_zip_pass":
+        import metamat._ext as ext
+        self._ext, self._real = ext, ext.core
+        outer = self
+
+        class _Core:
+            def __getattr__(self, name):
+                attr = getattr(outer._real(), name)
+                if not name.startswith("zip_blobs"):
+                    return attr
+
+                def first_damage(*a, **kw):
+                    outer.run()
+                    return attr(*a, **kw)
+                return first_damage
+
+        ext.core = lambda: _Core()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._ext.core = self._real
+
+
 def patch(p: str, off: int, b: bytes) -> None:
     with open(p, "r+b") as f:
         f.seek(off)
@@ -327,7 +364,9 @@ class Variant:
         mutate: ``mutate(path) -> file`` damages the copy at ``path`` and returns the file the
             error must name (a basename is enough).
         stage: ``"open"``: ``open_checkpoint`` must raise; ``"load"``: it may succeed and then
-            ``load_targets`` must raise.
+            ``load_targets`` must raise; ``"during_open"``: ``mutate`` runs while
+            ``open_checkpoint`` reads the data files (:class:`during_zip_pass`), which must
+            raise.
         tensor: the fqn the message must name, if any.
         exc: the expected error class name (checked with isinstance), if any.
     """
@@ -840,6 +879,9 @@ def dcp_variants() -> List[Variant]:
         _dcp_var("md_duplicate_chunk", _md(_md_dup_chunk), tensor="emb",
                  exc="OverlappingChunksError", stage="load"),
     ]
+    # the data file shrinks while open_checkpoint reads it (another job rewriting it)
+    v += [_dcp_var(f"shrinks_while_open_{int(f * 100)}pct", _dcp_trunc(f), tensor="emb",
+                   exc="CheckpointError", stage="during_open") for f in (0.0, 0.5, 0.99)]
     # SAFETENSORS serialization: one safetensors blob per file
     def st_in_dcp(fn):
         def m(d):
@@ -957,17 +999,26 @@ def check_variant(v: Variant, bases: Dict[str, str], work: str) -> str:
     os.makedirs(work, exist_ok=True)
     path = _copy_base(bases, v.base, work)
     stale = open_checkpoint(path)  # opened while good: the plan is made before the damage
-    named = v.mutate(path)
+    damage = during_zip_pass(lambda: v.mutate(path))
+    if v.stage != "during_open":
+        damage.run()
 
     # 1. open, then load: CheckpointError, named, destinations untouched
     targets = targets_for(state())
     ck = None
     err: Optional[BaseException] = None
     try:
-        ck = open_checkpoint(path)
+        if v.stage == "during_open":
+            with damage:
+                ck = open_checkpoint(path)
+        else:
+            ck = open_checkpoint(path)
     except Exception as e:  # noqa: BLE001 - anything but CheckpointError is a failure
         err = e
-    if v.stage == "open" and err is None:
+    if not damage.ran:
+        raise AssertionError(f"{v.name}: the damage was never done (no C pass?)")
+    named = damage.result
+    if v.stage in ("open", "during_open") and err is None:
         raise AssertionError(f"{v.name}: open_checkpoint accepted the damaged checkpoint "
                              f"({ck!r})")
     if err is None:

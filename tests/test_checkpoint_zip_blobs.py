@@ -46,8 +46,8 @@ def _c_records(data: bytes, base: int, length: int):
     (got,) = core().zip_blobs(data, [base], [length], limit(METADATA_BYTES))
     if got is None:
         return None
-    pkl_at, pkl_size, records = got
-    obj = _RestrictedUnpickler(io.BytesIO(data[pkl_at:pkl_at + pkl_size]), "x").load()
+    pkl, records = got
+    obj = _RestrictedUnpickler(io.BytesIO(pkl), "x").load()
     return obj, records
 
 
@@ -151,7 +151,7 @@ def test_open_checkpoint_is_the_same_with_and_without_the_c_pass(dcp_blobs, monk
             return getattr(core(), name)
 
         @staticmethod
-        def zip_blobs(buf, offsets, lengths, max_metadata):
+        def zip_blobs_fd(fd, size, offsets, lengths, max_metadata):
             return [None] * len(offsets)
 
     monkeypatch.setattr("metamat._ext.core", lambda: NoFastPath())
@@ -172,3 +172,56 @@ def test_metadata_limit_declines_the_blob(dcp_blobs):
     assert core().zip_blobs(data, [base, 0], [length, 3], 1 << 20)[1] is None  # too short
     with pytest.raises(ValueError):
         core().zip_blobs(data, [0], [], 1 << 20)
+
+
+_SHRINK_CHILD = r"""
+import os, sys
+sys.path.insert(0, sys.argv[2])
+import torch
+import hostile_gen
+from metamat.checkpoint import CheckpointError, open_checkpoint
+from metamat.load import load_targets
+from metamat.plan import Target
+
+path, data = sys.argv[1], os.path.join(sys.argv[1], "__0_0.distcp")
+size = os.path.getsize(data)
+with hostile_gen.during_zip_pass(lambda: hostile_gen.truncate(data, size // 2)) as d:
+    try:
+        open_checkpoint(path)
+    except CheckpointError as e:
+        assert data in str(e), e
+        print("open:", type(e).__name__)
+assert d.ran
+# opened whole, then truncated before the load: the readers pread too
+ck = open_checkpoint(sys.argv[3])
+hostile_gen.truncate(os.path.join(sys.argv[3], "__0_0.distcp"), 0)
+e = ck.tensors()["w"]
+t = Target("w", "w", e.global_shape, (0, 0), e.global_shape, e.dtype,
+           tensor=torch.empty(e.global_shape, dtype=e.dtype))
+try:
+    load_targets([t], ck, io_threads=2)
+except CheckpointError as e:
+    print("load:", type(e).__name__)
+"""
+
+
+def test_a_data_file_that_shrinks_while_open_is_a_named_error_not_sigbus(tmp_path):
+    """open_checkpoint read DCP data files through a mapping: a file truncated meanwhile (by
+    another job rewriting the checkpoint) killed the process with SIGBUS (rc -7) in the C pass
+    or a slice of the mapping. Now every byte is pread: the blobs the file no longer has go
+    to the careful parser, which names the error. In a child, so a crash fails only this."""
+    import subprocess
+    import sys
+
+    import torch.distributed.checkpoint as dcp
+
+    g = torch.Generator().manual_seed(3)
+    sd = {f"t{i}": torch.randn(50, 40, generator=g) for i in range(8)}
+    sd["w"] = torch.randn(300, 200, generator=g)  # a blob larger than the C pass's window
+    for name in ("a", "b"):
+        dcp.save(sd, checkpoint_id=str(tmp_path / name), no_dist=True)
+    tests = os.path.dirname(os.path.abspath(__file__))
+    r = subprocess.run([sys.executable, "-c", _SHRINK_CHILD, str(tmp_path / "a"), tests,
+                        str(tmp_path / "b")], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, (r.returncode, r.stderr[-3000:])
+    assert "open: TruncatedFileError" in r.stdout and "load: " in r.stdout, r.stdout

@@ -15,7 +15,6 @@ Two serialization formats exist:
 from __future__ import annotations
 
 import io
-import mmap
 import os
 from typing import Dict, List, Optional, Tuple
 
@@ -176,43 +175,38 @@ def _check_range(f: str, fsize: int, fqn: str, offs, info) -> None:
 
 def _add_torch_save_chunks(entries: Dict[str, TensorEntry], f: str, fh, fsize: int,
                            items) -> None:
-    """Locate every torch.save blob of one data file: the file is mapped once and every
-    blob's zip records are found in one C pass (``_C.zip_blobs``: no ``zipfile`` object, no
-    syscall, ~2 µs per chunk); identical ``data.pkl`` records (chunks of one shape and dtype)
-    are unpickled once. A blob the C pass does not accept goes through
-    :func:`parse_torch_save`, which accepts it or raises the named error."""
+    """Locate every torch.save blob of one data file: every blob's zip records are found in
+    one C pass (``_C.zip_blobs_fd``: no ``zipfile`` object, a few ``pread`` per 64 KiB of
+    small blobs, ~2 µs per chunk); identical ``data.pkl`` records (chunks of one shape and
+    dtype) are unpickled once. The file is read, never mapped: a data file that another job
+    truncates meanwhile must give a named error, and a mapped page past the new end kills the
+    process with SIGBUS. A blob the C pass does not accept (or cannot read: the file shrank)
+    goes through :func:`parse_torch_save`, which accepts it or raises the named error. An
+    object in a store (no file descriptor) goes that way too."""
     from .._ext import core
 
-    mm = None
-    if fsize:
-        try:
-            mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
-        except (OSError, ValueError):
-            mm = None
+    try:
+        fd = fh.fileno() if fsize else None
+    except (OSError, ValueError):  # io.UnsupportedOperation: an S3File
+        fd = None
     pickles: Dict[bytes, object] = {}
     # (id of a TensorRef, record size) -> (offset in record, Chunk); the refs live in
     # `pickles` until the end, so their ids stay theirs (hashing a TensorRef hashes its fields)
     located: Dict[tuple, tuple] = {}
-    try:
-        blobs = core().zip_blobs(mm, [it[3].offset for it in items],
-                                 [it[3].length for it in items], limit(METADATA_BYTES)) \
-            if mm is not None else [None] * len(items)
-        for (fqn, offs, sizes, info), blob in zip(items, blobs):
-            obj = _unpickled(mm, f, blob, pickles) if blob is not None else None
-            if obj is None:
-                _add_torch_save_chunk(entries[fqn], f, fh, offs, sizes, info)
-            else:
-                _add_parsed_chunk(entries[fqn], f, obj, blob[2], offs, sizes, info, located)
-    finally:
-        if mm is not None:
-            mm.close()
+    blobs = core().zip_blobs_fd(fd, fsize, [it[3].offset for it in items],
+                                [it[3].length for it in items], limit(METADATA_BYTES)) \
+        if fd is not None else [None] * len(items)
+    for (fqn, offs, sizes, info), blob in zip(items, blobs):
+        obj = _unpickled(f, blob[0], pickles) if blob is not None else None
+        if obj is None:
+            _add_torch_save_chunk(entries[fqn], f, fh, offs, sizes, info)
+        else:
+            _add_parsed_chunk(entries[fqn], f, obj, blob[1], offs, sizes, info, located)
 
 
-def _unpickled(mm, f: str, blob: tuple, pickles: Dict[bytes, object]):
-    """The ``data.pkl`` object of a blob ``zip_blobs`` located, or None if it does not load
-    (the careful parser then says why)."""
-    pkl_at, pkl_size, _records = blob
-    data = mm[pkl_at:pkl_at + pkl_size]
+def _unpickled(f: str, data: bytes, pickles: Dict[bytes, object]):
+    """The object of a ``data.pkl`` record ``zip_blobs_fd`` read, or None if it does not
+    load (the careful parser then says why)."""
     obj = pickles.get(data)
     if obj is None:
         try:
