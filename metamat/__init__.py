@@ -8,8 +8,8 @@ Importing metamat loads neither the compiled core nor torchrec, and never initia
 from ._ext import ExtensionNotBuiltError
 from .checkpoint import CheckpointError, UnexpectedTensorError, open_checkpoint
 from .empty import init_empty_weights
-from .errors import (MissingValueError, PartialLoadError, PeerCheckpointError, PeerFailedError,
-                     UnsupportedDTensorError, UnsupportedError)
+from .errors import (DeviceMemoryError, MissingValueError, PartialLoadError, PeerCheckpointError,
+                     PeerFailedError, UnsupportedDTensorError, UnsupportedError)
 from .init import fill_, fill_many_
 from .materialize import materialize
 from .report import Report
@@ -22,7 +22,7 @@ __all__ = [
     "fill_", "fill_many_", "materialize", "Report", "shard_on_meta", "init_empty_weights",
     "open_checkpoint", "CheckpointError", "UnexpectedTensorError", "ExtensionNotBuiltError",
     "UnsupportedError", "UnsupportedDTensorError", "MissingValueError", "PeerFailedError",
-    "PeerCheckpointError", "PartialLoadError", "release_staging_memory",
+    "PeerCheckpointError", "PartialLoadError", "DeviceMemoryError", "release_staging_memory",
 ]
 
 

@@ -8,6 +8,14 @@ changes here: the adapters swap the real tensors in at the register stage.
 Large CPU storages come from fresh anonymous memory maps: the kernel hands out zero pages on
 first touch (calloc semantics), so storages that must start at zero (optimizer state, gaps)
 cost no write pass at all, and pages nobody touches take no memory.
+
+On a CUDA device a storage group says which memory it needs (:data:`MEMORY_KINDS`): device
+memory (``torch.empty`` on the GPU), or fbgemm's unified memory for UVM tables (managed or
+host-mapped, ``torch.ops.fbgemm.new_unified_tensor`` as fbgemm allocates it). Unified memory
+lives on the host: the allocation keeps a CPU alias of it (:meth:`Allocation.host_view`), so
+the init engine and the checkpoint reader write those bytes from the host, where they are,
+with no copy over PCIe. Under :func:`metamat.emulation.emulated_cuda` every kind is a CPU
+storage and the kinds are only recorded (tests of the GPU path on machines without a GPU).
 """
 from __future__ import annotations
 
@@ -20,10 +28,43 @@ from torch import nn
 
 from .plan import StorageGroup, storage_key
 
-__all__ = ["Allocation", "allocate", "zeroed_cpu_storage", "is_zero_dist", "LAZY_ZERO_MIN_BYTES"]
+__all__ = ["Allocation", "allocate", "zeroed_cpu_storage", "is_zero_dist", "LAZY_ZERO_MIN_BYTES",
+           "DEVICE", "UVM", "UVM_HOST_MAPPED", "MEMORY_KINDS", "host_alias"]
 
 # Below this a map costs more than the memset it saves (and rounds up to a page).
 LAZY_ZERO_MIN_BYTES = 1 << 20
+
+# Memory a storage group asks for (``StorageGroup.memory``). Only CUDA devices tell them apart.
+DEVICE = "device"  # the device's own memory (HBM)
+UVM = "uvm"  # fbgemm's managed memory (cudaMallocManaged, preferred on the host)
+UVM_HOST_MAPPED = "uvm_host_mapped"  # fbgemm's host-mapped memory (cudaHostAlloc, mapped)
+MEMORY_KINDS = (DEVICE, UVM, UVM_HOST_MAPPED)
+
+
+def host_alias(x: torch.Tensor) -> Optional[torch.Tensor]:
+    """A CPU tensor viewing the same bytes as CUDA tensor ``x`` when ``x`` lives in fbgemm's
+    unified memory (a live model's UVM table), else None."""
+    if x.device.type != "cuda":
+        return None
+    try:
+        if not torch.ops.fbgemm.is_uvm_tensor(x):
+            return None
+        return torch.ops.fbgemm.uvm_to_cpu(x)
+    except (AttributeError, RuntimeError):  # no fbgemm: nothing can be unified memory
+        return None
+
+
+def _unified_storage(nbytes: int, device: torch.device, host_mapped: bool):
+    """(storage on ``device``, CPU alias of the same bytes) from fbgemm's UVM allocator."""
+    try:
+        new_unified = torch.ops.fbgemm.new_unified_tensor
+        to_cpu = torch.ops.fbgemm.uvm_to_cpu
+    except (AttributeError, RuntimeError) as e:  # torch.ops lookups raise without the library
+        raise RuntimeError("UVM tables need fbgemm-gpu's CUDA build (torch.ops.fbgemm."
+                           "new_unified_tensor)") from e
+    proto = torch.empty(1, dtype=torch.uint8, device=device)
+    t = new_unified(proto, [int(nbytes)], bool(host_mapped))
+    return t.untyped_storage(), to_cpu(t).untyped_storage()
 
 
 def zeroed_cpu_storage(nbytes: int) -> torch.UntypedStorage:
@@ -52,13 +93,19 @@ class Allocation:
         storages: meta storage key -> new storage.
         zeroed: keys of the storages born zero.
         nbytes: bytes allocated.
+        emulated: a CUDA device emulated with CPU storages (:mod:`metamat.emulation`).
+        memory: key -> memory kind, for the storages not in device memory (UVM).
+        host: key -> a CPU storage aliasing the same bytes, for storages in unified memory.
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, emulated: bool = False) -> None:
         self.device = device
+        self.emulated = emulated
         self.storages: Dict[int, torch.UntypedStorage] = {}
         self.zeroed: Set[int] = set()
         self.nbytes = 0
+        self.memory: Dict[int, str] = {}
+        self.host: Dict[int, torch.UntypedStorage] = {}
         self._twins: Dict[int, torch.Tensor] = {}
         self._by_ptr: Optional[Dict[int, int]] = None
         self._by_ptr_n = 0  # len(self.storages) when _by_ptr was built
@@ -75,10 +122,36 @@ class Allocation:
         return t
 
     def full(self, key: int) -> torch.Tensor:
-        """The whole new storage ``key`` as a uint8 tensor."""
-        st = self.storages[key]
-        return torch.empty((0,), dtype=torch.uint8, device=self.device).set_(
+        """The whole new storage ``key`` as a uint8 tensor, on the host for unified memory
+        (writes go where the bytes live)."""
+        st = self.host.get(key)
+        if st is None:
+            st = self.storages[key]
+        return torch.empty((0,), dtype=torch.uint8, device=st.device).set_(
             st, 0, (st.nbytes(),), (1,))
+
+    def bytes_by_memory(self) -> Dict[str, int]:
+        """Bytes allocated per memory kind (kinds with bytes only)."""
+        out: Dict[str, int] = {}
+        for k, st in self.storages.items():
+            kind = self.memory.get(k, DEVICE)
+            out[kind] = out.get(kind, 0) + st.nbytes()
+        return {k: v for k, v in out.items() if v}
+
+    def memory_of(self, x: torch.Tensor) -> str:
+        """The memory kind of real tensor ``x``'s storage (:data:`DEVICE` when not planned
+        here)."""
+        k = self.key_of(x)
+        return self.memory.get(k, DEVICE) if k is not None else DEVICE
+
+    def host_view(self, x: torch.Tensor) -> torch.Tensor:
+        """``x``, or for a tensor in unified memory a CPU tensor viewing the same bytes (the
+        host writes them in place: no copy over PCIe, no page migration to the GPU)."""
+        k = self.key_of(x)
+        st = self.host.get(k) if k is not None else None
+        if st is None or x.device.type == "cpu":  # not unified, or already the host's view
+            return x
+        return torch.empty((0,), dtype=x.dtype).set_(st, x.storage_offset(), x.shape, x.stride())
 
     def twin(self, old: torch.Tensor, view: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The real tensor object that replaces ``old`` (same class, same requires_grad),
@@ -115,6 +188,8 @@ class Allocation:
         # compare against the count it was built from, not its own length
         if self._by_ptr is None or self._by_ptr_n != len(self.storages):
             self._by_ptr = {st.data_ptr(): k for k, st in self.storages.items() if st.nbytes()}
+            # a host alias of unified memory is the same storage seen from the CPU
+            self._by_ptr.update({st.data_ptr(): k for k, st in self.host.items() if st.nbytes()})
             self._by_ptr_n = len(self.storages)
         return self._by_ptr.get(x.untyped_storage().data_ptr())
 
@@ -123,19 +198,33 @@ class Allocation:
         return self._twins
 
 
-def allocate(groups: Iterable[StorageGroup], device: torch.device) -> Allocation:
-    """Allocate every storage of ``groups`` on ``device``; touches no memory.
+def allocate(groups: Iterable[StorageGroup], device: torch.device, *,
+             emulated: bool = False) -> Allocation:
+    """Allocate every storage of ``groups`` on ``device``, in the memory each asks for
+    (``StorageGroup.memory``: device or unified memory on CUDA); touches no memory.
 
     Large CPU storages (>= :data:`LAZY_ZERO_MIN_BYTES`) are born zero (anonymous maps).
+    ``emulated``: ``device`` is the CPU standing in for a CUDA device; every kind of memory
+    is a CPU storage, and unified memory is its own host alias.
     """
-    alloc = Allocation(device)
+    alloc = Allocation(device, emulated)
     for g in groups:
         if g.key in alloc.storages:
             continue
-        if device.type == "cpu" and g.nbytes >= LAZY_ZERO_MIN_BYTES:
+        memory = g.memory
+        if memory not in MEMORY_KINDS:
+            raise ValueError(f"unknown memory kind {memory!r}")
+        if device.type == "cuda" and memory != DEVICE and g.nbytes:
+            alloc.storages[g.key], alloc.host[g.key] = _unified_storage(
+                g.nbytes, device, memory == UVM_HOST_MAPPED)
+        elif device.type == "cpu" and g.nbytes >= LAZY_ZERO_MIN_BYTES:
             alloc.storages[g.key] = zeroed_cpu_storage(g.nbytes)
             alloc.zeroed.add(g.key)
         else:
             alloc.storages[g.key] = torch.UntypedStorage(g.nbytes, device=device)
+        if memory != DEVICE:
+            alloc.memory[g.key] = memory
+            if emulated:
+                alloc.host[g.key] = alloc.storages[g.key]
         alloc.nbytes += g.nbytes
     return alloc

@@ -10,7 +10,7 @@ from typing import Iterable
 from .checkpoint.errors import CheckpointError
 
 __all__ = ["UnsupportedError", "UnsupportedDTensorError", "MissingValueError",
-           "PeerFailedError", "PeerCheckpointError", "PartialLoadError"]
+           "PeerFailedError", "PeerCheckpointError", "PartialLoadError", "DeviceMemoryError"]
 
 
 class UnsupportedError(RuntimeError):
@@ -35,6 +35,11 @@ class MissingValueError(UnsupportedError):
     def __init__(self, message: str, *, names: Iterable[str] = ()) -> None:
         super().__init__(message)
         self.names = list(names)
+
+
+class DeviceMemoryError(MemoryError):
+    """The model's tensors do not fit in the device memory that is free (checked before
+    anything is allocated; the message says what takes the memory, e.g. LXU caches)."""
 
 
 class PeerFailedError(RuntimeError):

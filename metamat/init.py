@@ -265,6 +265,20 @@ def fill_many_(items: Iterable[Item], *, seed: int = 0) -> None:
             _fill_cuda(C, torch.device("cuda", int(dev)), part)
 
 
+def fill_many_emulated_(items: Iterable[Item], *, seed: int = 0) -> None:
+    """:func:`fill_many_` of CPU tensors through the CUDA launch run on the host (the kernel's
+    segment table, block search and per-thread work: ``_C.fill_cuda_emulated``): what the
+    emulated CUDA device of :mod:`metamat.emulation` does for device memory. Same values as
+    :func:`fill_many_`, much slower; for tests."""
+    items = items if isinstance(items, (list, tuple)) else list(items)
+    segs, devs = _pack_columns(items, seed)
+    if (devs >= 0).any():
+        raise ValueError("fill_many_emulated_: CPU tensors only")
+    nonempty = segs[(segs["rows"] > 0) & (segs["cols"] > 0)]
+    if len(nonempty):
+        core().fill_cuda_emulated(nonempty.ctypes.data, len(nonempty), False)
+
+
 def fill_(tensor: torch.Tensor, dist: Dist, *, seed: int = 0, key: str, row_offset: int = 0,
           col_offset: int = 0) -> torch.Tensor:
     """Fill ``tensor`` in place as the block at (row_offset, col_offset) of table ``key``.

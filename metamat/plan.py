@@ -81,6 +81,8 @@ class StorageGroup:
         where: a readable path to one tensor viewing it, for messages (empty: the adapter
             finds one when a message needs it; a path costs microseconds, a TBE has ~50
             storages).
+        memory: the memory it needs on a CUDA device (:data:`metamat.allocate.MEMORY_KINDS`:
+            ``"device"``, or fbgemm's unified memory ``"uvm"`` / ``"uvm_host_mapped"``).
     """
 
     key: int
@@ -89,6 +91,7 @@ class StorageGroup:
     value: Optional[torch.Tensor] = field(default=None, repr=False)
     where: str = ""
     tensors: List[Any] = field(default_factory=list, repr=False)
+    memory: str = "device"
 
 
 def storage_key(t: torch.Tensor) -> int:

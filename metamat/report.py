@@ -48,6 +48,9 @@ class Report:
         bytes_transient: host/device bytes of shadow copies the load used to keep the model
             unchanged until every rank succeeded (already-real tensors; 0 with
             ``inplace=True``), freed before returning.
+        bytes_by_memory: bytes allocated per kind of memory: ``"device"`` (the device's own,
+            or host memory on the CPU), ``"uvm"`` / ``"uvm_host_mapped"`` (fbgemm's unified
+            memory, for UVM tables).
     """
 
     bytes_written: int = 0
@@ -71,6 +74,7 @@ class Report:
     buffers: Dict[str, str] = dataclasses.field(default_factory=dict)
     bytes_transient: int = 0
     bytes_direct: int = 0
+    bytes_by_memory: Dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def total_seconds(self) -> float:
