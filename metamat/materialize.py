@@ -45,9 +45,15 @@ def _has_meta(model: nn.Module) -> bool:
                for t in itertools.chain(model.parameters(), model.buffers()))
 
 
-def _resolve_device(model: nn.Module, device) -> torch.device:
-    """The explicit device; else where an eager model lives; else a DTensor mesh's device
-    type; else the current CUDA device when there is one, else the CPU."""
+def _resolve_device(model: nn.Module, device) -> Tuple[torch.device, bool]:
+    """(device, emulated): the explicit device; else the CUDA device a TorchRec model was laid
+    out for; else where an eager model lives; else a DTensor mesh's device type; else the
+    current CUDA device when there is one, else the CPU. ``emulated``: a CUDA device stood
+    in for by the CPU (:mod:`metamat.emulation`)."""
+    from . import emulation
+
+    if device is None:
+        device = getattr(model, "_metamat_compute_device", None)
     if device is None:
         # only asked without an explicit device: listing a DMP's parameters goes through
         # TorchRec's named_parameters (~7 µs per table)
@@ -60,13 +66,14 @@ def _resolve_device(model: nn.Module, device) -> torch.device:
             from .models.modules import is_dtensor
             mesh_dev = next((t.device_mesh.device_type for t in model.parameters()
                              if is_dtensor(t)), None)
-            device = mesh_dev or ("cuda" if torch.cuda.is_available() else "cpu")
+            device = mesh_dev or ("cuda" if torch.cuda.is_available() or emulation.active()
+                                  else "cpu")
     device = torch.device(device)
     if device.type == "meta":
         raise ValueError("materialize: device must be a real device, not meta")
     if device.type == "cuda" and device.index is None and torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())
-    return device
+    return emulation.resolve(device)
 
 
 class _Load:
@@ -147,7 +154,10 @@ def _shadow(x: torch.Tensor) -> torch.Tensor:
 
 def _bind_reads(ld: _Load, alloc, inplace: bool) -> List[Tuple[torch.Tensor, torch.Tensor, str]]:
     """Point the read plan's targets at real memory; tensors of the live model get shadow
-    copies (unless ``inplace``). Returns (live, shadow, fqn) triples."""
+    copies (unless ``inplace``). Bytes in unified memory (UVM tables) are written from the
+    host, where they live: their targets are host views, and their shadows host memory.
+    Returns (live, shadow, fqn) triples."""
+    from .allocate import host_alias
     from .load import validate_destination
 
     shadows = []
@@ -155,10 +165,18 @@ def _bind_reads(ld: _Load, alloc, inplace: bool) -> List[Tuple[torch.Tensor, tor
     for t in dests:
         x = t.tensor
         if x.device.type == "meta":
-            t.tensor = alloc.view(x)
-        elif alloc.key_of(x) is None and not inplace:
-            t.tensor = _shadow(x)
-            shadows.append((x, t.tensor, t.fqn))
+            t.tensor = alloc.host_view(alloc.view(x))
+        elif alloc.key_of(x) is not None:
+            t.tensor = alloc.host_view(x)
+        else:
+            live = host_alias(x)
+            if live is None:
+                live = x
+            if inplace:
+                t.tensor = live
+            else:
+                t.tensor = _shadow(live)
+                shadows.append((live, t.tensor, t.fqn))
     for t in ld.plan.targets:
         validate_destination(t)
     return shadows
@@ -267,6 +285,7 @@ def materialize(
     parts: list = []
     ld = _Load()
     dev = torch.device("cpu")
+    emulated = False
     t = time.perf_counter()
     try:
         if loading:
@@ -280,11 +299,11 @@ def materialize(
             sec["open"] = time.perf_counter() - t
             t = time.perf_counter()
         init_map = check_init_map(init)
-        dev = _resolve_device(model, device)
-        report.device = str(dev)
+        dev, emulated = _resolve_device(model, device)
+        report.device = "cuda (emulated on the CPU)" if emulated else str(dev)
         from .models import find_parts
 
-        parts = find_parts(model, dev, init_map, loading=loading)
+        parts = find_parts(model, dev, init_map, loading=loading, emulated=emulated)
         sec["plan"] = time.perf_counter() - t
         t = time.perf_counter()
         if loading:
@@ -306,11 +325,14 @@ def materialize(
     alloc = None
     try:
         t = time.perf_counter()
-        alloc = allocate([g for p in parts for g in p.storages], dev)
+        alloc = allocate([g for p in parts for g in p.storages], dev, emulated=emulated)
         for p in parts:
             p.bind(alloc, dev)
         if loading:
             shadows = _bind_reads(ld, alloc, inplace)
+            for p in parts:
+                if hasattr(p, "before_read"):
+                    p.before_read()
         sec["allocate"] = time.perf_counter() - t
         t = time.perf_counter()
         report.bytes_written = sum(p.fill(alloc, seed, ld.loaded) for p in parts)
@@ -318,7 +340,7 @@ def materialize(
         if loading:
             t = time.perf_counter()
             reading = True
-            executed = _read(ld, io_threads, staging_bytes, progress, io)
+            executed = _read(ld, io_threads, staging_bytes, progress, io, alloc)
             for p in parts:
                 if hasattr(p, "after_load"):
                     p.after_load()
@@ -344,7 +366,7 @@ def materialize(
         with torch.no_grad():
             for live, shadow, _fqn in shadows:
                 live.copy_(shadow)
-        report.num_tensors = sum(p.register(alloc) for p in parts)
+        report.num_tensors = sum(p.register(alloc, loaded=loading) for p in parts)
     sec["register"] = time.perf_counter() - t
     _fill_report(report, parts, ld, executed, alloc, shadows)
     for w in report.warnings:
@@ -359,13 +381,18 @@ def _is_live(t: Target, alloc) -> bool:
         and alloc.key_of(t.tensor) is None
 
 
-def _read(ld: _Load, io_threads, staging_bytes, progress, io):
+def _read(ld: _Load, io_threads, staging_bytes, progress, io, alloc):
+    from .allocate import DEVICE
     from .load import execute
 
+    staged = False
+    if alloc.emulated:  # what a GPU holds in device memory goes through the staging ring
+        def staged(t: Target) -> bool:
+            return alloc.memory_of(t.tensor) == DEVICE
     cb = make_progress(progress, rank())
     try:
         return execute(ld.plan, io_threads=io_threads, staging_bytes=staging_bytes,
-                       progress=cb, verify=ld.manifest, io=io)
+                       progress=cb, verify=ld.manifest, io=io, staged=staged)
     finally:
         if hasattr(cb, "close"):
             cb.close()
@@ -374,6 +401,7 @@ def _read(ld: _Load, io_threads, staging_bytes, progress, io):
 def _fill_report(report: Report, parts, ld: _Load, executed, alloc, shadows) -> None:
     targets = [t for p in parts for t in p.targets]
     report.bytes_allocated = alloc.nbytes
+    report.bytes_by_memory = alloc.bytes_by_memory()
     report.bytes_transient = sum(s.untyped_storage().nbytes() for _l, s, _f in shadows)
     report.num_targets = len(targets)
     report.warnings = [w for p in parts for w in p.warnings]

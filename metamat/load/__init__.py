@@ -83,7 +83,8 @@ def _subplan(plan: LoadPlan, keep: Sequence[int]) -> LoadPlan:
 def execute(plan: LoadPlan, *, io_threads: Optional[int] = None,
             staging_bytes: int = 256 << 20,
             progress: Optional[Callable[[int, int], None]] = None,
-            verify=None, staged: bool = False, io: str = "auto") -> Executed:
+            verify=None, staged: Union[bool, Callable[[Target], bool]] = False,
+            io: str = "auto") -> Executed:
     """Run a validated plan whose targets hold allocated tensors, on any devices.
 
     Host destinations are read in place (:mod:`.execute`); device ones go through the
@@ -97,7 +98,8 @@ def execute(plan: LoadPlan, *, io_threads: Optional[int] = None,
         staging_bytes: host memory budget for bounce and staging buffers.
         progress: ``progress(bytes_done, bytes_total)`` between batches.
         verify: None or a checksum ``Manifest`` (:func:`resolve_manifest`).
-        staged: send host destinations through the staging ring too (tests).
+        staged: send host destinations through the staging ring too: True for all of them
+            (tests), or a predicate choosing targets (the emulated CUDA device's device memory).
         io: ``"auto"`` (large reads not in the page cache stream through it and are dropped
             behind; see :data:`~metamat.load.execute.IO_MODES`), ``"buffered"``, ``"direct"``.
 
@@ -113,9 +115,14 @@ def execute(plan: LoadPlan, *, io_threads: Optional[int] = None,
         return execute_plan_remote(plan, staging_bytes=int(staging_bytes), progress=progress,
                                    verify=verify)
     threads = default_io_threads() if io_threads is None else io_threads
-    on_device = [i for i, t in enumerate(plan.targets) if staged or t.tensor.device.type != "cpu"]
-    on_host = [i for i, t in enumerate(plan.targets)
-               if not (staged or t.tensor.device.type != "cpu")]
+    def ring(t: Target) -> bool:
+        if t.tensor.device.type != "cpu":
+            return True
+        return staged(t) if callable(staged) else bool(staged)
+
+    through_ring = [ring(t) for t in plan.targets]
+    on_device = [i for i, r in enumerate(through_ring) if r]
+    on_host = [i for i, r in enumerate(through_ring) if not r]
     out = Executed()
     total = plan.src_bytes
     done = 0

@@ -87,7 +87,7 @@ class ModulesPart:
         return (fill_support(self.storages, self.targets, alloc)
                 + fill_values(self.entries, self.decisions, self.resets, seed))
 
-    def register(self, alloc: Allocation) -> int:
+    def register(self, alloc: Allocation, loaded: bool = False) -> int:
         n = register(self.entries, alloc)
         if self.aliases is not None:
             self.aliases.swap(alloc)
@@ -99,8 +99,10 @@ class ModulesPart:
                 if not e.is_param and id(e) in self.decisions}
 
 
-def find_parts(model: nn.Module, device: torch.device, init: Mapping, *, loading: bool) -> list:
+def find_parts(model: nn.Module, device: torch.device, init: Mapping, *, loading: bool,
+               emulated: bool = False) -> list:
     """The adapters for ``model``: TorchRec's sharded modules (if any) and ordinary modules.
+    ``emulated``: ``device`` is the CPU standing in for a CUDA device (:mod:`metamat.emulation`).
 
     Raises:
         UnsupportedError: (and subclasses) anything an adapter cannot handle, before
@@ -116,6 +118,6 @@ def find_parts(model: nn.Module, device: torch.device, init: Mapping, *, loading
     parts: list = []
     if skip:
         parts.append(TorchRecPart(model, device, init, claimed=modules.claimed(),
-                                  loading=loading, sharded=sharded))
+                                  loading=loading, sharded=sharded, emulated=emulated))
     parts.append(modules)
     return parts

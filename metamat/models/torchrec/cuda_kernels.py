@@ -31,7 +31,7 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 from .compat import UnsupportedError
 
 __all__ = ["CUDA_KERNELS", "check_cuda_plan", "cache_sets_for", "cuda_fused_kernels",
-           "register_meta_flush"]
+           "cuda_dense_kernels", "register_meta_flush"]
 
 # TorchRec compute kernel (``EmbeddingComputeKernel.value``) -> fbgemm EmbeddingLocation name,
 # as torchrec.distributed.utils.compute_kernel_to_embedding_location maps them.
@@ -40,6 +40,9 @@ CUDA_KERNELS = {
     "fused_uvm": "MANAGED",
     "fused_uvm_caching": "MANAGED_CACHING",
 }
+# Kernels built as fbgemm's DenseTableBatchedEmbeddingBagsCodegen in device memory (the DENSE
+# kernel, and data-parallel tables, whose kernel is DENSE too).
+DENSE_KERNELS = ("dense",)
 
 
 def _kernel_name(kernel: Any) -> str:
@@ -54,14 +57,14 @@ def check_cuda_plan(plan: Any) -> None:
         items = module_plan.items() if hasattr(module_plan, "items") else []
         for table, ps in items:
             kernel = _kernel_name(getattr(ps, "compute_kernel", None))
-            if kernel not in CUDA_KERNELS:
+            if kernel not in CUDA_KERNELS and kernel not in DENSE_KERNELS:
                 where = f"{path}.{table}" if path else table
                 bad.append(f"{where} ({getattr(ps, 'sharding_type', '?')}, kernel {kernel!r})")
     if bad:
         raise UnsupportedError(
-            "shard_on_meta with a CUDA compute device handles fbgemm's fused kernels only "
-            f"(compute kernels {', '.join(sorted(CUDA_KERNELS))}); not supported: "
-            + "; ".join(bad)
+            "shard_on_meta with a CUDA compute device handles fbgemm's fused and dense kernels "
+            f"(compute kernels {', '.join(sorted(CUDA_KERNELS) + list(DENSE_KERNELS))}); "
+            "not supported: " + "; ".join(bad)
         )
 
 
@@ -213,3 +216,41 @@ def cuda_fused_kernels(device_index: Optional[int] = None) -> Iterator[List[Dict
         bek.SplitTableBatchedEmbeddingBagsCodegen = real_tbe
         for w, init in saved:
             w.__init__ = init
+
+
+@contextlib.contextmanager
+def cuda_dense_kernels() -> Iterator[None]:
+    """While active, TorchRec's dense TBEs (the DENSE kernel, data-parallel tables) are built
+    for a CUDA compute device, on meta.
+
+    TorchRec builds fbgemm's ``DenseTableBatchedEmbeddingBagsCodegen`` with ``use_cpu=False``
+    on a GPU host, and fbgemm then allocates it for real on the current GPU. Here it is built
+    with ``use_cpu=True`` (its layout, offsets and dims, does not depend on the device; its
+    floating tensors go to meta), then its integer metadata moves to meta remembering its
+    values, and it becomes a CUDA module: ``use_cpu=False`` and ``current_device`` meta, which
+    ``materialize`` sets to the device."""
+    import torch
+    import torchrec.distributed.batched_embedding_kernel as bek
+
+    from .meta_factories import meta_with_value
+
+    real = bek.DenseTableBatchedEmbeddingBagsCodegen
+
+    def dense_for_cuda(*args: Any, **kwargs: Any):
+        kwargs["use_cpu"] = True
+        if "use_mtia" in kwargs:
+            kwargs["use_mtia"] = False
+        tbe = real(*args, **kwargs)
+        for name, buf in list(tbe._buffers.items()):
+            # fbgemm keeps feature_dims on the CPU on every device
+            if buf is not None and buf.device.type != "meta" and name != "feature_dims":
+                tbe._buffers[name] = meta_with_value(buf)
+        tbe.use_cpu = False
+        tbe.current_device = torch.device("meta")
+        return tbe
+
+    bek.DenseTableBatchedEmbeddingBagsCodegen = dense_for_cuda
+    try:
+        yield
+    finally:
+        bek.DenseTableBatchedEmbeddingBagsCodegen = real

@@ -46,11 +46,16 @@ __all__ = [
 
 # fbgemm EmbeddingLocation name -> the buffer suffix its rows live in (split_embedding_weights)
 STORAGE_OF = {"DEVICE": "dev", "MANAGED": "uvm", "MANAGED_CACHING": "uvm", "HOST": "host"}
-# fbgemm optimizers whose state metamat lays out: name -> (states, rowwise)
+# fbgemm optimizers whose state metamat lays out: name -> ((state, rowwise), ...), as fbgemm's
+# constructor splits them (momentum2 of the partial-rowwise optimizers is one value per row)
 _OPTIMIZERS = {
-    "EXACT_SGD": ((), False),
-    "EXACT_ROWWISE_ADAGRAD": (("momentum1",), True),
-    "EXACT_ADAGRAD": (("momentum1",), False),
+    "EXACT_SGD": (),
+    "EXACT_ROWWISE_ADAGRAD": (("momentum1", True),),
+    "EXACT_ADAGRAD": (("momentum1", False),),
+    "ADAM": (("momentum1", False), ("momentum2", False)),
+    "PARTIAL_ROWWISE_ADAM": (("momentum1", False), ("momentum2", True)),
+    "LAMB": (("momentum1", False), ("momentum2", False)),
+    "PARTIAL_ROWWISE_LAMB": (("momentum1", False), ("momentum2", True)),
 }
 
 
@@ -102,6 +107,7 @@ class TBELayout:
     cache: Optional[CacheLayout]
     uvm_host_mapped: bool
     table_names: List[str]
+    cache_dtype: torch.dtype = torch.float32  # of lxu_cache_weights (cache_precision)
 
     def splits(self) -> List[Split]:
         return [self.weights, *self.states.values()]
@@ -198,8 +204,7 @@ def tbe_layout(emb: torch.nn.Module, table_names: Optional[Sequence[str]] = None
     weights = split_state(rows, dims, locations, rowwise=False, cacheable=True,
                           dtype=emb.weights_dev.dtype)
     states: Dict[str, Split] = {}
-    names, rowwise = _OPTIMIZERS[optimizer]
-    for prefix in names:
+    for prefix, rowwise in _OPTIMIZERS[optimizer]:
         have = [_loc_name(p) for p in getattr(emb, f"{prefix}_physical_placements")]
         dtype = getattr(emb, f"{prefix}_dev").dtype
         s = split_state(rows, dims, locations, rowwise=rowwise, cacheable=False, prefix=prefix,
@@ -238,7 +243,7 @@ def tbe_layout(emb: torch.nn.Module, table_names: Optional[Sequence[str]] = None
     names_out = list(table_names) if table_names is not None else \
         list(getattr(emb, "table_names", None) or [f"table-{i}" for i in range(len(rows))])
     return TBELayout(rows, dims, locations, ftm, weights, states, cache,
-                     bool(getattr(emb, "uvm_host_mapped", False)), names_out)
+                     bool(getattr(emb, "uvm_host_mapped", False)), names_out, cw.dtype)
 
 
 def initial_values(layout: TBELayout) -> Dict[str, torch.Tensor]:
@@ -266,7 +271,7 @@ def initial_values(layout: TBELayout) -> Dict[str, torch.Tensor]:
         for name in ("cache_hash_size_cumsum", "cache_index_table_map", "lxu_cache_state",
                      "lxu_state"):
             out[name] = torch.zeros(1, dtype=torch.int64)
-        out["lxu_cache_weights"] = torch.zeros(0, 0, dtype=torch.float32)
+        out["lxu_cache_weights"] = torch.zeros(0, 0, dtype=layout.cache_dtype)
     else:
         out["cache_hash_size_cumsum"] = torch.tensor(c.cache_hash_size_cumsum, dtype=torch.int64)
         out["cache_index_table_map"] = torch.tensor(c.cache_index_table_map, dtype=torch.int32)

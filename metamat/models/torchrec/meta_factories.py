@@ -54,7 +54,8 @@ import torch
 
 from .tbe import FACTORIES, floating_factory_call
 
-__all__ = ["LIKE", "MetaFactories", "RECORDED", "recorded_value", "uvm_factory_on_meta"]
+__all__ = ["LIKE", "MetaFactories", "RECORDED", "meta_with_value", "recorded_value",
+           "uvm_factory_on_meta"]
 
 _META = torch.device("meta")
 # Factories whose small meta results remember their value (see the module docstring).
@@ -65,6 +66,11 @@ RECORDED = (torch.tensor, torch.as_tensor, torch.arange)
 # know its metadata (walk._known_values).
 LIKE = (torch.zeros_like, torch.ones_like, torch.full_like)
 _RECORD_MAX_NUMEL = 1 << 20
+# Small floating tensors of a constant other than zero are metadata too (fbgemm's max_counter
+# = ones(1)): recorded even when sent to meta. Tables and optimizer state are larger, and
+# zeros need no record (an unrecorded floating storage is zeroed).
+_CONSTANT = (torch.ones, torch.full)
+_CONSTANT_MAX_NUMEL = 64
 _UVM_NAMES = ("new_unified_tensor", "new_managed_tensor", "new_host_mapped_tensor",
               "new_managed_tensor_meta")
 
@@ -252,11 +258,11 @@ class MetaFactories:
             redirected = True
         out = func(*args, **kwargs)
         if (
-            not redirected
-            and type(out) is torch.Tensor
+            type(out) is torch.Tensor
             and out.device.type == "meta"
             and 0 < out.numel() <= _RECORD_MAX_NUMEL
-            and (func in RECORDED or not out.is_floating_point())
+            and (not redirected and (func in RECORDED or not out.is_floating_point())
+                 or func in _CONSTANT and out.numel() <= _CONSTANT_MAX_NUMEL)
         ):
             try:
                 out._metamat_value = func(*args, **dict(kwargs, device="cpu"))
@@ -264,6 +270,14 @@ class MetaFactories:
             except Exception:  # noqa: BLE001 - value unknown; materialize reports it
                 pass
         return out
+
+
+def meta_with_value(t: torch.Tensor) -> torch.Tensor:
+    """A meta tensor like real tensor ``t`` that remembers ``t``'s value (``recorded_value``)."""
+    out = torch.empty_like(t, device=_META)
+    out._metamat_value = t.detach().to("cpu", copy=True)
+    out._metamat_version = out._version
+    return out
 
 
 def recorded_value(t: Any) -> Optional[torch.Tensor]:

@@ -47,10 +47,10 @@ class TorchRecPart:
     kind = "torchrec"
 
     def __init__(self, model: nn.Module, device: torch.device, init, *, claimed: Set[int],
-                 loading: bool, sharded: Optional[list] = None) -> None:
+                 loading: bool, sharded: Optional[list] = None, emulated: bool = False) -> None:
         self.model = model
         self.plan = build_plan(model, device, init, claimed=claimed, loading=loading,
-                               sharded=sharded)
+                               sharded=sharded, emulated=emulated)
         self.targets: List[Target] = self.plan.targets
         self.storages = list(self.plan.storages.values())
         self.warnings: List[str] = list(self.plan.warnings)
@@ -96,14 +96,44 @@ class TorchRecPart:
         # real targets (plan.refill) get plan-invariant values in place too.
         todo = [tg for tg in self.targets if id(tg) not in loaded
                 and (alloc.key_of(tg.tensor) is not None or id(tg) in self.plan.refill)]
-        return written + fill_targets(needs_write(todo, alloc), seed)
+        return written + fill_targets(needs_write(todo, alloc), seed, alloc)
+
+    def _live_caches(self) -> list:
+        """fbgemm TBEs of a live (already real) model whose LXU cache holds rows."""
+        return [t.emb for t in self.plan.cuda_tbes
+                if not t.emb.lxu_cache_weights.is_meta and t.emb.lxu_cache_weights.numel()]
+
+    def before_read(self) -> None:
+        """Write the LXU caches of a live model's UVM-caching tables back to their rows before
+        the checkpoint's bytes arrive: fbgemm's cache is write-back, so rows trained in the
+        cache alone would be lost by the reset after the load (:meth:`register`). The model's
+        values do not change (cache and rows agree after it)."""
+        with torch.no_grad():
+            for emb in self._live_caches():
+                emb.flush()
 
     def after_load(self) -> None:
         """Store averaged row-wise optimizer state (after the read)."""
         if self.optim is not None:
             finish_means(self.optim.means)
 
-    def register(self, alloc: Allocation) -> int:
-        """Swap every twin in everywhere, fix devices, rebuild DDPs."""
+    def register(self, alloc: Allocation, loaded: bool = False) -> int:
+        """Swap every twin in everywhere, fix devices, rebuild DDPs; after a load into a live
+        model, empty its LXU caches (the rows they hold are the old values: the next forward
+        must fetch the loaded rows, and no flush may write the old ones over them)."""
         register(self.model, self.plan, alloc)
+        if loaded:
+            for emb in self._live_caches():
+                reset_cache(emb)
         return len(self.plan.graph.meta_tensors())
+
+
+def reset_cache(emb: nn.Module) -> None:
+    """Empty fbgemm TBE ``emb``'s LXU cache without writing it back, as fbgemm's constructor
+    leaves it (``reset_cache_states`` and the prefetch state of ``_apply_cache_state``)."""
+    with torch.no_grad():
+        emb.reset_cache_states()
+    emb.timesteps_prefetched = []
+    emb.lxu_cache_locations_list = []
+    if hasattr(emb, "lxu_cache_locations_empty"):
+        emb.lxu_cache_locations = emb.lxu_cache_locations_empty

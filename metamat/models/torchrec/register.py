@@ -22,14 +22,40 @@ __all__ = ["register"]
 _META = torch.device("meta")
 
 
-def _fix_devices(plan: Plan, device: torch.device) -> None:
+def _rank_devices(model: Any, plan: Plan):
+    """rank -> the device its shards live on, for shard placements (``rank:N/cuda:M``): this
+    rank's is ``plan.device``; another rank's on a CUDA device is what the sharding plan said
+    (``shard_on_meta`` kept it), else ``cuda:(rank % local world size)`` as TorchRec plans it.
+    On the CPU (or the emulated device) every rank's is ``plan.device``."""
+    device = plan.device
+    if device.type != "cuda":
+        return lambda rank: device
+    import torch.distributed as dist
+
+    me = dist.get_rank() if dist.is_initialized() else 0
+    recorded = getattr(model, "_metamat_rank_devices", None) or {}
+    from torchrec.distributed.comm import get_local_size
+
+    local = max(1, get_local_size(dist.get_world_size() if dist.is_initialized() else 1))
+
+    def of(rank):
+        if rank is None or rank == me:
+            return device
+        return recorded.get(rank) or torch.device("cuda", rank % local)
+    return of
+
+
+def _fix_devices(model: Any, plan: Plan, device: torch.device) -> None:
     """Meta devices in attributes (``_remote_device`` placements of shard metadata, modules'
-    and TBEs' ``device``) name the real device; the scan listed every such attribute."""
+    and TBEs' ``device``) name the real device (a placement: its rank's); the scan listed
+    every such attribute."""
+    of_rank = _rank_devices(model, plan)
     for holder, key in plan.graph.device_refs:
         d = holder.__dict__
         v = d.get(key)
         if isinstance(v, torch.device) and v.type == "meta":
-            d[key] = device
+            rank = d.get("_rank") if key == "_device" and "_worker_name" in d else None
+            d[key] = of_rank(rank) if rank is not None else device
         elif isinstance(v, str) and v == "meta" and key in ("device", "_device"):
             d[key] = device
 
@@ -49,8 +75,8 @@ def _rebuild_ddps(plan: Plan) -> None:
             continue
         kwargs = dict(obj.metamat_kwargs)
         kwargs["init_sync"] = False  # values are identical on all ranks by construction
-        if kwargs.get("device_ids") and plan.device.type != "cuda":
-            kwargs["device_ids"] = None
+        # TorchRec gives its lookups' DDPs the device when it is a GPU (None on meta)
+        kwargs["device_ids"] = [plan.device] if plan.device.type == "cuda" else None
         new = DistributedDataParallel(obj.module, **kwargs)
         for slot in plan.graph.slots.get(id(obj), []):
             slot.set(new)
@@ -88,7 +114,7 @@ def register(model: Any, plan: Plan, alloc: Allocation) -> None:
             if isinstance(holder, torch.Tensor) and id(holder) in twins:
                 continue  # the twin already carries a mapped copy of this attribute
             slot.set(new)
-    _fix_devices(plan, plan.device)
+    _fix_devices(model, plan, plan.device)
     _fix_process_groups(plan)
     _rebuild_ddps(plan)
     if getattr(model, "_metamat_defer_ddp", False) and hasattr(model, "init_data_parallel"):

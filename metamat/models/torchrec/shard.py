@@ -59,9 +59,10 @@ class MetaDDP(DistributedDataParallel):
 _DDP_USERS = ("torchrec.distributed.embeddingbag", "torchrec.distributed.embedding")
 
 
-def _plan_to_meta(plan: Any) -> Any:
+def _plan_to_meta(plan: Any, rank_devices: Optional[Dict[int, torch.device]] = None) -> Any:
     """Return a copy of a ShardingPlan whose shard placements name the meta device (the
-    caller's plan is left as it was)."""
+    caller's plan is left as it was). ``rank_devices`` receives each rank's device as the
+    plan placed it (CUDA placements only), for the placements ``materialize`` restores."""
     from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
 
     # Copy only what changes (the plan objects down to each shard's placement): a deep copy
@@ -86,6 +87,10 @@ def _plan_to_meta(plan: Any) -> Any:
                 else:
                     placement = copy.copy(placement)
                 if placement is not None:
+                    dev = placement.device()
+                    if rank_devices is not None and placement.rank() is not None and \
+                            dev is not None and dev.type == "cuda":
+                        rank_devices.setdefault(placement.rank(), dev)
                     placement._device = _META
                     sm.placement = placement
     return plan
@@ -133,6 +138,19 @@ def _default_plan(module: nn.Module, env: Any, sharders: Optional[List[Any]],
     pg = getattr(env, "process_group", None)
     return planner.collective_plan(module, sharders, pg) if pg is not None \
         else planner.plan(module, sharders)
+
+
+def _this_ranks_gpu(device: torch.device) -> torch.device:
+    """``cuda`` without an index is this rank's GPU: ``cuda:LOCAL_RANK`` under torchrun (when
+    that GPU exists), else the current CUDA device; without a visible GPU it stays ``cuda``."""
+    import os
+
+    if device.index is not None or not torch.cuda.is_available():
+        return device
+    local = os.environ.get("LOCAL_RANK")
+    if local is not None and local.isdigit() and int(local) < torch.cuda.device_count():
+        return torch.device("cuda", int(local))
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def shard_on_meta(
@@ -186,6 +204,8 @@ def shard_on_meta(
             raise RuntimeError("shard_on_meta: no env given and no default process group")
         env = ShardingEnv.from_process_group(dist.group.WORLD)
     cuda_layout = compute_device is not None and torch.device(compute_device).type == "cuda"
+    if cuda_layout:
+        compute_device = _this_ranks_gpu(torch.device(compute_device))
     if plan is None:
         if compute_device is None:
             compute_device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -195,7 +215,8 @@ def shard_on_meta(
         from .cuda_kernels import check_cuda_plan
 
         check_cuda_plan(plan)
-    plan = _plan_to_meta(plan)
+    rank_devices: Dict[int, torch.device] = {}
+    plan = _plan_to_meta(plan, rank_devices)
     import importlib
 
     ddp_users = [importlib.import_module(name) for name in _DDP_USERS]
@@ -208,15 +229,13 @@ def shard_on_meta(
         with contextlib.ExitStack() as stack:
             records = None
             if cuda_layout:
-                from .cuda_kernels import cuda_fused_kernels, register_meta_flush
+                from .cuda_kernels import (cuda_dense_kernels, cuda_fused_kernels,
+                                           register_meta_flush)
 
                 register_meta_flush()
 
-                records = stack.enter_context(
-                    cuda_fused_kernels(torch.device(compute_device).index
-                                       if torch.device(compute_device).index is not None
-                                       else (torch.cuda.current_device()
-                                             if torch.cuda.is_available() else None)))
+                records = stack.enter_context(cuda_fused_kernels(compute_device.index))
+                stack.enter_context(cuda_dense_kernels())
             else:
                 # the CPU layout, data-parallel tables included, also on a GPU host
                 stack.enter_context(host_dense_kernels())
@@ -245,6 +264,7 @@ def shard_on_meta(
     dmp._metamat_defer_ddp = True
     if cuda_layout:
         # The layout is fbgemm's CUDA one: materialize must put it on a CUDA device.
-        dmp._metamat_compute_device = torch.device(compute_device)
+        dmp._metamat_compute_device = compute_device
         dmp._metamat_cuda_tbes = records
+        dmp._metamat_rank_devices = rank_devices
     return dmp

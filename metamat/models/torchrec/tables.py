@@ -4,15 +4,20 @@
 * tables whose ``init_fn`` is not a known distribution (or an ``init=`` callable/tensor):
   the callable on each local shard, seeded per block;
 * zero state whose storage was born zero needs no write at all.
+
+On a CUDA device, blocks in device memory are written by one kernel launch per device; blocks
+in fbgemm's unified memory (UVM tables) by the CPU engine through their host alias, where the
+bytes live. On the emulated device (:mod:`metamat.emulation`) the device-memory blocks go
+through the kernel's host emulation.
 """
 from __future__ import annotations
 
-from typing import List
+from typing import List, Optional
 
 import torch
 
-from ...allocate import Allocation, is_zero_dist
-from ...init import fill_many_
+from ...allocate import DEVICE, Allocation, is_zero_dist
+from ...init import fill_many_, fill_many_emulated_
 from ...plan import Target
 from ..module_values import module_seed
 
@@ -23,10 +28,11 @@ def _as_2d(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(1) if t.dim() == 0 else t
 
 
-def fill_targets(targets: List[Target], seed: int) -> int:
+def fill_targets(targets: List[Target], seed: int, alloc: Optional[Allocation] = None) -> int:
     """Initialise table/optimizer-state targets: the fused engine for distributions, the
-    callable (seeded per block) otherwise. Returns bytes written."""
-    items, written = [], 0
+    callable (seeded per block) otherwise. ``alloc``: where unified memory has its host
+    alias (module docstring). Returns bytes written."""
+    items, emulated, written = [], [], 0
     with torch.no_grad():
         for tg in targets:
             if tg.init_fn is not None:
@@ -39,10 +45,16 @@ def fill_targets(targets: List[Target], seed: int) -> int:
                 written += tg.nbytes
             else:
                 off = tuple(tg.offsets) + (0, 0)
-                items.append((_as_2d(tg.tensor), tg.dist, tg.key, int(off[0]), int(off[1])))
+                t = tg.tensor if alloc is None else alloc.host_view(tg.tensor)
+                device_memory = alloc is not None and alloc.emulated and \
+                    alloc.memory_of(t) == DEVICE
+                (emulated if device_memory else items).append(
+                    (_as_2d(t), tg.dist, tg.key, int(off[0]), int(off[1])))
         if items:
             fill_many_(items, seed=seed)
-            written += sum(t.numel() * t.element_size() for t, *_ in items)
+        if emulated:
+            fill_many_emulated_(emulated, seed=seed)
+        written += sum(t.numel() * t.element_size() for t, *_ in items + emulated)
     return written
 
 

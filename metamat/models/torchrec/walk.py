@@ -44,6 +44,8 @@ class TorchRecPlan:
     refill: Set[int] = dataclasses.field(default_factory=set)  # ids of real targets to refill
     names: Set[str] = dataclasses.field(default_factory=set)  # every state_dict key, any rank
     optim_names: Set[str] = dataclasses.field(default_factory=set)  # every optimizer state path
+    cuda_tbes: list = dataclasses.field(default_factory=list)  # cuda_plan.CudaTBE, CUDA layout
+    emulated: bool = False  # device is the CPU standing in for a CUDA device
 
     @property
     def nbytes(self) -> int:
@@ -132,6 +134,29 @@ def _wrappers(sm: nn.Module) -> List[nn.Module]:
                     f"(supported: {', '.join(c.__name__ for c in supported)})"
                 )
             out.append(w)
+    return out
+
+
+def _laid_out_for(model: nn.Module, sharded: List[Tuple[str, nn.Module]]) -> Optional[torch.device]:
+    """The CUDA device a model's TBEs are laid out for (``shard_on_meta(compute_device=
+    "cuda")``, or an eager DMP built on a GPU), else None (fbgemm's CPU layout)."""
+    dev = getattr(model, "_metamat_compute_device", None)
+    if dev is not None or not sharded:
+        return dev
+    for _, w in _named_wrappers(sharded):
+        specs = getattr(getattr(w, "_emb_module", None), "embedding_specs", None) or []
+        if any(len(s) > 3 and getattr(s[3], "name", "") == "CUDA" for s in specs):
+            return torch.device("cuda")
+    return None
+
+
+def _named_wrappers(sharded: List[Tuple[str, nn.Module]]) -> List[Tuple[str, nn.Module]]:
+    """(readable path, kernel wrapper) of every sharded module's lookups."""
+    out = []
+    for name, sm in sharded:
+        for i, lookup in enumerate(sm._lookups):
+            for j, w in enumerate(getattr(_unwrap(lookup), "_emb_modules", [])):
+                out.append((f"{name or '<root>'}._lookups[{i}]._emb_modules[{j}]", w))
     return out
 
 
@@ -287,26 +312,35 @@ def _extent(t: torch.Tensor) -> int:
     return (last + 1) * t.element_size()
 
 
+def _put_value(values: Dict[int, torch.Tensor], old: torch.Tensor, new: torch.Tensor,
+               device: torch.device) -> None:
+    """Record ``new`` as the content of ``old``'s storage when ``old`` is the whole storage."""
+    if not old.is_meta or old.numel() == 0:
+        return
+    if old.storage_offset() != 0 or not old.is_contiguous() or \
+            old.untyped_storage().nbytes() != old.numel() * old.element_size():
+        return  # a view into a bigger storage: not plain metadata
+    values[storage_key(old)] = new.to(device)
+
+
 def _known_values(meta: List[torch.Tensor], sharded: List[Tuple[str, nn.Module]],
-                  device: torch.device) -> Dict[int, torch.Tensor]:
+                  device: torch.device, skip: Set[int] = frozenset()) -> Dict[int, torch.Tensor]:
     """storage key -> real tensor with the storage's content, for metadata we can produce.
     ``meta``: the meta tensors whose recorded values count; only a contiguous tensor at
-    offset 0 of its storage can give one (the caller may pass just those)."""
+    offset 0 of its storage can give one (the caller may pass just those). ``skip``: ids of
+    wrappers whose TBE metadata the caller gives (the CUDA layout's)."""
     from .tbe import rebuild_tbe_metadata
     from .values import torchrec_known_values
 
     values: Dict[int, torch.Tensor] = {}
 
     def put(old: torch.Tensor, new: torch.Tensor) -> None:
-        if not old.is_meta or old.numel() == 0:
-            return
-        if old.storage_offset() != 0 or not old.is_contiguous() or \
-                old.untyped_storage().nbytes() != old.numel() * old.element_size():
-            return  # a view into a bigger storage: not plain metadata
-        values[storage_key(old)] = new.to(device)
+        _put_value(values, old, new, device)
 
     for _, sm in sharded:
         for w in _wrappers(sm):
+            if id(w) in skip:
+                continue
             own = _own_tensors(w._emb_module)
             if not any(_value_unknown(t) for t in own.values()):
                 continue  # shard_on_meta recorded every value (~9 µs per table saved)
@@ -338,7 +372,8 @@ def _own_tensors(m: nn.Module) -> Dict[str, torch.Tensor]:
 
 def build_plan(model: nn.Module, device: torch.device, init=None, *, claimed=frozenset(),
                loading: bool = False,
-               sharded: Optional[List[Tuple[str, nn.Module]]] = None) -> TorchRecPlan:
+               sharded: Optional[List[Tuple[str, nn.Module]]] = None,
+               emulated: bool = False) -> TorchRecPlan:
     """Validate ``model``'s sharded modules and plan their materialization on ``device``.
     Allocates no model memory (TBE metadata is rebuilt on ``device`` with floating storages
     kept on meta).
@@ -350,10 +385,13 @@ def build_plan(model: nn.Module, device: torch.device, init=None, *, claimed=fro
         claimed: keys of meta storages another adapter owns (ordinary modules' tensors).
         loading: a checkpoint will be loaded: real blocks become targets too.
         sharded: ``sharded_modules(root_of(model))`` when the caller has it already.
+        emulated: ``device`` is the CPU standing in for a CUDA device
+            (:mod:`metamat.emulation`).
 
     Raises:
         UnsupportedError: unsupported versions, kernels, module types, or a meta tensor
-            whose value cannot be determined.
+            whose value cannot be determined; a layout for another device.
+        DeviceMemoryError: the tables do not fit in the GPU's free memory.
     """
     if _uses_torchrec():
         check_versions()
@@ -361,22 +399,21 @@ def build_plan(model: nn.Module, device: torch.device, init=None, *, claimed=fro
     graph = scan(model)
     if sharded is None:
         sharded = sharded_modules(root)
-    laid_out_for = getattr(model, "_metamat_compute_device", None)
-    if sharded and laid_out_for is not None:
-        # shard_on_meta(compute_device="cuda"): fbgemm's CUDA layout (weights_dev/uvm, LXU
-        # cache). Its allocation and fill pieces are in cuda_layout; materialize does not
-        # drive them yet (docs/TORCHREC_GPU.md), and the CPU kernels cannot use this layout.
+    laid_out_for = _laid_out_for(model, sharded)
+    cuda = bool(sharded) and laid_out_for is not None
+    if cuda and device.type != "cuda" and not emulated:
         raise UnsupportedError(
             f"this model's TorchRec tables are laid out for {laid_out_for} (shard_on_meta "
-            f"with compute_device={str(laid_out_for)!r}); materializing them on {device} is not "
-            "supported yet"
+            f"with compute_device={str(laid_out_for)!r}); materialize them on a CUDA device "
+            f"(device='cuda'), not on {device}"
         )
-    if sharded and device.type != "cpu":
+    if sharded and not cuda and (device.type != "cpu" or emulated):
         # A TBE sharded on meta was laid out for fbgemm's CPU kernels (HOST placement);
         # moving that layout to another device would give wrong lookups.
         raise UnsupportedError(
-            f"materializing TorchRec embedding kernels on {device} is not supported yet "
-            "(tables sharded on meta use fbgemm's CPU layout); pass device='cpu'"
+            f"this model's TorchRec tables are laid out for fbgemm's CPU kernels; materialize "
+            f"it with device='cpu' (for GPUs shard it with metamat.shard_on_meta(..., "
+            f"compute_device='cuda'))"
         )
     warnings: List[str] = []
     refill: Set[int] = set()
@@ -425,7 +462,15 @@ def build_plan(model: nn.Module, device: torch.device, init=None, *, claimed=fro
             extent = _extent(t)
         if extent > g.nbytes:
             g.nbytes = extent
-    values = _known_values(starts, sharded, device)
+    tbes = []
+    if cuda:
+        from ...emulation import free_device_memory
+        from .cuda_plan import check_device_memory, cuda_tbes, plan_cuda_storages
+
+        tbes = cuda_tbes(_named_wrappers(sharded))
+    values = _known_values(starts, sharded, device, skip={id(t.wrapper) for t in tbes})
+    if cuda:
+        plan_cuda_storages(tbes, storages, lambda old, new: _put_value(values, old, new, device))
     for tg in targets:
         if not tg.tensor.is_meta:
             continue  # a real block: loaded (or a DATA_PARALLEL table DMP built, refilled)
@@ -440,6 +485,9 @@ def build_plan(model: nn.Module, device: torch.device, init=None, *, claimed=fro
         g = storages.get(k)
         if g is not None and g.kind == "zeros":
             g.kind, g.value = "values", v
+    if cuda:
+        check_device_memory(list(storages.values()), tbes, device,
+                            free_device_memory(device, emulated))
     for g in storages.values():
         if g.kind != "zeros" or g.nbytes == 0:
             continue
@@ -451,4 +499,4 @@ def build_plan(model: nn.Module, device: torch.device, init=None, *, claimed=fro
                 "build the model with metamat.shard_on_meta"
             )
     return TorchRecPlan(device, graph, targets, storages, warnings, sharded, refill, names,
-                        optim_names)
+                        optim_names, cuda_tbes=tbes, emulated=emulated)
