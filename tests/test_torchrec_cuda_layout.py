@@ -60,6 +60,9 @@ CASES = [
     dict(optimizer="EXACT_ADAGRAD"),
     dict(optimizer="EXACT_ADAGRAD", uvm_non_rowwise_momentum=True),
     dict(optimizer="EXACT_SGD"),
+    dict(optimizer="ADAM"),
+    dict(optimizer="PARTIAL_ROWWISE_ADAM"),
+    dict(optimizer="LAMB", uvm_non_rowwise_momentum=True),
     dict(locs=("DEVICE", "MANAGED"), ftm=(0, 1, 1, 0)),  # no cached table
     dict(locs=("MANAGED_CACHING",) * 3, ftm=(2, 0, 1, 0)),
     dict(locs=("DEVICE",) * 4, ftm=(0, 1, 2, 3)),
@@ -121,7 +124,7 @@ def test_cache_sets_formula():
     assert cache_sets_for([10**6, 0, 10**6], [8, 8, 16], locs, 0.5, 4, free_memory=4096) == 2
 
 
-@pytest.mark.parametrize("case", [dict(optimizer="ADAM"), dict(weights_precision="INT8")])
+@pytest.mark.parametrize("case", [dict(optimizer="LARS_SGD"), dict(weights_precision="INT8")])
 def test_unsupported_tbe_refused(case):
     from fbgemm_gpu.split_embedding_configs import SparseType
 
@@ -292,8 +295,8 @@ def worker_refused(rank, world_size, what):
 
     mpar.DistributedModelParallel = Spy
     kernels = dict(KERNELS)
-    if what == "dense":
-        kernels["t3"] = ("tw", "dense")
+    if what == "key_value":
+        kernels["t3"] = ("tw", "key_value")
     module, sharder, plan, _ = _model_and_plan(kernels)
     if what == "version":
         torchrec.__version__ = "1.5.0"
@@ -308,7 +311,7 @@ def worker_refused(rank, world_size, what):
     return msg, built, params_meta
 
 
-@pytest.mark.parametrize("what,match", [("dense", "t3 .*kernel 'dense'"),
+@pytest.mark.parametrize("what,match", [("key_value", "t3 .*kernel 'key_value'"),
                                         ("version", "torchrec 1.5.0 is not supported")])
 def test_refused_before_anything_is_built(what, match):
     import re
@@ -362,10 +365,14 @@ def worker_materialize_refused(rank, world_size):
     try:
         metamat.materialize(dmp, device="cpu", seed=SEED)
     except UnsupportedError as e:
-        return str(e)
-    return None
+        msg = str(e)
+    else:
+        msg = None
+    still_meta = all(t.is_meta for t in dmp.parameters())
+    return msg, still_meta
 
 
-def test_materialize_of_cuda_layout_is_refused_for_now():
-    msg = run_dist(worker_materialize_refused, 1)[0]
-    assert msg is not None and "laid out for cuda" in msg, msg
+def test_materialize_of_cuda_layout_on_the_cpu_is_refused():
+    msg, still_meta = run_dist(worker_materialize_refused, 1)[0]
+    assert msg is not None and "laid out for cuda" in msg and "device='cuda'" in msg, msg
+    assert still_meta

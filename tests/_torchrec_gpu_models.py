@@ -1,0 +1,163 @@
+"""Models for the TorchRec-on-GPU tests: the same tables sharded for fbgemm's CUDA layout
+(``shard_on_meta(compute_device="cuda")``) or for its CPU layout, on any world size.
+
+A *layout* maps each table to (sharding, compute kernel): sharding ``tw``, ``rw``, ``cw``,
+``twrw``, ``dp``; kernel ``fused`` (DEVICE), ``fused_uvm`` (MANAGED), ``fused_uvm_caching``
+(MANAGED_CACHING) or ``dense`` (data-parallel tables). :func:`cpu_layout` gives the same
+tables on the CPU kernels, whose materialize is the reference (values are plan-invariant).
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+Layout = Dict[str, Tuple[str, str]]
+
+# every location and every sharding type of an EmbeddingBagCollection in one model
+MIXED: Layout = {"t0": ("tw", "fused"), "t1": ("rw", "fused_uvm"),
+                 "t2": ("cw", "fused_uvm_caching"), "t3": ("twrw", "fused"),
+                 "t4": ("dp", "dense"), "t5": ("rw", "fused_uvm_caching"),
+                 "t6": ("tw", "fused_uvm")}
+# EmbeddingCollection: TorchRec shards it table-, row- and column-wise
+MIXED_EC: Layout = {"t0": ("tw", "fused"), "t1": ("rw", "fused_uvm"),
+                    "t2": ("cw", "fused_uvm_caching")}
+
+
+def cpu_layout(layout: Layout) -> Layout:
+    """The same shardings on fbgemm's CPU kernels (UVM kernels become ``fused``)."""
+    return {t: (s, "dense" if k == "dense" else "fused") for t, (s, k) in layout.items()}
+
+
+def rows_of(i: int) -> int:
+    return 40 + 7 * i
+
+
+def dim_of(i: int) -> int:
+    return 16 if i % 2 == 0 else 8  # column-wise over 2 ranks: 8 columns a shard
+
+
+def _sharding(kind: str, world_size: int):
+    from torchrec.distributed.sharding_plan import (column_wise, data_parallel, row_wise,
+                                                    table_row_wise, table_wise)
+
+    return {"tw": lambda: table_wise(rank=world_size - 1), "rw": row_wise,
+            "cw": lambda: column_wise(ranks=list(range(world_size)) if world_size > 1
+                                      else [0, 0]),
+            "twrw": lambda: table_row_wise(host_index=0), "dp": data_parallel}[kind]()
+
+
+def fused_params(optimizer: str = "EXACT_ROWWISE_ADAGRAD", **extra) -> dict:
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+
+    return {"optimizer": EmbOptimType[optimizer], "learning_rate": 0.05, **extra}
+
+
+def build(kind: str, layout: Layout, world_size: int, *, data_type: Optional[str] = None,
+          optimizer: str = "EXACT_ROWWISE_ADAGRAD", device_type: str = "cuda",
+          extra: Optional[dict] = None, device=torch.device("meta")):
+    """(module, sharder, ShardingPlan, tables) for ``kind`` in ebc, ec, fpebc, dlrm; the
+    plan names ``device_type`` placements and each table's kernel from ``layout``."""
+    from torchrec import (EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection,
+                          EmbeddingConfig)
+    from torchrec.distributed.embedding import EmbeddingCollectionSharder
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan
+    from torchrec.distributed.types import ShardingPlan
+    from torchrec.modules.embedding_configs import DataType
+
+    dt = {"data_type": DataType[data_type]} if data_type else {}
+    names = sorted(layout)
+    fp = fused_params(optimizer, **(extra or {}))
+    path = ""
+    if kind == "ec":
+        tables = [EmbeddingConfig(name=n, embedding_dim=8, num_embeddings=rows_of(i),
+                                  feature_names=[f"f{i}"], **dt) for i, n in enumerate(names)]
+        module = plan_module = EmbeddingCollection(tables=tables, device=device)
+        sharder = EmbeddingCollectionSharder(fused_params=fp)
+    else:
+        tables = [EmbeddingBagConfig(name=n, embedding_dim=16 if kind == "dlrm" else dim_of(i),
+                                     num_embeddings=rows_of(i),
+                                     feature_names=[f"f{i}"], **dt)
+                  for i, n in enumerate(names)]
+        module = plan_module = EmbeddingBagCollection(tables=tables, device=device,
+                                                      is_weighted=kind == "fpebc")
+        sharder = EmbeddingBagCollectionSharder(fused_params=fp)
+        if kind == "fpebc":
+            from torchrec.distributed.fp_embeddingbag import (
+                FeatureProcessedEmbeddingBagCollectionSharder)
+            from torchrec.modules.feature_processor_ import PositionWeightedModuleCollection
+            from torchrec.modules.fp_embedding_modules import (
+                FeatureProcessedEmbeddingBagCollection)
+
+            proc = PositionWeightedModuleCollection(
+                max_feature_lengths={f"f{i}": 4 for i in range(len(names))}, device=device)
+            module = FeatureProcessedEmbeddingBagCollection(plan_module, proc)
+            plan_module = module
+            sharder = FeatureProcessedEmbeddingBagCollectionSharder(sharder)
+        elif kind == "dlrm":
+            from torchrec.models.dlrm import DLRM
+
+            module = DLRM(embedding_bag_collection=plan_module, dense_in_features=4,
+                          dense_arch_layer_sizes=[16, 16], over_arch_layer_sizes=[16, 1],
+                          dense_device=device)
+            path = "sparse_arch.embedding_bag_collection"
+    mp = construct_module_sharding_plan(
+        plan_module, {t: _sharding(s, world_size) for t, (s, _) in layout.items()},
+        local_size=world_size, world_size=world_size, device_type=device_type, sharder=sharder)
+    for t, ps in mp.items():
+        ps.compute_kernel = layout[t][1]
+    return module, sharder, ShardingPlan({path: mp}), tables
+
+
+def batch(num_features: int, seed: int, rows: int = 40, size: int = 4, device="cpu"):
+    from torchrec import KeyedJaggedTensor
+
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(0, 3, (num_features * size,), generator=g)
+    values = torch.randint(0, rows, (int(lengths.sum()),), generator=g)
+    return KeyedJaggedTensor.from_lengths_sync(
+        keys=[f"f{i}" for i in range(num_features)], values=values, lengths=lengths).to(device)
+
+
+def local_blocks(state_dict) -> Dict[str, List[Tuple[Tuple[int, ...], torch.Tensor]]]:
+    """{key: [(offsets, CPU clone)]} of a state dict's local blocks (ShardedTensors, plain)."""
+    out = {}
+    for k, v in state_dict.items():
+        if hasattr(v, "local_shards"):
+            out[k] = [(tuple(s.metadata.shard_offsets), s.tensor.detach().cpu().clone())
+                      for s in v.local_shards()]
+        elif isinstance(v, torch.Tensor):
+            out[k] = [(tuple(0 for _ in v.shape), v.detach().cpu().clone())]
+    return out
+
+
+def optimizer_blocks(model) -> Dict[str, list]:
+    flat = {}
+    for pfqn, states in model.fused_optimizer.state_dict()["state"].items():
+        for name, v in states.items():
+            if isinstance(v, torch.Tensor):
+                flat[f"state.{pfqn}.{name}"] = v
+    return local_blocks(flat)
+
+
+def assemble(per_rank: List[Dict[str, list]], key: str, shape, dtype=torch.float32):
+    """The global tensor from every rank's blocks (NaN where no rank wrote)."""
+    full = torch.full(shape, float("nan"), dtype=dtype)
+    for blocks in per_rank:
+        for off, t in blocks.get(key, []):
+            full[tuple(slice(o, o + s) for o, s in zip(off, t.shape))] = t
+    return full
+
+
+def wrappers(model):
+    """Every TorchRec kernel wrapper (BatchedFused/DenseEmbedding[Bag]) of the model."""
+    from torchrec.distributed.embedding import ShardedEmbeddingCollection
+    from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
+
+    out = []
+    for m in model.modules():
+        if isinstance(m, (ShardedEmbeddingBagCollection, ShardedEmbeddingCollection)):
+            for lookup in m._lookups:
+                out.extend(getattr(lookup, "module", lookup)._emb_modules)
+    return out
