@@ -288,11 +288,34 @@ struct Walk {
   TypeFacts facts[256];
   TypeFacts& facts_of(PyTypeObject* type) {
     TypeFacts& f = facts[(uint64_t(uintptr_t(type)) * 0x9E3779B97F4A7C15ull) >> 56];
-    if (f.type != type) f = TypeFacts{type};
+    if (f.type != type) {
+      hold(types_held, (PyObject*)type);  // facts of a type freed mid-walk: another's
+      f = TypeFacts{type};
+    }
     return f;
   }
   PtrMap<char> searched;      // metadata objects (and their containers) searched
-  std::vector<PyObject*> held;  // for_items' snapshots of exact dicts (strong references)
+  std::vector<PyObject*> held;  // snapshots of dict items (strong references, stack-wise)
+
+  // Objects the walk keeps alive until it ends: the types whose facts it caches (the maps
+  // and `facts` are keyed by address, and the Python a walk may run can free a type and make
+  // another at its address), and the metadata objects `searched` names (likewise). A walk
+  // may call back into Python (kind_of, a __dict__ or slot descriptor, a subclass's items()
+  // or __iter__): it holds a strong reference to everything it reads after such a call.
+  PtrMap<char> types_held_set;
+  struct Held {
+    std::vector<PyObject*> objs;
+    ~Held() {
+      for (PyObject* o : objs) Py_DECREF(o);
+    }
+  } types_held, searched_held;
+  void hold(Held& h, PyObject* o) {
+    if (&h == &types_held && !types_held_set.insert(o)) return;
+    if (h.objs.size() == h.objs.capacity())  // no throw between the incref and the push
+      h.objs.reserve(2 * h.objs.size() + 64);
+    Py_INCREF(o);
+    h.objs.push_back(o);
+  }
 
   bool is_container(PyObject* o) {
     return PyDict_Check(o) || PyList_Check(o) || PyTuple_Check(o) || is_set(o);
@@ -306,11 +329,14 @@ struct Walk {
   // graph._holds_nothing: a container whose every element (and key) is a leaf.
   bool holds_nothing(PyObject* o) {
     if (PyDict_Check(o)) {
-      Py_ssize_t pos = 0;
-      PyObject *k, *v;
-      while (PyDict_Next(o, &pos, &k, &v))
-        if (kind(k) || kind(v)) return false;
-      return true;
+      // kind() may run Python (kind_of: isinstance reads a `__class__` that can be a
+      // property) that empties the dict and frees its items: read a snapshot, as
+      // graph._holds_nothing does (list(container.items()))
+      bool leaves = true;
+      for_items(o, [&](PyObject* k, PyObject* v) {
+        if (leaves && (kind(k) || kind(v))) leaves = false;
+      });
+      return leaves;
     }
     if (PyTuple_CheckExact(o) || PyList_CheckExact(o)) {  // read in place, no copy
       // (kind() may run Python for a new type: the list's size is read again each step
@@ -341,39 +367,40 @@ struct Walk {
   bool is_tensor_slow(PyObject* o) {
     bool found;
     char& known = tensor_types.get(Py_TYPE(o), &found);
-    if (found) return known;
-    const int r = PyObject_IsInstance(o, tensor);
-    if (r < 0) throw py::error_already_set();
-    // looked up again: any get() on a map may grow it and move the slot `known` named
-    char& slot = tensor_types.get(Py_TYPE(o), &found);
-    slot = r != 0;
-    return r != 0;
+    if (!found) known = subtype(Py_TYPE(o), tensor);
+    return known;
+  }
+  // Whether `type` is `cls` (a type) or a subclass of one of `cls` (a tuple of types): the
+  // MRO only. isinstance would also ask the object's `__class__`, which may be a property
+  // that runs code or claims to be torch.Tensor (graph.py's `_is`).
+  static bool subtype(PyTypeObject* type, PyObject* cls) {
+    if (PyTuple_Check(cls)) {
+      for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(cls); ++i)
+        if (subtype(type, PyTuple_GET_ITEM(cls, i))) return true;
+      return false;
+    }
+    return PyType_Check(cls) && PyType_IsSubtype(type, (PyTypeObject*)cls);
   }
 
-  // isinstance(o, hook_owners), decided once per type
+  // isinstance(o, hook_owners) by type (see subtype), decided once per type
   bool owns_hooks(PyObject* o) {
-    const int8_t fact = facts_of(Py_TYPE(o)).hooks;
-    if (fact >= 0) return fact;
-    const int r = PyObject_IsInstance(o, hook_owners);
-    if (r < 0) throw py::error_already_set();
-    facts_of(Py_TYPE(o)).hooks = int8_t(r != 0);  // again: isinstance may have run Python
-    return r != 0;
+    TypeFacts& f = facts_of(Py_TYPE(o));
+    if (f.hooks < 0) f.hooks = subtype(Py_TYPE(o), hook_owners);
+    return f.hooks;
   }
-  // isinstance(o, later_types), decided once per type
+  // isinstance(o, later_types) by type, decided once per type
   bool walked_later(PyObject* o) {
-    const int8_t fact = facts_of(Py_TYPE(o)).later;
-    if (fact >= 0) return fact;
-    const int r = PyTuple_GET_SIZE(later_types) ? PyObject_IsInstance(o, later_types) : 0;
-    if (r < 0) throw py::error_already_set();
-    facts_of(Py_TYPE(o)).later = int8_t(r != 0);  // again: isinstance may have run Python
-    return r != 0;
+    TypeFacts& f = facts_of(Py_TYPE(o));
+    if (f.later < 0) f.later = subtype(Py_TYPE(o), later_types);
+    return f.later;
   }
   // The fields of a metadata object's type that hold no device (offsets, sizes, a worker's
-  // rank...): left unread by the search, or nullptr (a frozenset, borrowed).
-  PyObject* skipped_fields(PyObject* obj) {
+  // rank...): left unread by the search, or None (a frozenset, held: the visits may run
+  // Python that changes graph._METADATA_SKIP).
+  py::object skipped_fields(PyObject* obj) {
     PyObject* s = PyDict_GetItemWithError(metadata_skip, (PyObject*)Py_TYPE(obj));
     if (!s && PyErr_Occurred()) throw py::error_already_set();
-    return s;
+    return py::reinterpret_borrow<py::object>(s ? s : Py_None);
   }
   bool contains(PyObject* set, PyObject* key) {
     const int r = PySet_Contains(set, key);
@@ -433,7 +460,10 @@ struct Walk {
       // may yield other items than it stores: searched as the Python walk does.)
       const bool plain_leaves = k == 1 && (PyList_CheckExact(child) || PyTuple_CheckExact(child))
           && holds_nothing(child);
-      if (searched.insert(child) && !plain_leaves) children(child, true);
+      if (searched.insert(child)) {
+        hold(searched_held, child);  // its address stays its own until the walk ends
+        if (!plain_leaves) children(child, true);
+      }
       return;
     }
     if (k == 1 && is_container(child) && holds_nothing(child)) return;  // not recorded
@@ -484,8 +514,16 @@ struct Walk {
     py::object items = py::reinterpret_steal<py::object>(PyMapping_Items(d));  // d.items()
     if (!items) throw py::error_already_set();
     for (Py_ssize_t i = 0, n = PyList_GET_SIZE(items.ptr()); i < n; ++i) {
-      PyObject* kv = PyList_GET_ITEM(items.ptr(), i);
-      if (!skip(PyTuple_GET_ITEM(kv, 0))) f(PyTuple_GET_ITEM(kv, 0), PyTuple_GET_ITEM(kv, 1));
+      // `for k, v in list(d.items())`: a subclass's items() may give anything
+      py::object kv = py::reinterpret_steal<py::object>(
+          PySequence_Tuple(PyList_GET_ITEM(items.ptr(), i)));
+      if (!kv) throw py::error_already_set();
+      if (PyTuple_GET_SIZE(kv.ptr()) != 2)
+        throw py::value_error("scan_graph: items() of a " + std::string(Py_TYPE(d)->tp_name) +
+                              " gave " + std::to_string(PyTuple_GET_SIZE(kv.ptr())) +
+                              " values to unpack (expected 2)");
+      if (!skip(PyTuple_GET_ITEM(kv.ptr(), 0)))
+        f(PyTuple_GET_ITEM(kv.ptr(), 0), PyTuple_GET_ITEM(kv.ptr(), 1));
     }
   }
 
@@ -538,7 +576,8 @@ struct Walk {
       }
       if (d && PyDict_Check(d.ptr())) {
         const bool hooks = owns_hooks(obj);
-        PyObject* skip = in_metadata ? skipped_fields(obj) : nullptr;
+        const py::object skip_set = in_metadata ? skipped_fields(obj) : py::none();
+        PyObject* skip = skip_set.is_none() ? nullptr : skip_set.ptr();
         for_items(d.ptr(), [&](PyObject* k, PyObject* v) { visit(obj, kAttr, k, v, in_metadata); },
                   [&](PyObject* k) {
                     return (hooks && PyUnicode_CheckExact(k) && is_hook_attr(k)) ||
@@ -547,17 +586,21 @@ struct Walk {
       }
     }
     PyObject* type = (PyObject*)Py_TYPE(obj);
-    PyObject* names = PyDict_GetItemWithError(names_of.ptr(), type);  // borrowed
+    py::object names = py::reinterpret_borrow<py::object>(
+        PyDict_GetItemWithError(names_of.ptr(), type));  // held: the visits may run Python
     if (!names) {
       if (PyErr_Occurred()) throw py::error_already_set();
       py::object r = py::reinterpret_steal<py::object>(PyObject_CallOneArg(slot_names, obj));
-      if (!r || !PyTuple_Check(r.ptr())) throw py::error_already_set();
+      if (!r) throw py::error_already_set();
+      if (!PyTuple_Check(r.ptr())) throw py::type_error("scan_graph: slot_names gave no tuple");
       names_of[py::handle(type)] = r;
-      names = r.ptr();
+      names = r;
     }
-    PyObject* skip = in_metadata && PyTuple_GET_SIZE(names) ? skipped_fields(obj) : nullptr;
-    for (Py_ssize_t i = 0, n = PyTuple_GET_SIZE(names); i < n; ++i) {
-      PyObject* name = PyTuple_GET_ITEM(names, i);
+    const py::object skip_set = in_metadata && PyTuple_GET_SIZE(names.ptr())
+        ? skipped_fields(obj) : py::none();
+    PyObject* skip = skip_set.is_none() ? nullptr : skip_set.ptr();
+    for (Py_ssize_t i = 0, n = PyTuple_GET_SIZE(names.ptr()); i < n; ++i) {
+      PyObject* name = PyTuple_GET_ITEM(names.ptr(), i);
       if (skip && contains(skip, name)) continue;
       py::object v = py::reinterpret_steal<py::object>(PyObject_GenericGetAttr(obj, name));
       if (!v) {  // object.__getattribute__ raised: an empty slot is skipped

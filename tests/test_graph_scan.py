@@ -401,3 +401,37 @@ def test_a_materialized_model_is_freed(world1_env):
     del dmp
     gc.collect()
     assert ref() is None
+
+
+def test_hostile_objects_neither_crash_the_walk_nor_part_it_from_its_specification():
+    """tests/hostile_objects.py in a child with PYTHONMALLOC=malloc (a read of freed memory
+    crashes there at once): a dict key whose ``__class__`` empties its dict made the C walk
+    read the freed value (rc -11), a dict subclass whose ``items()`` gives no pairs made it
+    read a tuple that was none; an object whose ``__class__`` says dict or torch.Tensor was one
+    to the Python walk. Now the C walk holds what it reads and both go by types."""
+    import subprocess
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    r = subprocess.run([sys.executable, os.path.join(here, "hostile_objects.py")],
+                       capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, PYTHONMALLOC="malloc"))
+    assert r.returncode == 0, (r.returncode, r.stdout[-3000:], r.stderr[-3000:])
+    assert " 0 failures" in r.stdout and "key_empties_leaf_dict" in r.stdout
+
+
+def test_an_object_claiming_to_be_a_tensor_is_not_one():
+    """``__class__`` returning torch.Tensor fooled isinstance: the walk listed the object as a
+    tensor and materialize failed with a raw AttributeError ('is_meta'). Types decide."""
+    import metamat
+
+    from hostile_objects import ClaimsTensor
+
+    m = nn.Module()
+    m.lin = nn.Linear(3, 2, device="meta")
+    m.fake = [ClaimsTensor(), {"k": ClaimsTensor()}]
+    for walk in (scan, scan_reference):
+        g = walk(m)
+        assert all(type(t) is not ClaimsTensor for t in g._tensors)
+        assert len(g.meta_tensors()) == 2
+    metamat.materialize(m, seed=0, device="cpu")
+    assert not m.lin.weight.is_meta and type(m.fake[0]) is ClaimsTensor

@@ -165,17 +165,27 @@ def slot_names(obj: Any) -> Tuple[str, ...]:
     if names is None:
         names = _SLOT_NAMES[cls] = tuple(
             name for c in cls.__mro__ for name in
-            ((c.__dict__.get("__slots__", ()),) if isinstance(c.__dict__.get("__slots__"), str)
+            ((c.__dict__.get("__slots__", ()),) if _is(c.__dict__.get("__slots__"), str)
              else c.__dict__.get("__slots__", ()))
-            if isinstance(name, str) and name not in ("__dict__", "__weakref__"))
+            if _is(name, str) and name not in ("__dict__", "__weakref__"))
     return names
 
 
+def _is(obj: Any, types_: Any) -> bool:
+    """``isinstance(obj, types_)`` by the object's type alone. isinstance also asks the
+    object's ``__class__``, which may be a property: code that runs in the middle of the walk
+    (and may free what it holds: the C walk holds what it reads), or a claim to be
+    ``torch.Tensor`` that the object's attributes do not back. The walk goes by types."""
+    return issubclass(type(obj), types_)
+
+
 def _walkable_object(obj: Any) -> bool:
-    if isinstance(obj, (nn.Module, torch.optim.Optimizer)):
+    cls = type(obj)
+    if issubclass(cls, (nn.Module, torch.optim.Optimizer)):
         return True
-    mod = type(obj).__module__ or ""
-    return mod.split(".")[0] in _WALK_MODULE_PREFIXES or dataclasses.is_dataclass(obj)
+    mod = cls.__module__ or ""
+    return (isinstance(mod, str) and mod.split(".")[0] in _WALK_MODULE_PREFIXES) \
+        or dataclasses.is_dataclass(cls)
 
 
 # type -> 0: not recorded (leaf), 1: recorded and walked (a container of leaves only is
@@ -190,7 +200,7 @@ def _kind_of(obj: Any) -> int:
     k = _KIND.get(cls)
     if k is None:
         name = f"{cls.__module__}.{cls.__qualname__}"
-        if isinstance(obj, _LEAF_TYPES) or cls.__name__ in _UNWALKED_TYPES \
+        if issubclass(cls, _LEAF_TYPES) or cls.__name__ in _UNWALKED_TYPES \
                 or _leaf_dataclass(cls, name):
             k = 0
         elif name in _METADATA_TYPES:
@@ -199,7 +209,7 @@ def _kind_of(obj: Any) -> int:
                 _METADATA_SKIP[cls] = _METADATA_LEAF_FIELDS[name]
         elif cls is torch.Tensor:
             k = 2
-        elif isinstance(obj, (torch.Tensor,) + _CONTAINERS) or _walkable_object(obj):
+        elif issubclass(cls, (torch.Tensor,) + _CONTAINERS) or _walkable_object(obj):
             k = 1  # tensor subclasses too: wrapper tensors (ShardedTensor) and slices alike
         else:
             k = 0
@@ -216,9 +226,10 @@ def _leaf_dataclass(cls: type, name: str) -> bool:
 def _holds_nothing(container: Any) -> bool:
     """A container whose every element (and key) is a leaf: nothing in it can be swapped
     (``feature_names``, ``ranks``, empty buffer dicts: ~25 per table of a sharded model)."""
-    items = list(container.items()) if isinstance(container, dict) else container
+    is_dict = _is(container, dict)
+    items = [(k, v) for k, v in list(container.items())] if is_dict else container
     for item in items:
-        for v in (item if isinstance(container, dict) else (item,)):
+        for v in (item if is_dict else (item,)):
             k = _KIND.get(type(v))
             if k is None:
                 k = _kind_of(v)
@@ -230,27 +241,27 @@ def _holds_nothing(container: Any) -> bool:
 def _children(obj: Any, skip: frozenset = frozenset()) -> Iterator[Tuple[str, Any, Any]]:
     """Yield (kind, key, child) for every reference held by ``obj`` (but its attributes and
     slots named in ``skip``)."""
-    if isinstance(obj, dict):
+    if _is(obj, dict):
         for k, v in list(obj.items()):
-            if isinstance(k, torch.Tensor):
+            if _is(k, torch.Tensor):
                 yield "dictkey", k, k
             yield "item", k, v
         return
-    if isinstance(obj, list):
+    if _is(obj, list):
         for i, v in enumerate(list(obj)):
             yield "item", i, v
         return
-    if isinstance(obj, tuple):
-        for i, v in enumerate(obj):
+    if _is(obj, tuple):
+        for i, v in enumerate(tuple(obj)):
             yield "tuple", i, v
         return
-    if isinstance(obj, (set, frozenset)):
-        for v in obj:
+    if _is(obj, (set, frozenset)):
+        for v in tuple(obj):
             yield "tuple", None, v
         return
     d = getattr(obj, "__dict__", None)
-    if isinstance(d, dict):
-        hooks = isinstance(obj, _HOOK_OWNERS)
+    if _is(d, dict):
+        hooks = _is(obj, _HOOK_OWNERS)
         for k, v in list(d.items()):
             if not (type(k) is str and (hooks and k in _HOOK_ATTRS or k in skip)):  # as in C
                 yield "attr", k, v
@@ -401,7 +412,7 @@ class Graph:
         return {i for i, v in self.slots.items() if any(s.kind == "tuple" for s in v)}
 
     def of_type(self, cls: type) -> List[Any]:
-        return [o for o in self.objects.values() if isinstance(o, cls)]
+        return [o for o in self.objects.values() if _is(o, cls)]
 
     def path(self, obj: Any) -> str:
         i = id(obj)
@@ -423,7 +434,7 @@ def _start(roots: Tuple[Any, ...]) -> Graph:
     g = Graph()
     for i, r in enumerate(roots):
         g.objects[id(r)] = r
-        if isinstance(r, torch.Tensor):
+        if _is(r, torch.Tensor):
             g._tensors.append(r)
         g._root_names[id(r)] = "<model>" if i == 0 else f"<root{i}>"
     return g
@@ -478,13 +489,13 @@ def scan_reference(root: Any, *extra_roots: Any) -> Graph:
                                    or type(child) is str and child == "meta"):
                 g.device_refs.append((obj, key))
             return
-        if k == 3 or (in_metadata and k == 1 and isinstance(child, _CONTAINERS)):
+        if k == 3 or (in_metadata and k == 1 and _is(child, _CONTAINERS)):
             if id(child) not in searched:  # metadata: devices only, now, not recorded
                 searched.add(id(child))
                 for ck, ckey, c in _children(child, _METADATA_SKIP.get(type(child), ())):
                     visit(child, ck, ckey, c, True)
             return
-        if k == 1 and isinstance(child, _CONTAINERS) and _holds_nothing(child):
+        if k == 1 and _is(child, _CONTAINERS) and _holds_nothing(child):
             return  # nothing in it to swap: not recorded
         cid = id(child)
         slots[cid].append(Slot(obj, kind, key))
@@ -493,9 +504,9 @@ def scan_reference(root: Any, *extra_roots: Any) -> Graph:
             if k == 2:
                 tensors.append(child)
             else:
-                if isinstance(child, torch.Tensor):
+                if _is(child, torch.Tensor):
                     tensors.append(child)
-                (later if later_types and isinstance(child, later_types) else queue).append(child)
+                (later if later_types and _is(child, later_types) else queue).append(child)
 
     head = nxt = 0
     while True:  # both queues grow while walked; `later` is read when `queue` has run empty
