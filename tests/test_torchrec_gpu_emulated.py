@@ -193,3 +193,214 @@ def test_init_equals_cpu_materialize_and_fbgemm(case, tmp_path):
     assert_same([r["roundtrip"] for r in ranks],
                 [{k: v for k, v in r["gpu"].items() if not k.startswith("state.")}
                  for r in ranks], f"{case} dcp round trip")
+
+
+# ------------------------------------------------------------------------------------------
+# Loads: another plan and other locations; device memory staged, UVM written in place
+# ------------------------------------------------------------------------------------------
+
+# saved by an eager CPU DMP (world 2); loaded into MIXED on the emulated GPU: RW->TW, TW->RW,
+# CW->CW, RW->TWRW, DP->DP, TW->RW (UVM caching), RW->TW (UVM)
+SAVED = {"t0": ("rw", "fused"), "t1": ("tw", "fused"), "t2": ("cw", "fused"),
+         "t3": ("rw", "fused"), "t4": ("dp", "dense"), "t5": ("tw", "fused"),
+         "t6": ("rw", "fused")}
+UVM_TABLES = {n for n, (_, k) in M.MIXED.items() if k.startswith("fused_uvm")}
+
+
+def _step(model, batch):
+    out = model(batch)
+    out = out.wait() if hasattr(out, "wait") else out
+    out = out.values() if hasattr(out, "values") and callable(out.values) else out
+    (out * out).sum().backward()
+
+
+def worker_load(rank, world_size, tmp):
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.types import ShardingEnv
+
+    import metamat
+    import metamat.load.staged as staged
+    from metamat.emulation import emulated_cuda
+
+    module, sharder, plan, _ = M.build("ebc", SAVED, world_size, device_type="cpu")
+    env = ShardingEnv.from_process_group(dist.group.WORLD)
+    eager = DistributedModelParallel(module, env, device=torch.device("cpu"), plan=plan,
+                                     sharders=[sharder])
+    _step(eager, M.batch(len(SAVED), seed=10 + rank))  # momentum != 0
+    path = os.path.join(tmp, "full")
+    dcp.save({"model": eager.state_dict(), "optim": eager.fused_optimizer.state_dict()},
+             checkpoint_id=path)
+    staged_fqns = []
+    real = staged.execute_plan_staged
+
+    def spy(plan, *a, **k):  # the real pipeline runs; only what went through it is noted
+        staged_fqns.extend(t.fqn for t in plan.targets)
+        return real(plan, *a, **k)
+
+    staged.execute_plan_staged = spy
+    module, sharder, plan, _ = M.build("ebc", M.MIXED, world_size)
+    gpu = metamat.shard_on_meta(module, plan=plan, sharders=[sharder], compute_device="cuda")
+    with emulated_cuda():
+        report = metamat.materialize(gpu, path)
+    staged.execute_plan_staged = real
+    return dict(saved=_state(eager), loaded=_state(gpu), staged=sorted(set(staged_fqns)),
+                initialized=report.initialized, memory=report.bytes_by_memory)
+
+
+@pytest.mark.multiprocess
+def test_load_other_plan_and_locations_world2(tmp_path):
+    ranks = run_dist(worker_load, 2, str(tmp_path))
+    saved, loaded = [r["saved"] for r in ranks], [r["loaded"] for r in ranks]
+    assert_same(saved, loaded, "load")  # tables, DP table, row-wise momentum: saved bits
+    assert all(r["initialized"] == [] for r in ranks)
+    staged = {k for r in ranks for k in r["staged"]}
+    table = {k.split(".")[-2] for k in staged if k.endswith(".weight")}
+    # device memory through the staging ring; UVM tables written from the host, in place
+    assert table == {"t0", "t3", "t4"} - set() and not table & UVM_TABLES, table
+    assert any(k.startswith("state.") for k in staged)  # row-wise momentum: device memory
+
+
+# ------------------------------------------------------------------------------------------
+# A live model's LXU cache: written back before a load, emptied after it
+# ------------------------------------------------------------------------------------------
+
+CACHED = {"t0": ("tw", "fused_uvm_caching"), "t1": ("tw", "fused_uvm_caching")}
+
+
+def _cached_tbe(model):
+    return next(w._emb_module for w in M.wrappers(model)
+                if w._emb_module.lxu_cache_weights.numel())
+
+
+def _warm_cache(emb, value: float):
+    """What training leaves in the cache: rows 0 and 3 of both tables cached, their cached
+    values newer than the rows in UVM. Returns {(table, row): cached row}."""
+    cumsum = emb.cache_hash_size_cumsum.tolist()
+    dims = (emb.D_offsets[1:] - emb.D_offsets[:-1]).tolist()
+    out, slot = {}, 0
+    with torch.no_grad():
+        for t in (0, 1):
+            for r in (0, 3):
+                emb.lxu_cache_state.view(-1)[slot] = cumsum[t] + r
+                row = torch.full((dims[t],), value + 10 * t + r)
+                emb.lxu_cache_weights[slot, :dims[t]] = row
+                out[(t, r)] = row
+                slot += 1
+    return out
+
+
+def worker_cache(rank, world_size, tmp):
+    import torch.distributed.checkpoint as dcp
+
+    import metamat
+    from metamat.emulation import emulated_cuda
+
+    # the checkpoint holds t0 only: t1 keeps its values, the trained rows in the cache included
+    module, sharder, plan, _ = M.build("ebc", M.cpu_layout(CACHED), 1, device_type="cpu")
+    cpu = metamat.shard_on_meta(module, plan=plan, sharders=[sharder])
+    metamat.materialize(cpu, device="cpu", seed=1)
+    t0 = {k: v for k, v in cpu.state_dict().items() if ".t0." in k}
+    path = os.path.join(tmp, "t0")
+    dcp.save(t0, checkpoint_id=path)
+    want_t0 = t0["embedding_bags.t0.weight"].local_shards()[0].tensor.clone()
+    module, sharder, plan, _ = M.build("ebc", CACHED, 1)
+    gpu = metamat.shard_on_meta(module, plan=plan, sharders=[sharder], compute_device="cuda")
+    out = {}
+    with emulated_cuda():
+        metamat.materialize(gpu, seed=2)
+        emb = _cached_tbe(gpu)
+        for mode in ("shadow", "inplace"):
+            t1_before = gpu.state_dict()["embedding_bags.t1.weight"].local_shards()[0] \
+                .tensor.clone()  # state_dict() writes the cache back: every row's value
+            emb.lxu_cache_state.fill_(-1)
+            cached = _warm_cache(emb, 100.0)
+            metamat.materialize(gpu, path, strict=False, inplace=mode == "inplace")
+            sd = gpu.state_dict()  # writes back whatever the cache still holds
+            got_t0 = sd["embedding_bags.t0.weight"].local_shards()[0].tensor
+            got_t1 = sd["embedding_bags.t1.weight"].local_shards()[0].tensor
+            want_t1 = t1_before.clone()
+            for (t, r), row in cached.items():
+                if t == 1:
+                    want_t1[r] = row  # trained in the cache only: kept
+            out[mode] = dict(empty=bool((emb.lxu_cache_state == -1).all()),
+                             t0=torch.equal(got_t0, want_t0), t1=torch.equal(got_t1, want_t1))
+        # a damaged checkpoint: named error, the model (cache included) as it was
+        import shutil
+
+        bad = os.path.join(tmp, "bad")
+        shutil.copytree(path, bad)
+        data = next(os.path.join(bad, f) for f in os.listdir(bad) if f.endswith(".distcp"))
+        os.truncate(data, os.path.getsize(data) // 2)
+        _warm_cache(emb, 500.0)
+        state, weights = emb.lxu_cache_state.clone(), emb.lxu_cache_weights.clone()
+        before = _state(gpu)
+        try:
+            metamat.materialize(gpu, bad, strict=False)
+        except metamat.CheckpointError as e:
+            out["bad"] = type(e).__name__
+        out["bad_unchanged"] = torch.equal(state, emb.lxu_cache_state) and torch.equal(
+            weights, emb.lxu_cache_weights) and all(
+            torch.equal(a, b) for k in before for (_, a), (_, b) in zip(before[k], _state(gpu)[k]))
+    return out
+
+
+def test_live_cache_written_back_before_and_emptied_after_a_load(tmp_path):
+    out = run_dist(worker_cache, 1, str(tmp_path))[0]
+    for mode in ("shadow", "inplace"):
+        assert out[mode] == dict(empty=True, t0=True, t1=True), (mode, out[mode])
+    assert out.get("bad") and out["bad_unchanged"], out
+
+
+# ------------------------------------------------------------------------------------------
+# Refusals: nothing allocated, the model as it was
+# ------------------------------------------------------------------------------------------
+
+def worker_refusals(rank, world_size):
+    import metamat
+    from metamat.emulation import emulated_cuda
+
+    out = {}
+    module, sharder, plan, _ = M.build("ebc", M.MIXED, 1)
+    gpu = metamat.shard_on_meta(module, plan=plan, sharders=[sharder], compute_device="cuda")
+    try:
+        with emulated_cuda(free_memory=4096):  # the caches alone take more
+            metamat.materialize(gpu, seed=1)
+    except metamat.DeviceMemoryError as e:
+        out["memory"] = str(e)
+    out["memory_meta"] = all(t.is_meta for t in gpu.parameters())
+    module, sharder, plan, _ = M.build("ebc", M.cpu_layout(M.MIXED), 1, device_type="cpu")
+    cpu = metamat.shard_on_meta(module, plan=plan, sharders=[sharder])
+    try:
+        with emulated_cuda():
+            metamat.materialize(cpu, device="cuda", seed=1)
+    except metamat.UnsupportedError as e:
+        out["layout"] = str(e)
+    out["layout_meta"] = all(t.is_meta for t in cpu.parameters())
+    return out
+
+
+def test_refused_before_allocating():
+    out = run_dist(worker_refusals, 1)[0]
+    assert "LXU caches" in out["memory"] and "cache_sets=" in out["memory"], out["memory"]
+    assert "nothing was allocated" in out["memory"] and out["memory_meta"]
+    assert "CPU kernels" in out["layout"] and "compute_device='cuda'" in out["layout"]
+    assert out["layout_meta"]
+
+
+def test_placements_name_each_ranks_gpu(monkeypatch):
+    """Shard placements of a CUDA model: this rank's GPU, another rank's as the sharding plan
+    placed it, else ``cuda:(rank % local world size)`` as TorchRec plans."""
+    from types import SimpleNamespace
+
+    from metamat.models.torchrec.register import rank_devices
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    plan = SimpleNamespace(device=torch.device("cuda", 2))
+    model = SimpleNamespace(_metamat_rank_devices={1: torch.device("cuda", 7)})
+    of = rank_devices(model, plan, me=2, world_size=8)
+    assert [str(of(r)) for r in (2, 1, 5, 0)] == ["cuda:2", "cuda:7", "cuda:1", "cuda:0"]
+    of_cpu = rank_devices(model, SimpleNamespace(device=torch.device("cpu")), me=0,
+                          world_size=8)
+    assert str(of_cpu(5)) == "cpu"

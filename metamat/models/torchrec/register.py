@@ -22,21 +22,18 @@ __all__ = ["register"]
 _META = torch.device("meta")
 
 
-def _rank_devices(model: Any, plan: Plan):
+def rank_devices(model: Any, plan: Plan, *, me: int, world_size: int):
     """rank -> the device its shards live on, for shard placements (``rank:N/cuda:M``): this
-    rank's is ``plan.device``; another rank's on a CUDA device is what the sharding plan said
-    (``shard_on_meta`` kept it), else ``cuda:(rank % local world size)`` as TorchRec plans it.
-    On the CPU (or the emulated device) every rank's is ``plan.device``."""
+    rank's (``me``) is ``plan.device``; another rank's on a CUDA device is what the sharding
+    plan said (``shard_on_meta`` kept it), else ``cuda:(rank % local world size)`` as TorchRec
+    plans it. On the CPU (or the emulated device) every rank's is ``plan.device``."""
     device = plan.device
     if device.type != "cuda":
         return lambda rank: device
-    import torch.distributed as dist
-
-    me = dist.get_rank() if dist.is_initialized() else 0
-    recorded = getattr(model, "_metamat_rank_devices", None) or {}
     from torchrec.distributed.comm import get_local_size
 
-    local = max(1, get_local_size(dist.get_world_size() if dist.is_initialized() else 1))
+    recorded = getattr(model, "_metamat_rank_devices", None) or {}
+    local = max(1, get_local_size(world_size))
 
     def of(rank):
         if rank is None or rank == me:
@@ -49,7 +46,11 @@ def _fix_devices(model: Any, plan: Plan, device: torch.device) -> None:
     """Meta devices in attributes (``_remote_device`` placements of shard metadata, modules'
     and TBEs' ``device``) name the real device (a placement: its rank's); the scan listed
     every such attribute."""
-    of_rank = _rank_devices(model, plan)
+    import torch.distributed as dist
+
+    on = dist.is_initialized()
+    of_rank = rank_devices(model, plan, me=dist.get_rank() if on else 0,
+                           world_size=dist.get_world_size() if on else 1)
     for holder, key in plan.graph.device_refs:
         d = holder.__dict__
         v = d.get(key)
