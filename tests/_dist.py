@@ -30,7 +30,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, outdir: str, fn: Callable, args: tuple) -> None:
+def _worker(rank: int, world_size: int, port: int, outdir: str, fn: Callable, args: tuple,
+            backend: str = "gloo") -> None:
     faulthandler.enable(all_threads=True)  # a native crash prints every thread's Python stack
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
@@ -40,7 +41,9 @@ def _worker(rank: int, world_size: int, port: int, outdir: str, fn: Callable, ar
     torch.set_num_threads(1)
     result: Any
     ok = True
-    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    if backend == "nccl":  # one GPU per rank
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, rank=rank, world_size=world_size)
     try:
         result = fn(rank, world_size, *args)
     except BaseException:  # noqa: BLE001 - shipped back to the parent, re-raised there
@@ -58,8 +61,9 @@ def _worker(rank: int, world_size: int, port: int, outdir: str, fn: Callable, ar
             dist.destroy_process_group()
 
 
-def run_dist(fn: Callable, world_size: int, *args: Any) -> List[Any]:
-    """Run ``fn(rank, world_size, *args)`` in ``world_size`` gloo processes.
+def run_dist(fn: Callable, world_size: int, *args: Any, backend: str = "gloo") -> List[Any]:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` gloo processes (``backend=
+    "nccl"``: NCCL, rank r on GPU r).
 
     Args:
         fn: a module-level (picklable) function.
@@ -76,7 +80,7 @@ def run_dist(fn: Callable, world_size: int, *args: Any) -> List[Any]:
         try:
             mp.start_processes(
                 _worker,
-                args=(world_size, free_port(), outdir, fn, args),
+                args=(world_size, free_port(), outdir, fn, args, backend),
                 nprocs=world_size,
                 join=True,
                 start_method="spawn",
