@@ -88,7 +88,7 @@ sanitize: setup
 	  -k "not fuzz" $(SAN_TESTS)
 
 # `make fuzz`: FUZZ_TIME seconds per harness (atheris: safetensors header, torch.save zip/pickle,
-# DCP chunk locator; libFuzzer: the C++ reader's op validation). Corpus and crash artifacts
+# DCP chunk locator, the object-graph walk; libFuzzer: the C++ reader's op validation). Corpus and crash artifacts
 # stay in build/fuzz; a crash stops the target with the reproducer's path printed.
 FUZZ_TIME ?= 300
 FUZZ_DIR  := build/fuzz
@@ -103,6 +103,10 @@ fuzz: build
 	for h in safetensors torch_save dcp; do \
 	  METAMAT_FUZZ_TMP=$(FUZZ_DIR)/tmp $(VPY) fuzz/fuzz_$$h.py -max_total_time=$(FUZZ_TIME) -timeout=20 -print_final_stats=1 \
 	    -artifact_prefix=$(FUZZ_DIR)/$$h- $(FUZZ_DIR)/corpus/$$h || exit 1; done
+	mkdir -p $(FUZZ_DIR)/corpus/graph  # the object-graph walk; malloc: a freed read crashes
+	METAMAT_FUZZ_TMP=$(FUZZ_DIR)/tmp PYTHONMALLOC=malloc $(VPY) fuzz/fuzz_graph.py \
+	  -max_total_time=$(FUZZ_TIME) -timeout=20 -print_final_stats=1 \
+	  -artifact_prefix=$(FUZZ_DIR)/graph- $(FUZZ_DIR)/corpus/graph
 ifneq ($(CLANGXX),)
 	$(CLANGXX) -std=c++17 -g -O1 -fsanitize=fuzzer,address,undefined \
 	  -fno-sanitize-recover=undefined -Icsrc fuzz/fuzz_read_ops.cpp $(FUZZ_IO_SRC) \

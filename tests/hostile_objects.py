@@ -18,9 +18,24 @@ import torch
 from torch import nn
 
 
+def meddling_type(name: str, action: Callable[[], object]) -> type:
+    """A fresh class whose metaclass runs ``action()`` whenever it is asked for an attribute it
+    lacks. ``_kind_of`` asks each new type whether it is a dataclass (``__dataclass_fields__``):
+    code that runs in the middle of the walk, from a type check (a metaclass ``__getattr__``,
+    as ORMs and proxies have). A fresh class per model: each walk meets it as new."""
+
+    class Meta(type):
+        def __getattr__(cls, attr):
+            if not attr.startswith("__") or attr == "__dataclass_fields__":
+                action()
+            raise AttributeError(attr)
+
+    return Meta(name, (), {"__hash__": lambda self: 1, "__eq__": lambda a, b: a is b})
+
+
 class EmptiesItsDict:
-    """A dict key whose ``__class__`` (read by ``isinstance``, e.g. in ``_kind_of``) empties
-    the dict it is a key of, freeing the value the walk was about to read."""
+    """A dict key whose ``__class__`` (read by ``isinstance``, as ``_kind_of`` did) empties the
+    dict it is a key of, freeing the value the walk was about to read."""
 
     def __init__(self, d: dict) -> None:
         self.d = d
@@ -102,7 +117,7 @@ class _Base(nn.Module):
         self.lin = nn.Linear(2, 2, device="meta")
 
 
-def case_key_empties_leaf_dict():
+def case_key_class_empties_leaf_dict():
     m = _Base()
     d: dict = {}
     d[EmptiesItsDict(d)] = bytes(range(50)) * 3  # a dict of leaves: "holds nothing" check
@@ -110,23 +125,47 @@ def case_key_empties_leaf_dict():
     return m
 
 
-def case_key_empties_walked_dict():
+def case_key_type_empties_leaf_dict():
     m = _Base()
     d: dict = {}
-    d[EmptiesItsDict(d)] = bytes(range(50)) * 3
+    d[meddling_type("Key", d.clear)()] = bytes(range(50)) * 3  # freed while the walk reads
+    m.d = d
+    return m
+
+
+def case_key_type_empties_walked_dict():
+    m = _Base()
+    d: dict = {}
+    d[meddling_type("Key", d.clear)()] = bytes(range(50)) * 3
     d["t"] = _meta()  # not leaves only: the walk reads every item
     d["u"] = [_meta(), b"x" * 100]
     m.d = d
     return m
 
 
+def case_value_type_empties_list():
+    m = _Base()
+    items: list = []
+    items += [meddling_type("V", items.clear)(), bytes(range(90)), _meta(), [_meta()]]
+    m.l = items
+    return m
+
+
 def case_value_deletes_attrs():
     m = _Base()
-    holder = type("Cfg", (), {})()
-    type(holder).__module__ = "metamat.fake"
-    holder.first = DeletesAttrs(holder)
+    holder = type("Cfg", (), {"__module__": "metamat.fake"})()
+    holder.first = meddling_type("V", holder.__dict__.clear)()
     holder.w = _meta()
     holder.blob = bytes(range(60)) * 2
+    m.cfg = holder
+    return m
+
+
+def case_value_class_deletes_attrs():
+    m = _Base()
+    holder = type("Cfg", (), {"__module__": "metamat.fake"})()
+    holder.first = DeletesAttrs(holder)
+    holder.w = _meta()
     m.cfg = holder
     return m
 
