@@ -5,6 +5,7 @@
     python bench/materialize.py --mode load --cold   # checkpoint loading, page cache dropped
     python bench/materialize.py --quick         # small sizes (the test suite runs this)
     python bench/materialize.py --mode load --storage s3   # from an S3 store (bench_s3.py)
+    python bench/materialize.py --mode dmp --device cuda   # TorchRec tables on the GPU
 """
 from __future__ import annotations
 
@@ -47,11 +48,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="directory for results.csv and throughput.png")
     p.add_argument("--storage", choices=("local", "s3"), default="local",
                    help="load: read the checkpoint from local files or an S3 store (moto)")
+    p.add_argument("--small-tables", type=int, default=2048,
+                   help="dmp --device cuda: the many-small-tables case's table count")
+    p.add_argument("--emulate", action="store_true",
+                   help="dmp/load --device cuda: run the GPU TorchRec benches on the emulated "
+                        "device (a smoke test without a GPU; its numbers mean nothing)")
     p.add_argument("--sweep", type=int, default=16,
                    help="with --out: also run init at size/sweep .. size (x4 steps) for the plot")
     a = p.parse_args(argv)
     if a.quick:
         a.size_gib, a.reps = min(a.size_gib, 1 / 16), min(a.reps, 3)
+        a.small_tables = min(a.small_tables, 64)
     return a
 
 
@@ -60,7 +67,7 @@ def main(argv=None) -> int:
     quiet()  # third-party warnings and TorchRec's per-table log lines (bench processes only)
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = getattr(torch, a.dtype)
-    print(env_header(device))
+    print(env_header(torch.device("cpu") if a.emulate else device))
     rows = []
     modes = MODES if a.mode == "all" else (a.mode,)
     for mode in modes:
@@ -72,12 +79,18 @@ def main(argv=None) -> int:
             for gib in sizes:
                 rows += run_init(int(gib * 2**30), a.reps, device, dtype, detail=gib == a.size_gib,
                                  kernels=a.kernels or a.mode == "init")
+        elif mode == "dmp" and device.type == "cuda":
+            from bench_torchrec_gpu import run_dmp_cuda
+            rows += run_dmp_cuda(a, device, emulate=a.emulate)
         elif mode == "dmp":
             from bench_dmp import run_dmp
             rows += run_dmp(a, device)
         elif mode == "load" and a.storage == "s3":
             from bench_s3 import run_s3
             rows += run_s3(a, device)
+        elif mode == "load" and device.type == "cuda":
+            from bench_torchrec_gpu import run_load_cuda
+            rows += run_load_cuda(a, device, emulate=a.emulate)
         elif mode == "load":
             from bench_load import run_load
             rows += run_load(a, device)

@@ -70,3 +70,25 @@ def test_bench_load_cold_quick(tmp_path):
         for t in (1, 2, 4, 8):
             assert f"metamat io={io} {t} thr/rank" in names
     assert all(float(row["gbps"]) > 0 for row in rows)
+
+
+@pytest.mark.parametrize("mode", ["dmp", "load"])
+def test_bench_torchrec_gpu_runs_on_the_emulated_device(mode, tmp_path):
+    """--device cuda (TorchRec tables on the GPU) as a smoke test on the emulated device, so
+    a GPU machine's few minutes are not spent on a broken bench."""
+    pytest.importorskip("torchrec")
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "materialize.py"), "--quick",
+                        "--mode", mode, "--device", "cuda", "--emulate", "--small-tables", "16",
+                        "--out", str(tmp_path)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    with open(tmp_path / "results.csv") as f:
+        rows = list(csv.DictReader(f))
+    methods = [row["method"] for row in rows]
+    assert all(m.endswith("(emulated)") for m in methods), methods
+    if mode == "dmp":
+        for what in ("DEVICE", "UVM", "16 small"):
+            assert sum(what in m for m in methods) == 3, methods  # eager, metamat, ceiling
+        assert "uvm 0.0" in r.stdout  # the UVM tables went to unified memory
+    else:
+        assert any("dcp.load" in m for m in methods) and any("pinned" in m for m in methods)
+    assert all(float(row["gbps"]) > 0 for row in rows)
