@@ -5,6 +5,10 @@
     python -m metamat checksum CKPT [--block-bytes N] [--json]   # write the sidecar manifest
     python -m metamat checksum CKPT --verify [--json]            # check the files against it
 
+``--trust-pickles``: the checkpoint's pickles (DCP ``.metadata``, torch.save ``data.pkl``) may
+name classes outside metamat's allow-list and run them (plain ``pickle``); only for a
+checkpoint you trust.
+
 Exit codes: 0 ok, 2 bad usage, 1 bad checkpoint (the CheckpointError message is printed;
 for ``checksum --verify`` also a missing manifest or bytes that differ from it).
 """
@@ -140,8 +144,10 @@ def _print_plan(info: Dict) -> None:
               f"{x['read_amplification']:>7.3f}{x['ops']:>7}  {', '.join(x['files'])}")
 
 
-def checksum_info(path: str, block_bytes: int, verify: bool) -> Dict:
-    """Write (or, ``verify``, check) the checksum sidecar of ``path``.
+def checksum_info(path: str, block_bytes: int, verify: bool,
+                  trust_pickles: bool = False) -> Dict:
+    """Write (or, ``verify``, check) the checksum sidecar of ``path`` (``trust_pickles``: as
+    :func:`metamat.open_checkpoint`'s).
 
     Raises:
         CheckpointError: the checkpoint does not open; ``verify``: no manifest
@@ -157,7 +163,7 @@ def checksum_info(path: str, block_bytes: int, verify: bool) -> Dict:
         secs = time.perf_counter() - t
         side = sidecar_path(path)
     else:
-        with open_checkpoint(path) as ckpt:
+        with open_checkpoint(path, trust_pickles=trust_pickles) as ckpt:
             t = time.perf_counter()  # hashing and writing, not parsing the metadata
             side = write_manifest(ckpt, block_bytes=block_bytes)
             secs = time.perf_counter() - t
@@ -180,15 +186,20 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m metamat", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
+    trust = dict(action="store_true",
+                 help="unpickle the checkpoint's pickles with plain pickle, which runs any "
+                      "class they name (only for a checkpoint you trust)")
     pi = sub.add_parser("inspect", help="format, tensors, chunk layout, total size")
     pi.add_argument("ckpt")
     pi.add_argument("--json", action="store_true")
+    pi.add_argument("--trust-pickles", **trust)
     pp = sub.add_parser("plan", help="what each rank would read for a target plan")
     pp.add_argument("ckpt")
     pp.add_argument("--world-size", type=int, required=True)
     pp.add_argument("--sharding", choices=SHARDINGS, default="row_wise")
     pp.add_argument("--rank", type=int, default=None, help="one rank (default: all)")
     pp.add_argument("--json", action="store_true")
+    pp.add_argument("--trust-pickles", **trust)
     pc = sub.add_parser("checksum", help="write (or --verify) the xxh3 checksum sidecar")
     pc.add_argument("ckpt")
     pc.add_argument("--block-bytes", type=int, default=None,
@@ -196,6 +207,7 @@ def main(argv=None) -> int:
     pc.add_argument("--verify", action="store_true",
                     help="check the files against an existing manifest instead of writing one")
     pc.add_argument("--json", action="store_true")
+    pc.add_argument("--trust-pickles", **trust)
     a = p.parse_args(argv)
     if a.cmd == "checksum":
         from .checkpoint.checksum import DEFAULT_BLOCK_BYTES
@@ -208,7 +220,8 @@ def main(argv=None) -> int:
         if a.block_bytes is not None and a.block_bytes <= 0:
             p.error("--block-bytes must be positive")
         try:
-            info = checksum_info(a.ckpt, a.block_bytes or DEFAULT_BLOCK_BYTES, a.verify)
+            info = checksum_info(a.ckpt, a.block_bytes or DEFAULT_BLOCK_BYTES, a.verify,
+                                 a.trust_pickles)
         except CheckpointError as e:
             from .checkpoint import ChecksumMismatchError, WriteError
             what = ("checksum mismatch" if isinstance(e, ChecksumMismatchError) else
@@ -229,7 +242,7 @@ def main(argv=None) -> int:
         if a.rank is not None and not 0 <= a.rank < a.world_size:
             p.error("--rank must be in [0, world-size)")
     try:
-        with open_checkpoint(a.ckpt) as ckpt:
+        with open_checkpoint(a.ckpt, trust_pickles=a.trust_pickles) as ckpt:
             if a.cmd == "inspect":
                 info = inspect_info(ckpt)
                 show = _print_inspect

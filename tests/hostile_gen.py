@@ -921,7 +921,9 @@ def dcp_variants() -> List[Variant]:
 
 
 def all_variants() -> List[Variant]:
-    vs = safetensors_variants() + hf_variants() + torch_save_variants() + dcp_variants()
+    import hostile_pickle  # round 3: pickles that run code, change globals, bomb memory
+    vs = (safetensors_variants() + hf_variants() + torch_save_variants() + dcp_variants()
+          + hostile_pickle.variants())
     names = [v.name for v in vs]
     assert len(names) == len(set(names)), "duplicate variant names"
     return vs

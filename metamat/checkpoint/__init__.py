@@ -10,7 +10,8 @@ from .errors import (CheckpointError, ChecksumMismatchError, CoverageError, Dest
                      InvalidOffsetError, KeyCollisionError, LimitExceededError, MissingFileError,
                      MissingTensorError, OverlappingChunksError, ReadError,
                      ShapeMismatchError, TruncatedFileError, UnexpectedTensorError,
-                     UnsafePathError, UnsupportedFormatError, WriteError)
+                     UnsafePathError, UnsafePickleError, UnsupportedFormatError,
+                     WriteError)
 from .open import open_checkpoint
 
 __all__ = [
@@ -19,5 +20,6 @@ __all__ = [
     "HeaderTooLargeError", "InvalidHeaderError", "InvalidOffsetError", "MissingFileError",
     "MissingTensorError", "OverlappingChunksError", "ReadError", "ShapeMismatchError",
     "TruncatedFileError", "UnexpectedTensorError", "UnsupportedFormatError",
-    "KeyCollisionError", "LimitExceededError", "UnsafePathError", "WriteError",
+    "KeyCollisionError", "LimitExceededError", "UnsafePathError", "UnsafePickleError",
+    "WriteError",
 ]

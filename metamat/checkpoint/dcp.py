@@ -1,7 +1,7 @@
 """torch.distributed.checkpoint (DCP) directories written by ``FileSystemWriter``.
 
-``.metadata`` (read with torch's ``FileSystemReader.read_metadata()``, a pickle: trust it as
-you would for ``dcp.load``) maps each (fqn, chunk offsets) to (relative file, offset, length).
+``.metadata`` (a pickle, unpickled with an allow-list of what DCP writes, never running what
+it names: :mod:`.unpickle`) maps each (fqn, chunk offsets) to (relative file, offset, length).
 Two serialization formats exist:
 
 * TORCH_SAVE (default): each chunk is a whole torch.save zip blob at that range; the raw
@@ -26,10 +26,11 @@ from .base import Checkpoint, Chunk, TensorEntry, open_binary
 from .errors import (CheckpointError, DtypeMismatchError, InvalidHeaderError,
                      InvalidOffsetError, ShapeMismatchError,
                      TruncatedFileError, UnsupportedFormatError)
-from .limits import METADATA_BYTES, check, contained_path, limit, loads_json, open_regular
+from .limits import METADATA_BYTES, contained_path, limit, loads_json, read_metadata_file
 from .safetensors import read_header
 from .torch_save import (TensorRef, TorchSaveArchive, _RestrictedUnpickler, parse_torch_save,
                          tensor_chunk)
+from .unpickle import load_dcp_metadata
 
 __all__ = ["open_dcp", "is_dcp_dir"]
 
@@ -42,54 +43,53 @@ def is_dcp_dir(path: str) -> bool:
     return os.path.isdir(path) and os.path.lexists(os.path.join(path, ".metadata"))
 
 
-def _read_metadata(path: str):
-    from torch.distributed.checkpoint import FileSystemReader
+def _read_metadata(path: str, trust_pickles: bool = False):
+    """The unpickled ``.metadata`` of ``path`` (local or in a store) and its size in bytes;
+    what torch's ``FileSystemReader.read_metadata`` does, with the restricted unpickler."""
     meta = fs.join(path, ".metadata")
-    with open_regular(meta, "DCP .metadata") as f:  # no FIFO, device, or multi-GiB file
-        check(METADATA_BYTES, fs.fsize(f), file=meta,
-              what=".metadata size")
-    try:
-        if fs.is_remote(path):
-            return _read_remote_metadata(path)
-        return FileSystemReader(path).read_metadata()
-    except FileNotFoundError:
-        raise UnsupportedFormatError("no DCP .metadata file", file=path) from None
-    except Exception as e:  # a damaged pickle raises anything
-        raise InvalidHeaderError(f"cannot read .metadata ({type(e).__name__}: {e})",
-                                 file=fs.join(path, ".metadata")) from None
-
-
-def _read_remote_metadata(path: str):
-    """What ``FileSystemReader.read_metadata`` does, for an object store."""
-    import pickle
-    from torch.distributed.checkpoint.metadata import StorageMeta
-    with open_binary(fs.join(path, ".metadata"), "DCP .metadata") as f:
-        md = pickle.load(f)
-    if getattr(md, "storage_meta", None) is None:
+    # no FIFO, device, or multi-GiB file; one open, read whole (the opcode walk needs it)
+    raw = read_metadata_file(meta, "DCP .metadata")
+    md = load_dcp_metadata(raw, meta, trust_pickles=trust_pickles)
+    if isinstance(md, _metadata_class()) and getattr(md, "storage_meta", None) is None:
+        from torch.distributed.checkpoint.metadata import StorageMeta
         md.storage_meta = StorageMeta()
-    return md
+    return md, len(raw)
 
 
-def open_dcp(path: str) -> Checkpoint:
+def _metadata_class():
+    from torch.distributed.checkpoint.metadata import Metadata
+    return Metadata
+
+
+def open_dcp(path: str, *, trust_pickles: bool = False) -> Checkpoint:
     """Open a DCP checkpoint directory (metadata and chunk headers only).
 
+    Args:
+        trust_pickles: unpickle ``.metadata`` with plain ``pickle`` (it may then run any
+            code it names), for a trusted checkpoint holding classes outside the allow-list
+            (:mod:`.unpickle`).
+
     Raises:
+        UnsafePickleError: ``.metadata`` names a global outside the allow-list, or is a
+            pickle memory bomb (nothing it names was called).
         UnsupportedFormatError: not DCP, or chunks use storage transforms (compression...).
         InvalidHeaderError, MissingFileError, TruncatedFileError, ShapeMismatchError,
         DtypeMismatchError: the metadata and the files disagree.
     """
     with gc_paused():  # millions of live objects: collections would make this super-linear
-        return _open_dcp(path)
+        return _open_dcp(path, trust_pickles)
 
 
-def _open_dcp(path: str) -> Checkpoint:
+def _open_dcp(path: str, trust_pickles: bool = False) -> Checkpoint:
     """:func:`open_dcp` with the collector paused."""
     from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
     path = fs.abspath(path)
-    md = _read_metadata(path)
-    if not isinstance(md, Metadata) or not isinstance(md.state_dict_metadata, dict) \
-            or not isinstance(md.storage_data or {}, dict):
+    md, md_bytes = _read_metadata(path, trust_pickles)
+    # getattr: a pickle can make a Metadata without calling __init__ (NEWOBJ, no BUILD)
+    if not isinstance(md, Metadata) \
+            or not isinstance(getattr(md, "state_dict_metadata", None), dict) \
+            or not isinstance(getattr(md, "storage_data", None) or {}, dict):
         raise InvalidHeaderError(f".metadata holds {type(md).__name__}, not DCP Metadata",
                                  file=fs.join(path, ".metadata"))
     storage = md.storage_data or {}
@@ -104,6 +104,13 @@ def _open_dcp(path: str) -> Checkpoint:
         # MetadataIndex per chunk (~10 µs each)
         storage_of = {(k.fqn, tuple(k.offset)): v for k, v in storage.items()
                       if getattr(k, "offset", None) is not None}
+        # tensors may share one chunk list by pickle reference: 1 MB of metadata listing
+        # 10**9 chunks. A genuine file spends bytes on every chunk it lists.
+        listed = sum(len(t.chunks) for t in md.state_dict_metadata.values()
+                     if isinstance(t, TensorStorageMetadata))
+        if listed > md_bytes:
+            raise InvalidHeaderError(f"metadata of {md_bytes} bytes lists {listed} chunks "
+                                     "(chunk lists shared between tensors)", file=meta)
         for fqn, tmd in md.state_dict_metadata.items():
             if not isinstance(tmd, TensorStorageMetadata):
                 continue  # bytes / non-tensor objects
@@ -118,7 +125,8 @@ def _open_dcp(path: str) -> Checkpoint:
                 if info is None:
                     raise InvalidHeaderError(f"no storage entry for chunk at {offs}",
                                              file=meta, tensor=fqn)
-                rel = info.relative_path
+                # every field read below: a pickle can leave one out (NEWOBJ, partial BUILD)
+                rel, _, _ = info.relative_path, info.offset, info.length
                 f = files.get(rel) if isinstance(rel, str) else None
                 if f is None:
                     f = files[rel] = _data_file(path, info, fqn)

@@ -26,6 +26,7 @@ __all__ = [
     "ChecksumMismatchError",
     "LimitExceededError",
     "UnsafePathError",
+    "UnsafePickleError",
     "KeyCollisionError",
     "WriteError",
 ]
@@ -170,6 +171,26 @@ class UnsafePathError(InvalidHeaderError):
     """A path named by the checkpoint's own metadata (an index ``weight_map`` entry, a
     checksum manifest entry, a DCP ``relative_path``) is absolute, holds a NUL byte or
     leads outside the checkpoint directory."""
+
+
+class UnsafePickleError(UnsupportedFormatError):
+    """A pickle the checkpoint holds (DCP ``.metadata``, torch.save ``data.pkl``) asks for
+    more than the format needs: a global outside metamat's allow-list (``os.system``, a custom
+    class), a BUILD on a class or a shared object, an extension-registry code, a persistent id
+    the format does not use, or a memo index far past the entries written (a memory bomb).
+    Raised while unpickling, before anything it names is called and before any tensor byte is
+    read. Open a checkpoint you trust with ``open_checkpoint(path, trust_pickles=True)``
+    (``--trust-pickles`` on the command line): plain ``pickle``, as
+    ``torch.load(weights_only=False)``.
+
+    Attributes:
+        name: the refused global as ``module.name``, when a global was refused.
+    """
+
+    def __init__(self, message: str, *, name: Optional[str] = None, file=None,
+                 tensor=None) -> None:
+        super().__init__(message, file=file, tensor=tensor)
+        self.name = name
 
 
 class KeyCollisionError(InvalidHeaderError):

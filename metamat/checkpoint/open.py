@@ -14,7 +14,7 @@ from .torch_save import open_torch_save
 __all__ = ["open_checkpoint"]
 
 
-def open_checkpoint(path, *, storage_options=None) -> Checkpoint:
+def open_checkpoint(path, *, storage_options=None, trust_pickles: bool = False) -> Checkpoint:
     """Parse the checkpoint at ``path`` (metadata only; no tensor data is read).
 
     Recognised, by content:
@@ -28,19 +28,34 @@ def open_checkpoint(path, *, storage_options=None) -> Checkpoint:
     and endpoint come from the environment (``AWS_*``) or ``storage_options``
     (:mod:`metamat.checkpoint.storage`). Errors name the object URL.
 
+    The pickles a checkpoint holds (DCP ``.metadata``, torch.save ``data.pkl``) are untrusted:
+    they are unpickled with an allow-list of what the format writes, and a pickle naming
+    anything else (``os.system``, a custom class) raises :class:`UnsafePickleError` before
+    anything it names is called (:mod:`metamat.checkpoint.unpickle`).
+
+    Args:
+        path: a local path or ``s3://`` URL.
+        storage_options: S3 credentials, endpoint and read settings.
+        trust_pickles: for a checkpoint you trust whose pickles hold custom classes: unpickle
+            them with plain ``pickle`` (as ``torch.load(weights_only=False)`` and torch's own
+            ``dcp.load`` do), which runs whatever they name. To load such a checkpoint, pass
+            the opened checkpoint to :func:`metamat.materialize`.
+
     Returns:
         A :class:`Checkpoint`.
 
     Raises:
         MissingFileError: ``path`` does not exist.
         UnsupportedFormatError: none of the above (e.g. legacy non-zip torch.save).
+        UnsafePickleError: a pickle names a global outside the allow-list (without
+            ``trust_pickles``), or is a memory bomb.
         Any other :class:`CheckpointError` the format's parser raises for a damaged file.
     """
     path = os.fspath(path)
     if fs.is_remote(path):
         with fs.using(storage_options):
             try:
-                ck = _open(path)
+                ck = _open(path, trust_pickles)
             except CheckpointError:
                 raise
             except (OSError, ValueError) as e:  # unreachable, denied, no bucket (no secrets)
@@ -48,10 +63,10 @@ def open_checkpoint(path, *, storage_options=None) -> Checkpoint:
             # what the reads will require (If-Match): this open's ETags, not a later one's
             ck.remote_meta = {f: fs.remote_meta(f) for f in ck.files}
         return ck
-    return _open(path)
+    return _open(path, trust_pickles)
 
 
-def _open(path: str) -> Checkpoint:
+def _open(path: str, trust_pickles: bool = False) -> Checkpoint:
     if fs.is_remote(path):
         if not fs.exists(path):
             raise MissingFileError("checkpoint path does not exist", file=path)
@@ -65,12 +80,12 @@ def _open(path: str) -> Checkpoint:
                             f"({getattr(e, 'strerror', None) or e})", file=path) from None
     if fs.isdir(path):
         if is_dcp_dir(path):
-            return open_dcp(path)
+            return open_dcp(path, trust_pickles=trust_pickles)
         return open_safetensors_dir(path)
     with open_binary(path, "checkpoint file") as f:
         head = f.read(9)
     if head[:4] == b"PK\x03\x04":
-        return open_torch_save(path)
+        return open_torch_save(path, trust_pickles=trust_pickles)
     if looks_like_safetensors(path):
         return open_safetensors_file(path)
     if head.lstrip()[:1] == b"{":

@@ -1,11 +1,12 @@
 """torch.save zip archives, read without loading tensor data.
 
-``data.pkl`` is unpickled by a restricted Unpickler: only a whitelist of globals is resolved
-(tensor rebuild functions, storage classes, OrderedDict, dtypes) and every storage becomes a
-``StorageRef`` (key, dtype, numel) instead of bytes; ``_rebuild_tensor_v2`` becomes a
-``TensorRef`` (storage, storage_offset, size, stride). The byte offset of each storage record
-``<prefix>/data/<key>`` comes from the zip's central directory plus the record's local header
-(records must be stored, not compressed). The same parser reads the torch.save blobs DCP writes
+``data.pkl`` is unpickled by a restricted Unpickler (:mod:`.unpickle`: its opcodes walked
+first, then only a whitelist of globals resolved: tensor rebuild functions, storage classes,
+OrderedDict, dtypes; anything else is an ``UnsafePickleError`` and nothing it names is called)
+and every storage becomes a ``StorageRef`` (key, dtype, numel) instead of bytes;
+``_rebuild_tensor_v2`` becomes a ``TensorRef`` (storage, storage_offset, size, stride). The
+byte offset of each storage record ``<prefix>/data/<key>`` comes from the zip's central
+directory plus the record's local header (records must be stored, not compressed). The same parser reads the torch.save blobs DCP writes
 inside ``.distcp`` files (``base``/``length`` select the blob).
 """
 from __future__ import annotations
@@ -25,8 +26,9 @@ from . import storage as fs
 from .base import Checkpoint, Chunk, TensorEntry, itemsize, numel, open_binary
 from .errors import (CheckpointError, InvalidHeaderError, InvalidOffsetError,
                      KeyCollisionError, LimitExceededError, TruncatedFileError,
-                     UnsupportedFormatError)
+                     UnsafePickleError, UnsupportedFormatError)
 from .limits import METADATA_BYTES, PICKLE_DEPTH, PICKLE_OBJECTS, check, limit, short_repr
+from .unpickle import Call, refuse, scan
 
 __all__ = ["StorageRef", "TensorRef", "TorchSaveArchive", "parse_torch_save",
            "open_torch_save", "tensor_chunk"]
@@ -110,10 +112,14 @@ _GLOBALS = {
     ("builtins", "list"): list,
     ("builtins", "tuple"): tuple,
     ("builtins", "set"): set,
-    ("torch._utils", "_rebuild_tensor_v2"): _rebuild_tensor_v2,
-    ("torch._utils", "_rebuild_parameter"): _rebuild_parameter,
-    ("torch._utils", "_rebuild_parameter_with_state"): _rebuild_parameter,
-    ("torch._tensor", "_rebuild_from_type_v2"): _rebuild_from_type_v2,
+    # functions behind Call: a BUILD on a plain function could set its __defaults__ for
+    # every later load in the process
+    ("torch._utils", "_rebuild_tensor_v2"): Call(_rebuild_tensor_v2, "_rebuild_tensor_v2"),
+    ("torch._utils", "_rebuild_parameter"): Call(_rebuild_parameter, "_rebuild_parameter"),
+    ("torch._utils", "_rebuild_parameter_with_state"): Call(_rebuild_parameter,
+                                                            "_rebuild_parameter_with_state"),
+    ("torch._tensor", "_rebuild_from_type_v2"): Call(_rebuild_from_type_v2,
+                                                     "_rebuild_from_type_v2"),
     ("torch.nn.parameter", "Parameter"): _Marker("Parameter"),
     ("torch", "Tensor"): _Marker("Tensor"),
     ("torch", "device"): _Marker("device"),
@@ -122,9 +128,21 @@ _GLOBALS = {
 
 
 class _RestrictedUnpickler(pickle.Unpickler):
-    def __init__(self, f, where: str) -> None:
+    """The ``data.pkl`` unpickler. ``f`` is a ``BytesIO`` over the pickle: :meth:`load` walks
+    its opcodes (:func:`.unpickle.scan`) before running any. ``trust``: globals outside the
+    whitelist resolve as plain ``pickle`` does (``trust_pickles=True``, for a trusted file
+    holding custom classes); tensors and storages are still only located."""
+
+    def __init__(self, f, where: str, *, trust: bool = False) -> None:
         super().__init__(f)
-        self._where = where
+        self._f, self._where, self._trust = f, where, trust
+
+    def load(self) -> Any:
+        f = self._f
+        if isinstance(f, io.BytesIO):
+            with f.getbuffer() as whole, whole[f.tell():] as rest:
+                scan(rest, self._where, "data.pkl", persistent_ids=True)
+        return super().load()
 
     def find_class(self, module: str, name: str) -> Any:
         fn = _GLOBALS.get((module, name))
@@ -134,16 +152,16 @@ class _RestrictedUnpickler(pickle.Unpickler):
             return _Marker(name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
-        raise UnsupportedFormatError(
-            f"data.pkl uses unsupported global {short_repr(module)}.{short_repr(name)}",
-            file=self._where)
+        if self._trust:
+            return super().find_class(module, name)
+        raise refuse("data.pkl", module, name, self._where)
 
     def persistent_load(self, pid: Any) -> Any:
         if (not isinstance(pid, tuple) or len(pid) != 5 or pid[0] != "storage"
                 or not isinstance(pid[1], _Marker) or pid[1].name not in _STORAGE_DTYPES):
             what = (tuple(short_repr(x) for x in pid[:5]) if isinstance(pid, tuple)
                     else short_repr(pid))
-            raise UnsupportedFormatError(f"unsupported persistent id {what}", file=self._where)
+            raise UnsafePickleError(f"unsupported persistent id {what}", file=self._where)
         return StorageRef(str(pid[2]), _STORAGE_DTYPES[pid[1].name], int(pid[4]))
 
 
@@ -194,11 +212,15 @@ class TorchSaveArchive:
 
 
 def parse_torch_save(path: str, base: int = 0, length: Optional[int] = None,
-                     f=None) -> TorchSaveArchive:
+                     f=None, *, trust_pickles: bool = False) -> TorchSaveArchive:
     """Parse the torch.save zip at ``[base, base+length)`` of ``path`` (metadata only).
 
+    Args:
+        trust_pickles: ``data.pkl`` may name globals outside the whitelist (plain pickle).
+
     Raises:
-        MissingFileError, TruncatedFileError, InvalidHeaderError, UnsupportedFormatError.
+        MissingFileError, TruncatedFileError, InvalidHeaderError, UnsupportedFormatError
+        (``UnsafePickleError``: ``data.pkl`` names a global outside the whitelist).
     """
     path = str(path)
     limit(METADATA_BYTES)  # a bad METAMAT_MAX_METADATA_BYTES: ValueError, not "damaged zip"
@@ -271,10 +293,12 @@ def parse_torch_save(path: str, base: int = 0, length: Optional[int] = None,
             data_start(pkl[0], pkl[0].compress_size)
             try:
                 raw = _read_record(zf, pkl[0], path)
-                obj = _RestrictedUnpickler(io.BytesIO(raw), path).load()
+                obj = _RestrictedUnpickler(io.BytesIO(raw), path, trust=trust_pickles).load()
             except CheckpointError as e:  # raised in a pickle callback, without the file
                 if e.file is None and type(e).__init__ is CheckpointError.__init__:
                     raise type(e)(e.detail, file=path, tensor=e.tensor) from None
+                if e.file is None and isinstance(e, UnsafePickleError):
+                    raise UnsafePickleError(e.detail, name=e.name, file=path) from None
                 raise
             except Exception as e:  # malformed pickle stream: any of a dozen exception types
                 raise InvalidHeaderError(
@@ -423,13 +447,14 @@ def _flatten(obj: Any, prefix: str, out: Dict[str, TensorRef], where: str) -> No
             _flatten(v, f"{prefix}.{k}" if prefix else k, out, where)
 
 
-def open_torch_save(path: str) -> Checkpoint:
+def open_torch_save(path: str, *, trust_pickles: bool = False) -> Checkpoint:
     """Open a torch.save'd state dict (nested dicts are flattened with ``.``).
 
-    Non-tensor values are ignored. Raises the errors of :func:`parse_torch_save`.
+    Non-tensor values are ignored. ``trust_pickles``: see :func:`parse_torch_save`. Raises
+    the errors of :func:`parse_torch_save`.
     """
     path = fs.abspath(path)
-    arch = parse_torch_save(path)
+    arch = parse_torch_save(path, trust_pickles=trust_pickles)
     refs: Dict[str, TensorRef] = {}
     try:
         _measure(arch.obj, 0, {}, set(), path)  # bounds _flatten's work and recursion
