@@ -242,3 +242,83 @@ def test_write_manifest_into_a_read_only_directory(dcp_copy, monkeypatch):
         assert _leftovers(dcp_copy) == []
     finally:
         os.chmod(dcp_copy, 0o755)
+
+
+# --- reliability round 3: the sidecar is never written through a planted name ----------------
+
+def _planted(tmp_path, name="victim.txt"):
+    victim = tmp_path / name
+    victim.write_bytes(b"precious")
+    return victim
+
+
+def test_symlink_at_the_old_temp_name_is_not_followed(dcp_copy, tmp_path):
+    """``<sidecar>.tmp<PID>`` (the name used before) is a symlink to a file outside the
+    checkpoint: the write must neither follow nor remove it."""
+    victim = _planted(tmp_path)
+    side = sidecar_path(dcp_copy)
+    link = f"{side}.tmp{os.getpid()}"
+    os.symlink(victim, link)
+    assert write_manifest(dcp_copy) == side
+    assert victim.read_bytes() == b"precious"
+    assert os.path.islink(link) and not os.path.islink(side)
+    assert read_manifest(dcp_copy).chunks
+
+
+def test_symlink_at_the_sidecar_is_replaced_not_followed(dcp_copy, tmp_path):
+    victim = _planted(tmp_path)
+    side = sidecar_path(dcp_copy)
+    os.symlink(victim, side)
+    write_manifest(dcp_copy)
+    assert victim.read_bytes() == b"precious"
+    assert not os.path.islink(side) and read_manifest(dcp_copy).chunks
+
+
+def test_sidecar_mode_follows_the_umask(dcp_copy):
+    old = os.umask(0o027)
+    try:
+        side = write_manifest(dcp_copy)
+    finally:
+        os.umask(old)
+    assert os.stat(side).st_mode & 0o777 == 0o640
+    assert _leftovers(dcp_copy) == []
+
+
+def test_cli_checksum_with_symlinks_at_the_next_pids(dcp_copy, tmp_path):
+    """The same through ``python -m metamat checksum``, whose PID is not known in advance:
+    a symlink at ``<sidecar>.tmp<PID>`` for each of the next 300 PIDs."""
+    import subprocess
+    import sys
+    try:
+        with open("/proc/sys/kernel/ns_last_pid") as f:
+            last = int(f.read())
+    except (OSError, ValueError):
+        pytest.skip("no /proc/sys/kernel/ns_last_pid")
+    victim = _planted(tmp_path)
+    side = sidecar_path(dcp_copy)
+    for pid in range(last + 1, last + 301):
+        os.symlink(victim, f"{side}.tmp{pid}")
+    r = subprocess.run([sys.executable, "-m", "metamat", "checksum", dcp_copy],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert victim.read_bytes() == b"precious"
+    assert read_manifest(dcp_copy).chunks
+
+
+def test_atomic_write_never_opens_an_existing_name(tmp_path, monkeypatch):
+    """The temporary file is created O_EXCL|O_NOFOLLOW (mkstemp): even a temp name that is
+    guessed and planted is never opened; the write retries another random name."""
+    import tempfile
+
+    from metamat.checkpoint.atomic import atomic_write
+    victim = _planted(tmp_path)
+    out = str(tmp_path / "d" / "out.json")
+    os.mkdir(tmp_path / "d")
+    names = iter(["guessed", "fresh"])
+    monkeypatch.setattr(tempfile, "_get_candidate_names", lambda: names)
+    os.symlink(victim, tmp_path / "d" / ".out.json.guessed.tmp")
+    atomic_write(out, b"{}", "test file")
+    assert victim.read_bytes() == b"precious"
+    with open(out, "rb") as f:
+        assert f.read() == b"{}"
+    assert sorted(os.listdir(tmp_path / "d")) == [".out.json.guessed.tmp", "out.json"]

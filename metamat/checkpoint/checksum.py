@@ -24,8 +24,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
+from .atomic import atomic_write
 from .base import Checkpoint, open_binary
-from .errors import ChecksumMismatchError, InvalidHeaderError, WriteError
+from .errors import ChecksumMismatchError, InvalidHeaderError
 from .limits import contained_path, loads_json, read_metadata_file, short_repr
 
 __all__ = ["ALGORITHM", "DEFAULT_BLOCK_BYTES", "ChunkSum", "Manifest", "VerifyResult",
@@ -215,31 +216,20 @@ def write_manifest(ckpt: Union[Checkpoint, str, os.PathLike], out: Optional[str]
 
     Returns:
         The path written.
+
+    Raises:
+        WriteError: ``out`` cannot be written (nothing is left behind).
     """
     if not isinstance(ckpt, Checkpoint):
         from .open import open_checkpoint
         ckpt = open_checkpoint(ckpt)
     m = build_manifest(ckpt, block_bytes)
     out = out or sidecar_path(ckpt.path)
-    _atomic_write(out, json.dumps(m.to_json(), separators=(",", ":")).encode())
+    # a random temporary name created O_EXCL|O_NOFOLLOW, renamed over `out`: a symlink
+    # planted in the checkpoint directory is never followed
+    atomic_write(out, json.dumps(m.to_json(), separators=(",", ":")).encode(),
+                 "checksum manifest")
     return out
-
-
-def _atomic_write(out: str, data: bytes) -> None:
-    """Write ``out`` through a temporary file renamed over it; on any failure the
-    temporary file is removed and a :class:`WriteError` names ``out``."""
-    tmp = f"{out}.tmp{os.getpid()}"
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, out)
-    except OSError as e:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise WriteError(f"cannot write the checksum manifest ({e.strerror or e})",
-                         file=out) from None
 
 
 def read_manifest(path, root: Optional[str] = None) -> Manifest:
