@@ -5,6 +5,11 @@
     python -m metamat checksum CKPT [--block-bytes N] [--json]   # write the sidecar manifest
     python -m metamat checksum CKPT --verify [--json]            # check the files against it
 
+``plan`` plans every rank of a world of up to 1,024 ranks and prints one line per rank up to
+32 of them; a larger world prints ranks 0-7, the last 8 and the totals (over all ranks when
+all were planned); above 1,024 ranks it plans only those 16 (``--rank R`` plans any one).
+``--world-size`` is at most 1,048,576 (``METAMAT_MAX_WORLD_SIZE`` raises it).
+
 ``--trust-pickles``: the checkpoint's pickles (DCP ``.metadata``, torch.save ``data.pkl``) may
 name classes outside metamat's allow-list and run them (plain ``pickle``); only for a
 checkpoint you trust.
@@ -32,6 +37,14 @@ from .load import plan_load
 from .plan import Target
 
 SHARDINGS = ("table_wise", "row_wise", "column_wise", "data_parallel")
+#: --world-size above this is bad usage (the environment variable raises it)
+MAX_WORLD_SIZE = ("world size", "METAMAT_MAX_WORLD_SIZE", 1 << 20)
+#: worlds up to this many ranks are planned rank by rank (totals exact); larger ones only at
+#: the ranks shown
+PLAN_ALL_RANKS = 1024
+#: text output lists every rank up to this many, else the first and last SHOW_EDGE
+SHOW_ALL_RANKS = 32
+SHOW_EDGE = 8
 
 
 def chunk_layout(e: TensorEntry) -> str:
@@ -112,7 +125,17 @@ def rank_targets(ckpt: Checkpoint, world: int, rank: int, sharding: str) -> List
     return out
 
 
+def planned_ranks(world: int) -> List[int]:
+    """The ranks ``plan`` plans: all of a world of up to ``PLAN_ALL_RANKS``, else the first
+    and last ``SHOW_EDGE``."""
+    if world <= PLAN_ALL_RANKS:
+        return list(range(world))
+    return list(range(SHOW_EDGE)) + list(range(world - SHOW_EDGE, world))
+
+
 def plan_info(ckpt: Checkpoint, world: int, sharding: str, ranks: List[int]) -> Dict:
+    """What each of ``ranks`` would read; ``totals`` sums over them, and says whether they are
+    the whole world (``all_ranks``)."""
     names = ckpt.tensors()
     view = CheckpointView(ckpt, {n: n for n in names},
                           {n: e.global_shape for n, e in names.items() if len(e.global_shape) > 2})
@@ -124,7 +147,14 @@ def plan_info(ckpt: Checkpoint, world: int, sharding: str, ranks: List[int]) -> 
         per_rank[r] = {"tensors": len({t.fqn for t in p.targets}), "bytes_needed": p.bytes_needed,
                        "bytes_planned": planned, "ops": len(p.ops), "files": files,
                        "read_amplification": planned / p.bytes_needed if p.bytes_needed else 1.0}
-    return {"format": ckpt.format, "world_size": world, "sharding": sharding, "ranks": per_rank}
+    needed = sum(x["bytes_needed"] for x in per_rank.values())
+    planned = sum(x["bytes_planned"] for x in per_rank.values())
+    totals = {"ranks": len(per_rank), "all_ranks": len(per_rank) == world,
+              "bytes_needed": needed, "bytes_planned": planned,
+              "ops": sum(x["ops"] for x in per_rank.values()),
+              "read_amplification": planned / needed if needed else 1.0}
+    return {"format": ckpt.format, "world_size": world, "sharding": sharding, "ranks": per_rank,
+            "totals": totals}
 
 
 def _print_inspect(info: Dict) -> None:
@@ -137,11 +167,29 @@ def _print_inspect(info: Dict) -> None:
 
 
 def _print_plan(info: Dict) -> None:
-    print(f"{info['format']} -> {info['sharding']} over {info['world_size']} rank(s)")
-    print(f"{'rank':>5}{'tensors':>9}{'MB needed':>12}{'MB read':>10}{'ampl.':>7}{'ops':>7}  files")
-    for r, x in info["ranks"].items():
-        print(f"{r:>5}{x['tensors']:>9}{x['bytes_needed'] / 1e6:>12.2f}{x['bytes_planned'] / 1e6:>10.2f}"
+    world = info["world_size"]
+    print(f"{info['format']} -> {info['sharding']} over {world} rank(s)")
+    print(f"{'rank':>7}{'tensors':>9}{'MB needed':>12}{'MB read':>10}{'ampl.':>7}{'ops':>7}  files")
+    ranks = list(info["ranks"].items())
+    gap = len(ranks) > SHOW_ALL_RANKS or 1 < len(ranks) < world  # too many, or a sample
+    shown = ranks[:SHOW_EDGE] + [None] + ranks[-SHOW_EDGE:] if gap else ranks
+    for item in shown:
+        if item is None:
+            why = "in the totals" if len(ranks) == world else "not planned"
+            print(f"{'...':>7}  {world - 2 * SHOW_EDGE} rank(s) not shown ({why}; --rank R "
+                  "plans one)")
+            continue
+        r, x = item  # 7 digits: the largest world allowed by default has 1,048,576 ranks
+        print(f"{r:>7}{x['tensors']:>9}{x['bytes_needed'] / 1e6:>12.2f}{x['bytes_planned'] / 1e6:>10.2f}"
               f"{x['read_amplification']:>7.3f}{x['ops']:>7}  {', '.join(x['files'])}")
+    t = info["totals"]
+    if len(ranks) > 1:
+        over = (f"all {world} ranks" if t["all_ranks"] else
+                f"the {t['ranks']} ranks shown (above {PLAN_ALL_RANKS} ranks, no others are "
+                "planned)")
+        print(f"total over {over}: {t['bytes_needed'] / 1e6:.2f} MB needed, "
+              f"{t['bytes_planned'] / 1e6:.2f} MB read, amplification "
+              f"{t['read_amplification']:.3f}, {t['ops']} ops")
 
 
 def checksum_info(path: str, block_bytes: int, verify: bool,
@@ -195,7 +243,8 @@ def main(argv=None) -> int:
     pi.add_argument("--trust-pickles", **trust)
     pp = sub.add_parser("plan", help="what each rank would read for a target plan")
     pp.add_argument("ckpt")
-    pp.add_argument("--world-size", type=int, required=True)
+    pp.add_argument("--world-size", type=int, required=True,
+                    help=f"ranks, at most {MAX_WORLD_SIZE[2]:,} ({MAX_WORLD_SIZE[1]} raises it)")
     pp.add_argument("--sharding", choices=SHARDINGS, default="row_wise")
     pp.add_argument("--rank", type=int, default=None, help="one rank (default: all)")
     pp.add_argument("--json", action="store_true")
@@ -237,8 +286,14 @@ def main(argv=None) -> int:
             _print_checksum(info)
         return 0
     if a.cmd == "plan":
-        if a.world_size < 1:
-            p.error("--world-size must be >= 1")
+        from .checkpoint.limits import limit
+        try:
+            most = limit(MAX_WORLD_SIZE)
+        except ValueError as e:  # a bad METAMAT_MAX_WORLD_SIZE
+            p.error(str(e))
+        if not 1 <= a.world_size <= most:
+            p.error(f"--world-size must be in [1, {most}] (the {MAX_WORLD_SIZE[0]} limit; "
+                    f"raise it with the environment variable {MAX_WORLD_SIZE[1]}=N)")
         if a.rank is not None and not 0 <= a.rank < a.world_size:
             p.error("--rank must be in [0, world-size)")
     try:
@@ -247,7 +302,7 @@ def main(argv=None) -> int:
                 info = inspect_info(ckpt)
                 show = _print_inspect
             else:
-                ranks = [a.rank] if a.rank is not None else list(range(a.world_size))
+                ranks = [a.rank] if a.rank is not None else planned_ranks(a.world_size)
                 info = plan_info(ckpt, a.world_size, a.sharding, ranks)
                 show = _print_plan
     except CheckpointError as e:

@@ -199,3 +199,46 @@ def test_checksum_verify_hostile_sidecar(ckpts, tmp_path):
     assert r.returncode == 1 and "leaves the checkpoint directory" in r.stderr
     assert "do not print me" not in r.stderr + r.stdout
     _no_traceback(r)
+
+
+# --- reliability round 3: large worlds are bounded and summarised ----------------------------
+
+def test_world_size_above_the_limit_is_bad_usage(ckpts):
+    r = run("plan", ckpts / "dcp", "--world-size", 10**9)
+    assert r.returncode == 2 and "METAMAT_MAX_WORLD_SIZE" in r.stderr and "1048576" in r.stderr
+    _no_traceback(r)
+    r = subprocess.run([sys.executable, "-m", "metamat", "plan", str(ckpts / "dcp"),
+                        "--world-size", "11"], capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, METAMAT_MAX_WORLD_SIZE="10"))
+    assert r.returncode == 2 and "[1, 10]" in r.stderr
+    assert run("plan", ckpts / "dcp", "--world-size", 0).returncode == 2
+
+
+def test_a_million_ranks_is_a_summary(ckpts):
+    """10**6 ranks printed a million lines (and 10**9 raised MemoryError): the first and last
+    8 ranks, what was left out, and totals."""
+    import time
+    t = time.perf_counter()
+    r = run("plan", ckpts / "dcp", "--world-size", 10**6)
+    assert r.returncode == 0, r.stderr
+    assert time.perf_counter() - t < 60
+    lines = r.stdout.splitlines()
+    assert len(lines) < 25
+    assert "999984 rank(s) not shown (not planned" in r.stdout
+    assert lines[-1].startswith("total over the 16 ranks shown")
+    assert "999999" in r.stdout
+    info = json.loads(run("plan", ckpts / "dcp", "--world-size", 10**6, "--json").stdout)
+    assert len(info["ranks"]) == 16 and info["totals"]["all_ranks"] is False
+
+
+def test_a_medium_world_is_planned_whole_and_shown_in_part(ckpts):
+    r = run("plan", ckpts / "dcp", "--world-size", 40)
+    assert r.returncode == 0, r.stderr
+    assert "24 rank(s) not shown (in the totals" in r.stdout
+    assert f"total over all 40 ranks: {(1600 + 240 + 7) * 4 / 1e6:.2f} MB needed" in r.stdout
+    info = json.loads(run("plan", ckpts / "dcp", "--world-size", 40, "--json").stdout)
+    assert len(info["ranks"]) == 40 and info["totals"]["all_ranks"]
+    assert info["totals"]["bytes_needed"] == (1600 + 240 + 7) * 4
+    one = json.loads(run("plan", ckpts / "dcp", "--world-size", 10**6, "--rank", 999_999,
+                         "--json").stdout)
+    assert list(one["ranks"]) == ["999999"]
