@@ -88,8 +88,9 @@ sanitize: setup
 	  -k "not fuzz" $(SAN_TESTS)
 
 # `make fuzz`: FUZZ_TIME seconds per harness (atheris: safetensors header, torch.save zip/pickle,
-# DCP chunk locator, the object-graph walk; libFuzzer: the C++ reader's op validation). Corpus and crash artifacts
-# stay in build/fuzz; a crash stops the target with the reproducer's path printed.
+# DCP chunk locator, the restricted unpicklers, the object-graph walk; libFuzzer: the C++
+# reader's op validation). Corpus and crash artifacts stay in build/fuzz; a crash stops the
+# target with the reproducer's path printed.
 FUZZ_TIME ?= 300
 FUZZ_DIR  := build/fuzz
 CLANGXX   ?= $(shell command -v clang++ 2>/dev/null)
@@ -100,7 +101,7 @@ fuzz: build
 	mkdir -p $(FUZZ_DIR)/corpus/read_ops
 	$(VPY) fuzz/seeds.py $(FUZZ_DIR)/corpus
 	rm -rf $(FUZZ_DIR)/tmp
-	for h in safetensors torch_save dcp; do \
+	for h in safetensors torch_save dcp pickle; do \
 	  METAMAT_FUZZ_TMP=$(FUZZ_DIR)/tmp $(VPY) fuzz/fuzz_$$h.py -max_total_time=$(FUZZ_TIME) -timeout=20 -print_final_stats=1 \
 	    -artifact_prefix=$(FUZZ_DIR)/$$h- $(FUZZ_DIR)/corpus/$$h || exit 1; done
 	mkdir -p $(FUZZ_DIR)/corpus/graph  # the object-graph walk; malloc: a freed read crashes

@@ -1,6 +1,6 @@
 """Write seed corpora for the harnesses: valid files plus every hostile variant's files.
 
-    python fuzz/seeds.py OUT   ->  OUT/safetensors, OUT/torch_save, OUT/dcp
+    python fuzz/seeds.py OUT   ->  OUT/safetensors, OUT/torch_save, OUT/dcp, OUT/pickle
 """
 import os
 import shutil
@@ -10,6 +10,7 @@ import tempfile
 
 import _harness as H  # noqa: F401  (sys.path)
 import hostile_gen
+import hostile_pickle
 
 
 def _index_seeds():
@@ -23,7 +24,7 @@ def _index_seeds():
 
 
 def main(out: str) -> None:
-    for sub in ("safetensors", "torch_save", "dcp"):
+    for sub in ("safetensors", "torch_save", "dcp", "pickle"):
         os.makedirs(os.path.join(out, sub), exist_ok=True)
     tmp = tempfile.mkdtemp(prefix="metamat_seeds_")
     try:
@@ -36,6 +37,9 @@ def main(out: str) -> None:
         for name, raw in _index_seeds().items():
             H.write(os.path.join(out, "safetensors", f"index_{name}"), raw)
         shutil.copy(bases["ts"], os.path.join(out, "torch_save", "valid"))
+        # genuine .metadata / data.pkl and the attacks of tests/hostile_pickle.py
+        for name, raw in hostile_pickle.seeds(bases).items():
+            H.write(os.path.join(out, "pickle", name), raw)
         # the valid files, and the TORCH_SAVE one shrinking to half while it is opened
         for sel, key, name in ((b"\x00\x00", "dcp", "valid_dcp"),
                                (b"\x01\x00", "dcpst", "valid_dcpst"),

@@ -60,7 +60,7 @@ def test_all_variants_in_a_subprocess(tmp_path, reader):
 
 # --- fuzz harnesses: a short run each (the long run is `make fuzz`) -------------------------
 
-HARNESSES = ["safetensors", "torch_save", "dcp"]
+HARNESSES = ["safetensors", "torch_save", "dcp", "pickle"]
 
 
 @pytest.fixture(scope="module")
