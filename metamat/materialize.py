@@ -73,7 +73,13 @@ def _resolve_device(model: nn.Module, device) -> Tuple[torch.device, bool]:
         raise ValueError("materialize: device must be a real device, not meta")
     if device.type == "cuda" and device.index is None and torch.cuda.is_available():
         device = torch.device("cuda", torch.cuda.current_device())
-    return emulation.resolve(device)
+    device, emulated = emulation.resolve(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        from .errors import UnsupportedError
+
+        raise UnsupportedError(f"materialize: device {device} asked for, and torch sees no "
+                               "CUDA device here (torch.cuda.is_available() is False)")
+    return device, emulated
 
 
 class _Load:
@@ -317,7 +323,11 @@ def materialize(
         sec["validate"] = time.perf_counter() - t
     except BaseException as e:  # noqa: BLE001 - told to the other ranks, then re-raised
         err = e
-    ranks.agree(err, "validation")
+    try:
+        ranks.agree(err, "validation")
+    except BaseException:
+        _undo(parts)
+        raise
 
     reading = False  # the reads began (with inplace=True: the live model may be written)
     shadows: list = []
@@ -352,6 +362,7 @@ def materialize(
     try:
         ranks.agree(err, "fill")
     except BaseException as e:  # noqa: BLE001
+        _undo(parts)
         live = sorted({t.fqn for t in ld.plan.targets if _is_live(t, alloc)}) \
             if reading and inplace else []
         if live:
@@ -374,6 +385,15 @@ def materialize(
     _log.info("metamat.materialize: %s", report.summary())
     _log.debug("materialize phases: %s", report.seconds)
     return report
+
+
+def _undo(parts) -> None:
+    """Put back what an adapter changed in the model before the call failed (TorchRec
+    collections laid out again for the GPU)."""
+    for p in parts:
+        undo = getattr(p, "undo", None)
+        if undo is not None:
+            undo()
 
 
 def _is_live(t: Target, alloc) -> bool:
@@ -405,6 +425,7 @@ def _fill_report(report: Report, parts, ld: _Load, executed, alloc, shadows) -> 
     report.bytes_transient = sum(s.untyped_storage().nbytes() for _l, s, _f in shadows)
     report.num_targets = len(targets)
     report.warnings = [w for p in parts for w in p.warnings]
+    report.warnings += list(getattr(executed, "warnings", ()))  # e.g. s3 objects nothing pins
     for p in parts:
         if hasattr(p, "value_sources"):
             report.buffers.update(p.value_sources())

@@ -370,14 +370,23 @@ def worker_refusals(rank, world_size):
     except metamat.DeviceMemoryError as e:
         out["memory"] = str(e)
     out["memory_meta"] = all(t.is_meta for t in gpu.parameters())
+    # an eager DMP on the CPU: its tables hold values in fbgemm's CPU layout
+    import torch.distributed as dist
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.types import ShardingEnv
+
     module, sharder, plan, _ = M.build("ebc", M.cpu_layout(M.MIXED), 1, device_type="cpu")
-    cpu = metamat.shard_on_meta(module, plan=plan, sharders=[sharder])
+    eager = DistributedModelParallel(module, ShardingEnv.from_process_group(dist.group.WORLD),
+                                     device=torch.device("cpu"), plan=plan, sharders=[sharder])
+    before = _state(eager)
     try:
         with emulated_cuda():
-            metamat.materialize(cpu, device="cuda", seed=1)
+            metamat.materialize(eager, device="cuda", seed=1)
     except metamat.UnsupportedError as e:
         out["layout"] = str(e)
-    out["layout_meta"] = all(t.is_meta for t in cpu.parameters())
+    after = _state(eager)
+    out["layout_unchanged"] = all(torch.equal(a, b) for k in before
+                                  for (_, a), (_, b) in zip(before[k], after[k]))
     return out
 
 
@@ -385,8 +394,52 @@ def test_refused_before_allocating():
     out = run_dist(worker_refusals, 1)[0]
     assert "LXU caches" in out["memory"] and "cache_sets=" in out["memory"], out["memory"]
     assert "nothing was allocated" in out["memory"] and out["memory_meta"]
-    assert "CPU kernels" in out["layout"] and "compute_device='cuda'" in out["layout"]
-    assert out["layout_meta"]
+    assert "CPU kernels" in out["layout"] and "hold values" in out["layout"], out["layout"]
+    assert out["layout_unchanged"]
+
+
+def worker_relayout(rank, world_size):
+    """TorchRec's own DMP on meta (fbgemm's CPU layout) materialized on the GPU: its
+    collections are sharded again for the CUDA layout; a failure puts the old ones back."""
+    import torch.distributed as dist
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.types import ShardingEnv
+
+    import metamat
+    from metamat.emulation import emulated_cuda
+
+    env = ShardingEnv.from_process_group(dist.group.WORLD)
+    # (a DLRM fails in TorchRec's own DDP wrap on meta: "param must be a leaf tensor")
+    module, sharder, plan, _ = M.build("ebc", M.MIXED, world_size)
+    dmp = DistributedModelParallel(module, env, device=torch.device("meta"), plan=plan,
+                                   sharders=[sharder], init_parameters=False)
+    sparse, optim = dmp.module, dmp._optim
+    out = {}
+    try:
+        with emulated_cuda(free_memory=4096):
+            metamat.materialize(dmp, device="cuda", seed=SEED)
+    except metamat.DeviceMemoryError:
+        out["restored"] = dmp.module is sparse and dmp._optim is optim and \
+            not hasattr(dmp, "_metamat_compute_device")
+    with emulated_cuda():
+        report = metamat.materialize(dmp, device="cuda", seed=SEED)
+    out["memory"] = report.bytes_by_memory
+    out["gpu"] = _state(dmp)
+    out["buffers"] = fbgemm_mismatches(dmp)
+    module, sharder, plan, _ = M.build("ebc", M.cpu_layout(M.MIXED), world_size,
+                                       device_type="cpu")
+    cpu = metamat.shard_on_meta(module, plan=plan, sharders=[sharder])
+    metamat.materialize(cpu, device="cpu", seed=SEED)
+    out["cpu"] = _state(cpu)
+    return out
+
+
+@pytest.mark.multiprocess
+def test_torchrec_dmp_on_meta_is_laid_out_again_for_the_gpu():
+    ranks = run_dist(worker_relayout, 2)
+    assert all(r["restored"] for r in ranks)
+    assert all("uvm" in r["memory"] and r["buffers"] == [] for r in ranks)
+    assert_same([r["gpu"] for r in ranks], [r["cpu"] for r in ranks], "relayout")
 
 
 def test_placements_name_each_ranks_gpu(monkeypatch):

@@ -109,15 +109,28 @@ def find_parts(model: nn.Module, device: torch.device, init: Mapping, *, loading
             anything is allocated.
     """
     from .torchrec.part import TorchRecPart
-    from .torchrec.walk import root_of, sharded_modules
+    from .torchrec.walk import laid_out_for, root_of, sharded_modules
 
     sharded = sharded_modules(root_of(model))  # [] unless torchrec was imported
-    skip = [n for n, _ in sharded]
-    modules = ModulesPart(root_of(model) if skip else model, skip=skip, loading=loading,
-                          aliases=not skip)
-    parts: list = []
-    if skip:
-        parts.append(TorchRecPart(model, device, init, claimed=modules.claimed(),
-                                  loading=loading, sharded=sharded, emulated=emulated))
-    parts.append(modules)
+    undo = None
+    if sharded and (device.type == "cuda" or emulated) and laid_out_for(model, sharded) is None:
+        # fbgemm's CPU layout, all on meta: built again for the GPU (undone on failure)
+        from .torchrec.relayout import relayout_for_cuda
+
+        undo = relayout_for_cuda(model, sharded, device)
+        sharded = sharded_modules(root_of(model))
+    try:
+        skip = [n for n, _ in sharded]
+        modules = ModulesPart(root_of(model) if skip else model, skip=skip, loading=loading,
+                              aliases=not skip)
+        parts: list = []
+        if skip:
+            parts.append(TorchRecPart(model, device, init, claimed=modules.claimed(),
+                                      loading=loading, sharded=sharded, emulated=emulated))
+            parts[0].undo = undo
+        parts.append(modules)
+    except BaseException:
+        if undo is not None:
+            undo()
+        raise
     return parts

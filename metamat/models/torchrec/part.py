@@ -55,6 +55,7 @@ class TorchRecPart:
         self.storages = list(self.plan.storages.values())
         self.warnings: List[str] = list(self.plan.warnings)
         self.optim: Optional[OptimMatch] = None
+        self.undo = None  # set by find_parts when the tables were laid out again (relayout)
 
     def names(self) -> Dict[str, List[str]]:
         """Every checkpointable name of the sharded modules (global: with or without a block

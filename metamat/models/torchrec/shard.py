@@ -34,7 +34,7 @@ from .fastranks import indexed_group_ranks
 from .host_kernels import host_dense_kernels
 from .meta_factories import MetaFactories
 
-__all__ = ["shard_on_meta", "MetaDDP"]
+__all__ = ["shard_on_meta", "MetaDDP", "building_on_meta"]
 
 _META = torch.device("meta")
 
@@ -140,6 +140,42 @@ def _default_plan(module: nn.Module, env: Any, sharders: Optional[List[Any]],
         else planner.plan(module, sharders)
 
 
+@contextlib.contextmanager
+def building_on_meta(cuda: Optional[torch.device] = None):
+    """While active, TorchRec shards modules on meta: floating factories go to meta, lookups
+    get ``MetaDDP``, and TorchRec's quadratic steps are linear. ``cuda``: the GPU the tables
+    are laid out for (fbgemm's CUDA layout, ``cuda_kernels``), else fbgemm's CPU layout.
+    Yields the list of TBE records of the CUDA layout (None for the CPU one)."""
+    import importlib
+
+    ddp_users = [importlib.import_module(name) for name in _DDP_USERS]
+    saved_ddp = [getattr(mod, "DistributedDataParallel") for mod in ddp_users]
+    try:
+        for mod in ddp_users:
+            mod.DistributedDataParallel = MetaDDP
+        with contextlib.ExitStack() as stack:
+            records = None
+            if cuda is not None:
+                from .cuda_kernels import (cuda_dense_kernels, cuda_fused_kernels,
+                                           register_meta_flush)
+
+                register_meta_flush()
+                records = stack.enter_context(cuda_fused_kernels(cuda.index))
+                stack.enter_context(cuda_dense_kernels())
+            else:
+                # the CPU layout, data-parallel tables included, also on a GPU host
+                stack.enter_context(host_dense_kernels())
+            stack.enter_context(MetaFactories(cuda=cuda is not None))
+            stack.enter_context(gc_paused())  # ~100 live objects per table: see _gcpause
+            stack.enter_context(linear_table_optimizers())  # TorchRec's is quadratic
+            stack.enter_context(indexed_table_names())  # its name filter too
+            stack.enter_context(indexed_group_ranks())  # torch's placement check: per world
+            yield records
+    finally:
+        for mod, val in zip(ddp_users, saved_ddp):
+            mod.DistributedDataParallel = val
+
+
 def _this_ranks_gpu(device: torch.device) -> torch.device:
     """``cuda`` without an index is this rank's GPU: ``cuda:LOCAL_RANK`` under torchrun (when
     that GPU exists), else the current CUDA device; without a visible GPU it stays ``cuda``."""
@@ -217,33 +253,10 @@ def shard_on_meta(
         check_cuda_plan(plan)
     rank_devices: Dict[int, torch.device] = {}
     plan = _plan_to_meta(plan, rank_devices)
-    import importlib
-
-    ddp_users = [importlib.import_module(name) for name in _DDP_USERS]
-    saved_ddp = [getattr(mod, "DistributedDataParallel") for mod in ddp_users]
     old_devices = _normalise_devices(module)
     try:
         _to_meta_inplace(module)
-        for mod in ddp_users:
-            mod.DistributedDataParallel = MetaDDP
-        with contextlib.ExitStack() as stack:
-            records = None
-            if cuda_layout:
-                from .cuda_kernels import (cuda_dense_kernels, cuda_fused_kernels,
-                                           register_meta_flush)
-
-                register_meta_flush()
-
-                records = stack.enter_context(cuda_fused_kernels(compute_device.index))
-                stack.enter_context(cuda_dense_kernels())
-            else:
-                # the CPU layout, data-parallel tables included, also on a GPU host
-                stack.enter_context(host_dense_kernels())
-            stack.enter_context(MetaFactories(cuda=cuda_layout))
-            stack.enter_context(gc_paused())  # ~100 live objects per table: see _gcpause
-            stack.enter_context(linear_table_optimizers())  # TorchRec's is quadratic
-            stack.enter_context(indexed_table_names())  # its name filter too
-            stack.enter_context(indexed_group_ranks())  # torch's placement check: per world
+        with building_on_meta(compute_device if cuda_layout else None) as records:
             dmp = DistributedModelParallel(
                 module,
                 env=env,
@@ -258,9 +271,6 @@ def shard_on_meta(
         for (m, attr), val in old_devices.items():
             m.__dict__[attr] = val
         raise
-    finally:
-        for mod, val in zip(ddp_users, saved_ddp):
-            mod.DistributedDataParallel = val
     dmp._metamat_defer_ddp = True
     if cuda_layout:
         # The layout is fbgemm's CUDA one: materialize must put it on a CUDA device.

@@ -28,7 +28,7 @@ from .graph import Graph, scan
 from .meta_factories import recorded_value
 from .state_dict import module_state_dict
 
-__all__ = ["TorchRecPlan", "build_plan", "sharded_modules", "root_of"]
+__all__ = ["TorchRecPlan", "build_plan", "sharded_modules", "root_of", "laid_out_for"]
 
 
 @dataclasses.dataclass
@@ -137,7 +137,7 @@ def _wrappers(sm: nn.Module) -> List[nn.Module]:
     return out
 
 
-def _laid_out_for(model: nn.Module, sharded: List[Tuple[str, nn.Module]]) -> Optional[torch.device]:
+def laid_out_for(model: nn.Module, sharded: List[Tuple[str, nn.Module]]) -> Optional[torch.device]:
     """The CUDA device a model's TBEs are laid out for (``shard_on_meta(compute_device=
     "cuda")``, or an eager DMP built on a GPU), else None (fbgemm's CPU layout)."""
     dev = getattr(model, "_metamat_compute_device", None)
@@ -399,12 +399,12 @@ def build_plan(model: nn.Module, device: torch.device, init=None, *, claimed=fro
     graph = scan(model)
     if sharded is None:
         sharded = sharded_modules(root)
-    laid_out_for = _laid_out_for(model, sharded)
-    cuda = bool(sharded) and laid_out_for is not None
+    layout = laid_out_for(model, sharded)
+    cuda = bool(sharded) and layout is not None
     if cuda and device.type != "cuda" and not emulated:
         raise UnsupportedError(
-            f"this model's TorchRec tables are laid out for {laid_out_for} (shard_on_meta "
-            f"with compute_device={str(laid_out_for)!r}); materialize them on a CUDA device "
+            f"this model's TorchRec tables are laid out for {layout} (shard_on_meta "
+            f"with compute_device={str(layout)!r}); materialize them on a CUDA device "
             f"(device='cuda'), not on {device}"
         )
     if sharded and not cuda and (device.type != "cpu" or emulated):
