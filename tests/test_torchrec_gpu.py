@@ -82,7 +82,7 @@ def _close(a: dict, b: dict) -> list:
     return bad
 
 
-def worker_train(rank, world_size, case, tmp):
+def worker_train(rank, world_size, case, tmp, via="shard_on_meta"):
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torchrec.distributed.model_parallel import DistributedModelParallel
@@ -95,7 +95,13 @@ def worker_train(rank, world_size, case, tmp):
     dev = torch.device("cuda", rank)
     res = {}
     module, sharder, plan, tables = M.build("ebc", layout, world_size, extra=extra)
-    gpu = metamat.shard_on_meta(module, plan=plan, sharders=[sharder], compute_device="cuda")
+    env = ShardingEnv.from_process_group(dist.group.WORLD)
+    if via == "dmp":  # TorchRec's own DMP on meta: fbgemm's CPU layout, laid out again
+        gpu = DistributedModelParallel(module, env, device=torch.device("meta"), plan=plan,
+                                       sharders=[sharder], init_parameters=False)
+    else:
+        gpu = metamat.shard_on_meta(module, plan=plan, sharders=[sharder],
+                                    compute_device="cuda")
     report = metamat.materialize(gpu, seed=SEED)
     res["device"], res["memory"] = report.device, report.bytes_by_memory
     uvm = []
@@ -118,7 +124,6 @@ def worker_train(rank, world_size, case, tmp):
     res["init_bits"] = [k for k in init_c if any(
         not torch.equal(x, y) for (_, x), (_, y) in zip(init_g[k], init_c[k]))]
     # an eager TorchRec DMP on the GPU holding the same values
-    env = ShardingEnv.from_process_group(dist.group.WORLD)
     emod, _, _, _ = M.build("ebc", layout, world_size, extra=extra)
     eager = DistributedModelParallel(emod, env, device=dev, plan=plan, sharders=[sharder])
     eager.load_state_dict(gpu.state_dict())
@@ -145,9 +150,9 @@ def worker_train(rank, world_size, case, tmp):
     return res
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_materialize_train_and_load_like_eager_torchrec(case, tmp_path):
-    r = run_dist(worker_train, 1, case, str(tmp_path), backend="nccl")[0]
+@pytest.mark.parametrize("case,via", [(c, "shard_on_meta") for c in CASES] + [("mixed", "dmp")])
+def test_materialize_train_and_load_like_eager_torchrec(case, via, tmp_path):
+    r = run_dist(worker_train, 1, case, str(tmp_path), via, backend="nccl")[0]
     layout, extra = CASES[case]
     assert r["device"].startswith("cuda:"), r["device"]
     assert r["init_bits"] == [], r["init_bits"]
