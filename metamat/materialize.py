@@ -405,10 +405,11 @@ def _read(ld: _Load, io_threads, staging_bytes, progress, io, alloc):
     from .allocate import DEVICE
     from .load import execute
 
-    staged = False
-    if alloc.emulated:  # what a GPU holds in device memory goes through the staging ring
-        def staged(t: Target) -> bool:
-            return alloc.memory_of(t.tensor) == DEVICE
+    def in_device_memory(t: Target) -> bool:
+        return alloc.memory_of(t.tensor) == DEVICE
+
+    # on the emulated device, what a GPU holds in device memory goes through the staging ring
+    staged = in_device_memory if alloc.emulated else False
     cb = make_progress(progress, rank())
     try:
         return execute(ld.plan, io_threads=io_threads, staging_bytes=staging_bytes,

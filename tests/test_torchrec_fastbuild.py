@@ -56,11 +56,11 @@ def _describe(value):
 
 def _per_table(dmp):
     """Table -> (slice shape, its per-table optimizer's state_dict described)."""
-    from metamat.models.torchrec.walk import _wrappers, root_of, sharded_modules
+    from metamat.models.torchrec.sharded import root_of, sharded_modules, wrappers
 
     out = {}
     for _, sm in sharded_modules(root_of(dmp)):
-        for m in _wrappers(sm):
+        for m in wrappers(sm):
             for name, w in m._param_per_table.items():
                 (opt,) = w._in_backward_optimizers
                 sd = opt.state_dict()

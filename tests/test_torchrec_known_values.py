@@ -36,9 +36,9 @@ def _model(kernel: str):
 
 
 def _wrappers(model):
-    from metamat.models.torchrec.walk import _wrappers, root_of, sharded_modules
+    from metamat.models.torchrec.sharded import root_of, sharded_modules, wrappers
 
-    return [w for _, sm in sharded_modules(root_of(model)) for w in _wrappers(sm)]
+    return [w for _, sm in sharded_modules(root_of(model)) for w in wrappers(sm)]
 
 
 def _eager(env, ebc, sharder, plan):
@@ -50,7 +50,7 @@ def _eager(env, ebc, sharder, plan):
 
 def _integer_metadata_equals_eager(model, eager) -> int:
     """Every non-empty integer tensor of each TBE equals eager DMP's; returns how many."""
-    from metamat.models.torchrec.walk import _own_tensors
+    from metamat.models.torchrec.values import own_tensors as _own_tensors
 
     n = 0
     for got, want in zip(_wrappers(model), _wrappers(eager), strict=True):
@@ -80,7 +80,7 @@ def _materialize_counting_rebuilds(model, monkeypatch) -> int:
 def test_recorded_tbe_values_equal_fbgemms_rebuild(world1_env, kernel, monkeypatch):
     import metamat
     from metamat.models.torchrec import tbe
-    from metamat.models.torchrec.walk import _own_tensors, _value_unknown
+    from metamat.models.torchrec.values import own_tensors as _own_tensors, value_unknown as _value_unknown
 
     ebc, sharder, plan = _model(kernel)
     dmp = metamat.shard_on_meta(ebc(), env=world1_env, plan=plan, sharders=[sharder])
@@ -113,7 +113,7 @@ def test_a_record_written_since_is_not_trusted(world1_env, monkeypatch):
     """A recorded tensor written in place after its factory call (on meta the write does
     nothing) falls back to fbgemm's rebuild."""
     import metamat
-    from metamat.models.torchrec.walk import _own_tensors, _value_unknown
+    from metamat.models.torchrec.values import own_tensors as _own_tensors, value_unknown as _value_unknown
 
     ebc, sharder, plan = _model("fused")
     dmp = metamat.shard_on_meta(ebc(), env=world1_env, plan=plan, sharders=[sharder])
@@ -128,7 +128,7 @@ def test_a_record_written_since_is_not_trusted(world1_env, monkeypatch):
 def test_a_dmp_built_on_meta_is_rebuilt(world1_env, monkeypatch):
     from torchrec.distributed.model_parallel import DistributedModelParallel
 
-    from metamat.models.torchrec.walk import _own_tensors, _value_unknown
+    from metamat.models.torchrec.values import own_tensors as _own_tensors, value_unknown as _value_unknown
 
     ebc, sharder, plan = _model("fused")
     dmp = DistributedModelParallel(ebc(), env=world1_env, device=torch.device("meta"), plan=plan,
@@ -149,7 +149,7 @@ def test_torchrec_values_recomputed_only_when_not_recorded(world1_env):
     import metamat
     from metamat.models.torchrec.meta_factories import recorded_value
     from metamat.models.torchrec.values import torchrec_known_values
-    from metamat.models.torchrec.walk import root_of, sharded_modules
+    from metamat.models.torchrec.sharded import root_of, sharded_modules
 
     ebc, sharder, plan = _model("fused")
 

@@ -67,7 +67,7 @@ def _sharded(kind: str, kinds: dict, via: str, env):
 @pytest.mark.parametrize("via", ["metamat", "torchrec-meta", "eager"])
 @pytest.mark.parametrize("kind", ["ebc", "ec"])
 def test_equals_state_dict_on_torchrec_modules(world1_env, kind, via):
-    from metamat.models.torchrec.walk import root_of, sharded_modules
+    from metamat.models.torchrec.sharded import root_of, sharded_modules
 
     if (kind, via) == ("ec", "torchrec-meta"):
         pytest.skip("TorchRec's DistributedModelParallel(device=meta) cannot build an "
@@ -89,7 +89,7 @@ def test_equals_state_dict_on_torchrec_modules(world1_env, kind, via):
 
 
 def test_hooks_on_a_table_module_fall_back_to_state_dict(world1_env):
-    from metamat.models.torchrec.walk import root_of, sharded_modules
+    from metamat.models.torchrec.sharded import root_of, sharded_modules
 
     dmp = _sharded("ebc", {"t0": "tw", "t1": "rw", "t2": "dp"}, "metamat", world1_env)
     (_, sm), = sharded_modules(root_of(dmp))

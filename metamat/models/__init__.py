@@ -109,7 +109,7 @@ def find_parts(model: nn.Module, device: torch.device, init: Mapping, *, loading
             anything is allocated.
     """
     from .torchrec.part import TorchRecPart
-    from .torchrec.walk import laid_out_for, root_of, sharded_modules
+    from .torchrec.sharded import laid_out_for, root_of, sharded_modules
 
     sharded = sharded_modules(root_of(model))  # [] unless torchrec was imported
     undo = None

@@ -28,9 +28,9 @@ _META = torch.device("meta")
 def _tables_meta(sm: nn.Module) -> bool:
     """Every fused table of ``sm`` is on meta. (Dense data-parallel tables may be real: DMP on
     meta builds them for real with torch's RNG on a GPU host; they are built again on meta.)"""
-    from .walk import _wrappers
+    from .sharded import wrappers
 
-    for w in _wrappers(sm):
+    for w in wrappers(sm):
         emb = w._emb_module
         if type(emb).__name__ != "SplitTableBatchedEmbeddingBagsCodegen":
             continue
@@ -76,7 +76,7 @@ def relayout_for_cuda(model: nn.Module, sharded: List[Tuple[str, nn.Module]],
             type or plan this cannot rebuild (nothing was changed then).
     """
     from .shard import _plan_to_meta, _this_ranks_gpu, building_on_meta
-    from .walk import root_of
+    from .sharded import root_of
 
     needed = ("_plan", "_sharder_map", "_env", "_init_optim", "_optim")
     if not all(hasattr(model, n) for n in needed):

@@ -5,12 +5,17 @@ directly on meta we recompute the few TorchRec creates in its constructors (torc
 """
 from __future__ import annotations
 
-from typing import Dict, Iterator, List, Optional, Tuple
+from typing import Dict, Iterator, List, Optional, Set, Tuple
 
 import torch
 from torch import nn
 
-__all__ = ["torchrec_known_values"]
+from ...plan import storage_key
+from .meta_factories import recorded_value
+from .sharded import wrappers
+
+__all__ = ["torchrec_known_values", "known_values", "put_value", "value_unknown",
+           "own_tensors"]
 
 
 def _permute_indices(sm: nn.Module) -> Optional[List[int]]:
@@ -60,3 +65,60 @@ def torchrec_known_values(sm: nn.Module) -> Iterator[Tuple[torch.Tensor, torch.T
     fot = sm._buffers.get("_features_order_tensor") if hasattr(sm, "_buffers") else None
     if _unknown(fot) and fo is not None:
         yield fot, torch.tensor(fo, dtype=fot.dtype)
+
+
+def put_value(values: Dict[int, torch.Tensor], old: torch.Tensor, new: torch.Tensor,
+               device: torch.device) -> None:
+    """Record ``new`` as the content of ``old``'s storage when ``old`` is the whole storage."""
+    if not old.is_meta or old.numel() == 0:
+        return
+    if old.storage_offset() != 0 or not old.is_contiguous() or \
+            old.untyped_storage().nbytes() != old.numel() * old.element_size():
+        return  # a view into a bigger storage: not plain metadata
+    values[storage_key(old)] = new.to(device)
+
+
+def known_values(meta: List[torch.Tensor], sharded: List[Tuple[str, nn.Module]],
+                  device: torch.device, skip: Set[int] = frozenset()) -> Dict[int, torch.Tensor]:
+    """storage key -> real tensor with the storage's content, for metadata we can produce.
+    ``meta``: the meta tensors whose recorded values count; only a contiguous tensor at
+    offset 0 of its storage can give one (the caller may pass just those). ``skip``: ids of
+    wrappers whose TBE metadata the caller gives (the CUDA layout's)."""
+    from .tbe import rebuild_tbe_metadata
+
+    values: Dict[int, torch.Tensor] = {}
+
+    def put(old: torch.Tensor, new: torch.Tensor) -> None:
+        put_value(values, old, new, device)
+
+    for _, sm in sharded:
+        for w in wrappers(sm):
+            if id(w) in skip:
+                continue
+            own = own_tensors(w._emb_module)
+            if not any(value_unknown(t) for t in own.values()):
+                continue  # shard_on_meta recorded every value (~9 µs per table saved)
+            for name, new in rebuild_tbe_metadata(w, device).items():
+                put(own[name], new)
+        for old, new in torchrec_known_values(sm):
+            put(old, new)
+    for t in meta:
+        v = recorded_value(t)
+        if v is not None:
+            put(t, v)
+    return values
+
+
+def value_unknown(t: torch.Tensor) -> bool:
+    """A non-empty integer meta tensor with no recorded value: TBE metadata (offsets,
+    placements, counters) only fbgemm's constructor can tell. Floating ones are tables,
+    optimizer state or zeros; they need no rebuild."""
+    return t.is_meta and t.numel() > 0 and not t.is_floating_point() \
+        and recorded_value(t) is None
+
+
+def own_tensors(m: nn.Module) -> Dict[str, torch.Tensor]:
+    out = {k: v for k, v in m.__dict__.items() if isinstance(v, torch.Tensor)}
+    out.update({k: v for k, v in m._parameters.items() if v is not None})
+    out.update({k: v for k, v in m._buffers.items() if v is not None})
+    return out

@@ -1,0 +1,135 @@
+"""TorchRec adapter: the sharded collections of a model, their kernel wrappers and layouts."""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from ...errors import UnsupportedError
+
+__all__ = ["root_of", "sharded_modules", "wrappers", "named_wrappers", "laid_out_for",
+           "table_configs", "uses_torchrec"]
+
+
+def root_of(model: nn.Module) -> nn.Module:
+    """The module whose ``named_modules`` names match ``model.state_dict()`` keys (a DMP's
+    wrapped module, else the model)."""
+    return model.module if hasattr(model, "_dmp_wrapped_module") else model
+
+
+def _unwrap(m: Any) -> Any:
+    while hasattr(m, "module") and isinstance(m, torch.nn.parallel.DistributedDataParallel):
+        m = m.module
+    return m
+
+
+def uses_torchrec() -> bool:
+    # A model can only hold TorchRec modules if torchrec was imported.
+    import sys
+
+    return "torchrec" in sys.modules
+
+
+def sharded_modules(root: nn.Module) -> List[Tuple[str, nn.Module]]:
+    if not uses_torchrec():
+        return []
+    from torchrec.distributed.embedding import ShardedEmbeddingCollection
+    from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
+    from torchrec.distributed.types import ShardedModule
+
+    from ..modules import named_modules_pruned
+
+    tables = (ShardedEmbeddingBagCollection, ShardedEmbeddingCollection)
+    out = []
+    # not below a table module: its ~1 module per table is never a sharded module
+    for name, m in named_modules_pruned(root, lambda _n, m: isinstance(m, tables)):
+        if isinstance(m, tables):
+            out.append((name, m))
+        elif isinstance(m, ShardedModule) and not _is_container(m):
+            if any(p.is_meta for p in _tensors_of(m)):
+                raise UnsupportedError(
+                    f"{name or '<root>'}: sharded module type {type(m).__name__} is not supported "
+                    "(supported: ShardedEmbeddingBagCollection, ShardedEmbeddingCollection)"
+                )
+    return out
+
+
+def _is_container(m: nn.Module) -> bool:
+    """A sharded module whose tables are a ShardedEmbeddingBagCollection child (found on its
+    own by ``named_modules``) and whose other state is ordinary modules and tensors: TorchRec's
+    ShardedFeatureProcessedEmbeddingBagCollection (position-weighted features)."""
+    try:
+        from torchrec.distributed.fp_embeddingbag import (
+            ShardedFeatureProcessedEmbeddingBagCollection as FP)
+    except ImportError:  # a TorchRec without feature processors
+        return False
+    return isinstance(m, FP)
+
+
+def _tensors_of(m: nn.Module) -> List[torch.Tensor]:
+    try:
+        return list(m.parameters()) + list(m.buffers())
+    except Exception:  # noqa: BLE001 - some sharded modules refuse; treat as opaque
+        return []
+
+
+def wrappers(sm: nn.Module) -> List[nn.Module]:
+    from torchrec.distributed.batched_embedding_kernel import (
+        BatchedDenseEmbedding,
+        BatchedDenseEmbeddingBag,
+        BatchedFusedEmbedding,
+        BatchedFusedEmbeddingBag,
+    )
+
+    supported = (BatchedFusedEmbeddingBag, BatchedDenseEmbeddingBag, BatchedFusedEmbedding,
+                 BatchedDenseEmbedding)
+    out = []
+    for lookup in sm._lookups:
+        lookup = _unwrap(lookup)
+        for w in getattr(lookup, "_emb_modules", []):
+            if type(w) not in supported:
+                raise UnsupportedError(
+                    f"compute kernel module {type(w).__name__} is not supported "
+                    f"(supported: {', '.join(c.__name__ for c in supported)})"
+                )
+            out.append(w)
+    return out
+
+
+def laid_out_for(model: nn.Module, sharded: List[Tuple[str, nn.Module]]) -> Optional[torch.device]:
+    """The CUDA device a model's TBEs are laid out for (``shard_on_meta(compute_device=
+    "cuda")``, or an eager DMP built on a GPU), else None (fbgemm's CPU layout)."""
+    dev = getattr(model, "_metamat_compute_device", None)
+    if dev is not None or not sharded:
+        return dev
+    for _, w in named_wrappers(sharded):
+        specs = getattr(getattr(w, "_emb_module", None), "embedding_specs", None) or []
+        if any(len(s) > 3 and getattr(s[3], "name", "") == "CUDA" for s in specs):
+            return torch.device("cuda")
+    return None
+
+
+def named_wrappers(sharded: List[Tuple[str, nn.Module]]) -> List[Tuple[str, nn.Module]]:
+    """(readable path, kernel wrapper) of every sharded module's lookups."""
+    out = []
+    for name, sm in sharded:
+        for i, lookup in enumerate(sm._lookups):
+            for j, w in enumerate(getattr(_unwrap(lookup), "_emb_modules", [])):
+                out.append((f"{name or '<root>'}._lookups[{i}]._emb_modules[{j}]", w))
+    return out
+
+
+def table_configs(sm: nn.Module) -> Dict[str, Any]:
+    """Table name -> the user's config (with its ``init_fn``). TorchRec keeps the module's
+    configs on the sharded module; the kernels' ShardedEmbeddingTable copies lose init_fn."""
+    out = {}
+    for attr in ("_embedding_bag_configs", "_embedding_configs"):
+        for cfg in getattr(sm, attr, None) or []:
+            out.setdefault(cfg.name, cfg)
+    if out:
+        return out
+    for w in wrappers(sm):
+        for t in w._config.embedding_tables:
+            out.setdefault(t.name, t)
+    return out
