@@ -256,6 +256,21 @@ def test_data_pkl_tricks_never_run(bases, tmp_path):
         assert not os.path.exists(HP.marker(p)), name
 
 
+def test_dcp_blob_unpickler_refuses_the_same_tricks(tmp_path):
+    """The data.pkl of every torch.save blob inside a DCP .distcp goes through the same
+    unpickler (dcp._unpickled): GLOBAL+REDUCE, INST, OBJ, a dotted name, a non-storage
+    persistent id, an EXT code, a memo bomb."""
+    from metamat.checkpoint.torch_save import _RestrictedUnpickler
+    m = str(tmp_path / "x")
+    obj = b"\x80\x02(cposix\nsystem\nX\x05\x00\x00\x00touch" + b"o."
+    for raw in (HP.system_payload(m), HP.inst_payload(m), obj,
+                HP.dotted_payload(m, "torch._utils"), HP.persid_payload(), HP.ext_payload(),
+                HP.memo_bomb()):
+        with pytest.raises(UnsafePickleError):
+            _RestrictedUnpickler(io.BytesIO(raw), "blob").load()
+    assert not os.path.exists(HP.marker(m))
+
+
 def test_build_cannot_change_the_unpicklers_objects(dcp_dir, bases, tmp_path):
     """A BUILD on an allow-listed function, class or enum member is refused and changes
     nothing for later loads (a plain function's __defaults__ could be rewritten before)."""
