@@ -260,6 +260,9 @@ def materialize(
             plain buffered reads), ``"buffered"`` or ``"direct"`` (``O_DIRECT``, pipelined).
         storage_options: for an ``s3://bucket/prefix`` ``ckpt``: credentials, endpoint and
             read settings (see ``docs/S3.md``); default: the ``AWS_*`` environment.
+            ``"deadline"``: seconds the open, and then the reads, may each take in all
+            (default ``METAMAT_S3_DEADLINE``, else 300): a stalled store fails with a
+            ReadError by then on its rank, and its peers raise one naming it.
         timeout: seconds a rank waits for its peers at each agreement point before raising
             :class:`PeerFailedError` (a dead peer is noticed at once); default
             ``METAMAT_TIMEOUT`` or 600.

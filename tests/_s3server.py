@@ -4,7 +4,10 @@
 puts a fault-injecting HTTP proxy (:class:`FaultProxy`) in front of it: clients talk HTTP to
 the proxy, which forwards to moto, or, while faults are queued, answers the next matching
 requests with a 503 SlowDown, drops the connection without answering, or sends the status
-and full ``Content-Length`` but only half of the body.
+and full ``Content-Length`` but only half of the body. Hostile behaviours that last until
+:meth:`FaultProxy.clear` (:meth:`FaultProxy.behave`): a listing that never ends (every page
+says ``IsTruncated``), ranged bodies trickled at a few bytes per second, responses without
+``ETag`` (and ``Last-Modified``).
 """
 from __future__ import annotations
 
@@ -12,6 +15,9 @@ import http.client
 import os
 import socket
 import threading
+import time
+import urllib.parse
+from email.utils import formatdate
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Dict, List, Optional
 
@@ -33,6 +39,10 @@ class _Handler(BaseHTTPRequestHandler):
         body = self.rfile.read(n) if n else None
         fault = px.take(self.command, self.headers.get("Range") is not None)
         px.count(self.command, self.headers.get("Range"))
+        query = urllib.parse.parse_qs(urllib.parse.urlsplit(self.path).query)
+        if px.list_endless is not None and self.command == "GET" and "list-type" in query:
+            self._endless_page(px, query)
+            return
         if fault == "503":
             self.send_response(503)
             self.send_header("Content-Type", "application/xml")
@@ -57,9 +67,10 @@ class _Handler(BaseHTTPRequestHandler):
         finally:
             conn.close()
         self.send_response(r.status, r.reason)
+        drop = {"connection", "transfer-encoding", "content-length", "server", "date"}
+        drop |= {h.lower() for h in px.strip}
         for k, v in r.getheaders():
-            if k.lower() not in ("connection", "transfer-encoding", "content-length",
-                                 "server", "date"):
+            if k.lower() not in drop:
                 self.send_header(k, v)
         if self.command == "HEAD":
             self.send_header("Content-Length", r.getheader("Content-Length", "0"))
@@ -79,7 +90,54 @@ class _Handler(BaseHTTPRequestHandler):
             except OSError:
                 pass
             return
+        if px.slow and self.command == "GET" and self.headers.get("Range") is not None:
+            self._trickle(px, data)
+            return
         self.wfile.write(data)
+
+    def _trickle(self, px: "FaultProxy", data: bytes) -> None:
+        """The body at ``px.slow`` bytes per second, until done or the client goes away."""
+        self.wfile.flush()
+        try:
+            for i in range(0, len(data), px.slow):
+                if px.stopping:
+                    break
+                self.wfile.write(data[i:i + px.slow])
+                self.wfile.flush()
+                time.sleep(1.0)
+        except OSError:  # the client gave up: what a deadline should make it do
+            pass
+        self.close_connection = True
+
+    def _endless_page(self, px: "FaultProxy", query) -> None:
+        """A ListObjectsV2 page that says there is always another one: ``px.list_endless``
+        keys per page (0: empty pages), each page a new continuation token."""
+        prefix = (query.get("prefix") or [""])[0]
+        token = (query.get("continuation-token") or ["0"])[0]
+        page = int(token) + 1 if token.isdigit() else 1
+        with px._lock:
+            px.list_pages += 1
+        when = formatdate(usegmt=True)
+        keys = "".join(
+            f"<Contents><Key>{prefix}junk-{page}-{i:06d}.safetensors</Key>"
+            f"<LastModified>2024-01-01T00:00:00.000Z</LastModified><ETag>&quot;x&quot;</ETag>"
+            f"<Size>8</Size><StorageClass>STANDARD</StorageClass></Contents>"
+            for i in range(px.list_endless))
+        xml = ('<?xml version="1.0" encoding="UTF-8"?><ListBucketResult '
+               'xmlns="http://s3.amazonaws.com/doc/2006-03-01/"><Name>b</Name>'
+               f"<Prefix>{prefix}</Prefix><KeyCount>{px.list_endless}</KeyCount>"
+               f"<MaxKeys>1000</MaxKeys><IsTruncated>true</IsTruncated>{keys}"
+               f"<NextContinuationToken>{page}</NextContinuationToken></ListBucketResult>"
+               ).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/xml")
+        self.send_header("Content-Length", str(len(xml)))
+        self.send_header("Last-Modified", when)
+        self.end_headers()
+        try:
+            self.wfile.write(xml)
+        except OSError:
+            pass
 
     do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _serve
 
@@ -88,7 +146,8 @@ class FaultProxy:
     """HTTP proxy on 127.0.0.1 in front of ``upstream`` with a queue of faults.
 
     ``inject(mode, n, ranged_only=True)`` makes the next ``n`` GETs (with a Range header, by
-    default) fail as ``mode``: ``"503"``, ``"drop"`` or ``"truncate"``.
+    default) fail as ``mode``: ``"503"``, ``"drop"`` or ``"truncate"``. ``behave(...)`` sets
+    lasting hostile behaviours (see there).
     """
 
     def __init__(self, upstream_host: str, upstream_port: int) -> None:
@@ -97,6 +156,11 @@ class FaultProxy:
         self._ranged_only = True
         self._lock = threading.Lock()
         self.requests: List[tuple] = []
+        self.list_endless: Optional[int] = None
+        self.list_pages = 0
+        self.slow = 0
+        self.strip: tuple = ()
+        self.stopping = False
         self.srv = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
         self.srv.daemon_threads = True
         self.srv.proxy = self  # type: ignore[attr-defined]
@@ -113,10 +177,25 @@ class FaultProxy:
             self._faults.extend([mode] * n)
             self._ranged_only = ranged_only
 
+    def behave(self, *, list_endless: Optional[int] = None, slow: int = 0,
+               strip: tuple = ()) -> None:
+        """Lasting hostile behaviours, until :meth:`clear`.
+
+        Args:
+            list_endless: every ListObjectsV2 request is answered by a page of this many new
+                keys (0: none) that says another page follows (``IsTruncated``), forever.
+            slow: ranged GET bodies are sent at this many bytes per second.
+            strip: response headers left out (e.g. ``("ETag", "Last-Modified")``).
+        """
+        with self._lock:
+            self.list_endless, self.slow, self.strip = list_endless, slow, tuple(strip)
+            self.list_pages = 0
+
     def clear(self) -> None:
         with self._lock:
             self._faults.clear()
             self.requests.clear()
+            self.list_endless, self.slow, self.strip, self.list_pages = None, 0, (), 0
 
     def pending(self) -> int:
         with self._lock:
@@ -133,6 +212,7 @@ class FaultProxy:
             self.requests.append((method, rng))
 
     def stop(self) -> None:
+        self.stopping = True
         self.srv.shutdown()
         self.srv.server_close()
 

@@ -315,3 +315,158 @@ def test_bench_s3_runs_small():
         line = next(l for l in r.stdout.splitlines() if l.startswith(f"metamat {sharding}"))
         amp = float(line.split("requested/needed")[1].split(",")[0])
         assert amp <= 1.05, line
+
+
+# --- hostile stores: bounded time and memory, pinned objects -------------------------------
+
+_ENDLESS_CHILD = r"""
+import os, resource, sys, time
+sys.path.insert(0, sys.argv[1])
+from _s3server import S3Server
+from metamat.checkpoint import LimitExceededError, open_checkpoint
+srv = S3Server()
+srv.put("endless/x", b"x")
+srv.proxy.behave(list_endless=1000)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+t0 = time.time()
+try:
+    open_checkpoint(srv.url("endless"), storage_options=srv.options(attempts=2, max_retries=1))
+    print("opened?!")
+except LimitExceededError as e:
+    assert "METAMAT_MAX_LIST_ENTRIES" in str(e) and "s3://ckpts/endless" in str(e), e
+    grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) / 1024
+    print(f"limit after {time.time() - t0:.1f} s, {srv.proxy.list_pages} pages, +{grown:.0f} MiB")
+    assert srv.proxy.list_pages <= 30 and grown < 200, (srv.proxy.list_pages, grown)
+    print("ok")
+os._exit(0)
+"""
+
+
+def test_an_endless_listing_stops_at_the_entries_limit():
+    """A store whose listing never ends (every page ``IsTruncated``, 1,000 new keys each) grew
+    the process by ~50 MB/s until Rust aborted it (the whole listing was collected to decide
+    whether the prefix is a "directory" and to list it); now the first answer decides the
+    first, and the listing is streamed and stopped at METAMAT_MAX_LIST_ENTRIES. In a child:
+    a regression runs out of memory there, not here."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    r = subprocess.run([sys.executable, "-c", _ENDLESS_CHILD, here], capture_output=True,
+                       text=True, timeout=180,
+                       env=dict(os.environ, METAMAT_MAX_LIST_ENTRIES="20000"))
+    assert r.returncode == 0 and "ok" in r.stdout, (r.returncode, r.stdout, r.stderr[-3000:])
+
+
+def test_an_endless_empty_listing_ends_at_the_deadline(s3):
+    """Empty pages that always say another follows: nothing to count, so the deadline stops
+    it, and the listing is cancelled (no more pages asked for)."""
+    import time
+    s3.put("empty-endless/x", b"x")
+    s3.proxy.behave(list_endless=0)
+    t0 = time.monotonic()
+    with pytest.raises(ReadError, match="deadline of 3 s") as ei:
+        open_checkpoint(s3.url("empty-endless"), storage_options=_opts(s3, deadline=3))
+    assert time.monotonic() - t0 < 10
+    assert "s3://ckpts/empty-endless" in str(ei.value)
+    pages = s3.proxy.list_pages
+    time.sleep(1.0)
+    assert s3.proxy.list_pages <= pages + 1  # cancelled, not abandoned to run on
+
+
+def test_a_slow_store_fails_the_load_at_the_deadline_model_untouched(s3, tmp_path):
+    """A store that trickles bytes (2 B/s) took 4 attempts of ~60 s for one range; the load's
+    reads now end at the deadline with a ReadError naming the object and range."""
+    import time
+    sd = _state(11)
+    url = upload_dir(s3, str(_dcp(tmp_path, sd)), "slow")
+    ck = open_checkpoint(url, storage_options=_opts(s3, deadline=4))
+    s3.proxy.behave(slow=2)
+    net = Net()
+    t0 = time.monotonic()
+    with pytest.raises(ReadError, match=r"deadline of 4 s.*METAMAT_S3_DEADLINE") as ei:
+        metamat.materialize(net, ck, device="cpu")
+    assert time.monotonic() - t0 < 12
+    assert url in str(ei.value) and "read bytes [" in str(ei.value)
+    assert all(p.device.type == "meta" for p in net.parameters())
+    # the open is bounded the same way (its metadata reads are ranged GETs too)
+    t0 = time.monotonic()
+    with pytest.raises(ReadError, match="deadline of 2 s"):
+        open_checkpoint(url, storage_options=_opts(s3, deadline=2))
+    assert time.monotonic() - t0 < 8
+
+
+def test_the_deadline_setting_is_checked(s3, monkeypatch):
+    monkeypatch.setenv("METAMAT_S3_DEADLINE", "soon")
+    with pytest.raises(ValueError, match="METAMAT_S3_DEADLINE"):
+        fs.S3Session({})
+    with pytest.raises(ValueError, match="deadline"):
+        fs.S3Session({"deadline": -1})
+    assert fs.S3Session({"deadline": 2.5}).deadline == 2.5
+    monkeypatch.setenv("METAMAT_S3_DEADLINE", "30")
+    assert fs.S3Session({}).deadline == 30.0
+    monkeypatch.delenv("METAMAT_S3_DEADLINE")
+    assert fs.S3Session({}).deadline == fs.DEFAULT_DEADLINE == 300.0
+
+
+def test_an_object_without_etag_is_pinned_by_last_modified(s3, tmp_path):
+    """A store that sends no ETag: the same-size rewrite between open and read was loaded
+    silently (no If-Match was sent). Now the object is pinned by its Last-Modified
+    (If-Unmodified-Since, and each answer's own Last-Modified must agree)."""
+    import time
+    sd = _state(12)
+    s3.proxy.behave(strip=("ETag",))
+    url = upload_dir(s3, _save_st(tmp_path, sd), "noetag/m.safetensors")
+    ck = open_checkpoint(url, storage_options=_opts(s3))
+    assert ck.remote_meta[url][2].by == "Last-Modified"
+    time.sleep(1.1)  # Last-Modified has a resolution of one second
+    with open(_save_st(tmp_path, _state(13)), "rb") as f:
+        s3.put("noetag/m.safetensors", f.read())  # same size, other bytes
+    net = Net()
+    with pytest.raises(ReadError, match="changed since the checkpoint was opened") as ei:
+        metamat.materialize(net, ck, device="cpu")
+    assert url in str(ei.value)
+    assert all(p.device.type == "meta" for p in net.parameters())
+
+
+def test_an_object_nothing_pins_is_a_warning_and_a_resize_is_still_seen(s3, tmp_path):
+    """No ETag, no version id, no Last-Modified: nothing can pin the object. The load says so
+    in the report (and as a warning); an answer for an object of another size is refused."""
+    sd = _state(14)
+    s3.proxy.behave(strip=("ETag", "Last-Modified"))
+    url = upload_dir(s3, _save_st(tmp_path, sd), "nopin/m.safetensors")
+    ck = open_checkpoint(url, storage_options=_opts(s3))
+    assert ck.remote_meta[url][2].by is None and fs.unpinned([url]) == [url]
+    net = Net()
+    with pytest.warns(UserWarning, match="nothing to pin"):
+        rep = metamat.materialize(net, ck, device="cpu")
+    _check(net, sd)
+    assert any("nothing to pin" in w and url in w for w in rep.warnings)
+    from safetensors.torch import save_file
+    bigger = dict(_state(15), extra=torch.zeros(8))
+    save_file(bigger, str(tmp_path / "big.safetensors"))
+    with open(tmp_path / "big.safetensors", "rb") as f:
+        s3.put("nopin/m.safetensors", f.read())
+    with pytest.raises(ReadError, match="its size is"):  # (fails before the report)
+        metamat.materialize(Net(), ck, device="cpu")
+
+
+def test_an_object_without_etag_but_with_versions_reads_the_version_opened(s3, tmp_path):
+    """A versioned bucket whose answers carry no ETag: the object is pinned by its version
+    id, and a rewrite after open does not change what the load reads."""
+    boto3 = pytest.importorskip("boto3")  # moto's own dependency: it sets the versioning
+    client = boto3.client("s3", endpoint_url=s3.direct_url, aws_access_key_id="testing",
+                          aws_secret_access_key="testing", region_name="us-east-1")
+    client.put_bucket_versioning(Bucket=s3.bucket,
+                                 VersioningConfiguration={"Status": "Enabled"})
+    try:
+        sd = _state(16)
+        s3.proxy.behave(strip=("ETag",))
+        url = upload_dir(s3, _save_st(tmp_path, sd), "versioned/m.safetensors")
+        ck = open_checkpoint(url, storage_options=_opts(s3))
+        assert ck.remote_meta[url][2].by == "version id"
+        with open(_save_st(tmp_path, _state(17)), "rb") as f:
+            s3.put("versioned/m.safetensors", f.read())
+        net = Net()
+        metamat.materialize(net, ck, device="cpu")
+        _check(net, sd)  # the version opened, not the rewrite
+    finally:
+        client.put_bucket_versioning(Bucket=s3.bucket,
+                                     VersioningConfiguration={"Status": "Suspended"})

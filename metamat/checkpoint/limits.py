@@ -13,6 +13,7 @@ bytes of one metadata record   ``METAMAT_MAX_METADATA_BYTES``        1 GiB
 objects a pickle expands to    ``METAMAT_MAX_PICKLE_OBJECTS``        10,000,000
 nesting depth of a state dict  ``METAMAT_MAX_PICKLE_DEPTH``          200
 nesting depth of JSON          ``METAMAT_MAX_JSON_DEPTH``            100
+entries of one store listing   ``METAMAT_MAX_LIST_ENTRIES``          100,000
 =============================  ===================================  ===========
 
 Integers in JSON are bounded by Python's own digit limit (``PYTHONINTMAXSTRDIGITS``).
@@ -32,7 +33,8 @@ from . import storage as fs
 from .errors import (InvalidHeaderError, LimitExceededError, MissingFileError, ReadError,
                      UnsafePathError)
 
-__all__ = ["METADATA_BYTES", "PICKLE_OBJECTS", "PICKLE_DEPTH", "JSON_DEPTH", "limit", "check",
+__all__ = ["METADATA_BYTES", "PICKLE_OBJECTS", "PICKLE_DEPTH", "JSON_DEPTH", "LIST_ENTRIES",
+           "limit", "check",
            "open_regular", "read_metadata_file", "loads_json", "contained_path", "short_repr"]
 
 # name -> (environment variable, default)
@@ -42,6 +44,9 @@ PICKLE_OBJECTS = ("pickle objects", "METAMAT_MAX_PICKLE_OBJECTS", 10_000_000)
 PICKLE_DEPTH = ("pickle nesting depth", "METAMAT_MAX_PICKLE_DEPTH", 200)
 # real metadata nests 2-4 levels; below every Python's json recursion limit
 JSON_DEPTH = ("JSON nesting depth", "METAMAT_MAX_JSON_DEPTH", 100)
+# objects listed under one s3:// prefix (an HF shard "directory"): a store whose listing never
+# ends (every page truncated) is stopped here instead of filling memory
+LIST_ENTRIES = ("listing entries", "METAMAT_MAX_LIST_ENTRIES", 100_000)
 
 
 def limit(which) -> int:

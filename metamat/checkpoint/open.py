@@ -35,7 +35,9 @@ def open_checkpoint(path, *, storage_options=None, trust_pickles: bool = False) 
 
     Args:
         path: a local path or ``s3://`` URL.
-        storage_options: S3 credentials, endpoint and read settings.
+        storage_options: S3 credentials, endpoint and read settings; ``"deadline"``: seconds
+            the open may take in all (default ``METAMAT_S3_DEADLINE``, else 300): a store
+            that stalls or lists forever fails with a ReadError by then (docs/S3.md).
         trust_pickles: for a checkpoint you trust whose pickles hold custom classes: unpickle
             them with plain ``pickle`` (as ``torch.load(weights_only=False)`` and torch's own
             ``dcp.load`` do), which runs whatever they name. To load such a checkpoint, pass

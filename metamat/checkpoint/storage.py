@@ -13,9 +13,27 @@ environment (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_SESSION_TOK
 an explicit ``storage_options`` dict (obstore S3 config keys such as ``aws_endpoint``,
 ``aws_access_key_id``, ``aws_region``, plus ``allow_http``); they are never logged or put in
 error messages.
+
+Bounded, whatever the store does:
+
+* **Time.** Every store call runs as a task on one background event loop and is waited for
+  until a deadline (:class:`Deadline`: ``storage_options["deadline"]``, else
+  ``METAMAT_S3_DEADLINE``, else 300 s), then cancelled, which drops its request: opening a
+  checkpoint and a load's reads each end within it, also against a server that trickles
+  bytes or answers a listing forever.
+* **Listings.** A prefix is a "directory" if one object is under it (the first answer of a
+  streamed listing); listing one streams it and stops at ``METAMAT_MAX_LIST_ENTRIES``
+  entries (:class:`~.errors.LimitExceededError`). Nothing collects a whole listing.
+* **Identity.** Each object is pinned at open on what the store gives (:class:`Pin`): its
+  ETag (``If-Match``), else its version id (that version is read), else its Last-Modified
+  time (``If-Unmodified-Since``, one-second resolution); each answer's own ETag,
+  Last-Modified and size must agree. An object with none of the three cannot be pinned:
+  :func:`unpinned` names it and the load's report warns.
 """
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import contextlib
 import contextvars
 import io
@@ -24,11 +42,12 @@ import posixpath
 import threading
 import time
 from collections import OrderedDict
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Mapping, NamedTuple, Optional, Tuple
 
 __all__ = ["is_remote", "split_url", "S3Session", "session", "using", "current",
            "exists", "isdir", "isfile", "listdir", "getsize", "join", "normpath", "abspath",
-           "dirname", "basename", "open_raw", "remote_meta"]
+           "dirname", "basename", "open_raw", "remote_meta", "Pin", "Deadline",
+           "DeadlineExceeded", "deadline", "unpinned", "DEFAULT_DEADLINE", "DEADLINE_ENV"]
 
 SCHEME = "s3://"
 
@@ -38,10 +57,161 @@ _CURRENT: contextvars.ContextVar = contextvars.ContextVar("metamat_storage_optio
 #: True while a checkpoint is being opened: sizes looked up then record the ETag the reads
 #: will require (later look-ups, e.g. the planner's re-check, keep it).
 _OPENING: contextvars.ContextVar = contextvars.ContextVar("metamat_opening", default=False)
+#: The deadline of the remote operation in progress (an open), see :func:`deadline`.
+_DEADLINE: contextvars.ContextVar = contextvars.ContextVar("metamat_deadline", default=None)
 _SESSIONS: Dict[Tuple, "S3Session"] = {}
-#: url -> (session, size, etag) of every object whose size a checkpoint reader asked for.
-_META: Dict[str, Tuple["S3Session", int, Optional[str]]] = {}
+#: url -> (session, size, pin) of every object whose size a checkpoint reader asked for.
+_META: Dict[str, Tuple["S3Session", int, "Pin"]] = {}
 _LOCK = threading.Lock()
+
+#: Seconds a remote operation (an open, a load's reads) may take, unless
+#: ``storage_options["deadline"]`` or the environment variable says otherwise. Below the ranks'
+#: agreement timeout (``METAMAT_TIMEOUT``, 600 s): a rank whose store stalls raises its
+#: ReadError in time for its peers to raise one naming it, rather than time out themselves.
+DEFAULT_DEADLINE = 300.0
+DEADLINE_ENV = "METAMAT_S3_DEADLINE"
+
+
+class DeadlineExceeded(TimeoutError):
+    """A store call did not finish before the operation's deadline (it was cancelled).
+    An ``OSError``: callers turn it into a :class:`~.errors.ReadError` naming the object."""
+
+
+class Deadline:
+    """The end of one remote operation, ``seconds`` from now (monotonic clock)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = float(seconds)
+        self.end = time.monotonic() + self.seconds
+
+    def left(self) -> float:
+        return self.end - time.monotonic()
+
+    def exceeded(self, what: str) -> DeadlineExceeded:
+        return DeadlineExceeded(
+            f"{what}: no answer within the deadline of {self.seconds:g} s (raise it with "
+            f"storage_options={{'deadline': seconds}} or {DEADLINE_ENV})")
+
+
+def deadline(sess: Optional["S3Session"] = None) -> Deadline:
+    """The deadline of the open in progress, else a new one of ``sess``'s length."""
+    d = _DEADLINE.get()
+    return d if d is not None else Deadline((sess or current()).deadline)
+
+
+def _deadline_seconds(raw: Any) -> float:
+    """``raw`` (a ``deadline`` storage option) as seconds, else the environment's, else the
+    default."""
+    where = "storage_options['deadline']"
+    if raw is None:
+        raw, where = os.environ.get(DEADLINE_ENV), DEADLINE_ENV
+    if raw is None:
+        return DEFAULT_DEADLINE
+    try:
+        v = float(raw)
+    except (TypeError, ValueError):
+        v = float("nan")
+    if not v > 0:  # also NaN
+        raise ValueError(f"{where} must be a positive number of seconds, got {raw!r}")
+    return v
+
+
+# -- one background event loop runs every store call (obstore's async API): a call that
+# outlives its deadline is cancelled there, which drops the request (a blocking call in a
+# thread could only be abandoned, still reading or listing)
+_LOOP: Optional[asyncio.AbstractEventLoop] = None
+_LOOP_LOCK = threading.Lock()
+
+
+def _loop() -> asyncio.AbstractEventLoop:
+    global _LOOP
+    with _LOOP_LOCK:
+        if _LOOP is None or _LOOP.is_closed():
+            loop = asyncio.new_event_loop()
+            threading.Thread(target=loop.run_forever, name="metamat-s3-loop",
+                             daemon=True).start()
+            _LOOP = loop
+        return _LOOP
+
+
+def run(make: Callable[[], Any], dl: Deadline, what: str):
+    """``await make()`` on the store loop, waited for until ``dl``; cancelled after it.
+
+    Raises:
+        DeadlineExceeded: ``dl`` passed (``what`` names the object and request).
+        Whatever the call raises.
+    """
+    left = dl.left()
+    if left <= 0:
+        raise dl.exceeded(what)
+
+    async def call():  # obstore's awaitables are made on the loop that awaits them
+        return await make()
+    fut = asyncio.run_coroutine_threadsafe(call(), _loop())
+    try:
+        return fut.result(timeout=left)
+    except concurrent.futures.TimeoutError:
+        fut.cancel()
+        raise dl.exceeded(what) from None
+    except BaseException:  # KeyboardInterrupt while waiting: stop the request too
+        fut.cancel()
+        raise
+
+
+class Pin(NamedTuple):
+    """What an object was at open, as far as the store tells (from HEAD): the reads require
+    the same object through the strongest conditional the store offers."""
+
+    etag: Optional[str] = None
+    version: Optional[str] = None
+    modified: Optional[Any] = None  # datetime; None: the store gave no Last-Modified
+
+    @classmethod
+    def of(cls, meta: Mapping[str, Any]) -> "Pin":
+        lm = meta.get("last_modified")
+        if lm is not None and lm.timestamp() <= 0:  # obstore's stand-in when the header is absent
+            lm = None
+        return cls(meta.get("e_tag") or None, meta.get("version") or None, lm)
+
+    @property
+    def by(self) -> Optional[str]:
+        """What pins the object: "ETag", "version id", "Last-Modified", or None."""
+        return ("ETag" if self.etag else "version id" if self.version
+                else "Last-Modified" if self.modified is not None else None)
+
+    def options(self) -> Dict[str, Any]:
+        """The GET options that make a read of another object fail (or read this version)."""
+        if self.etag:
+            return {"if_match": self.etag}
+        if self.version:
+            return {"version": self.version}
+        if self.modified is not None:
+            return {"if_unmodified_since": self.modified}
+        return {}
+
+    def differs(self, meta: Mapping[str, Any], size: int) -> Optional[str]:
+        """Why an answer's own metadata says it is not the object pinned, or None."""
+        if meta.get("size") is not None and int(meta["size"]) != size:
+            return f"its size is {meta['size']}, not {size}"
+        tag = meta.get("e_tag")
+        if self.etag and tag and tag != self.etag:
+            return f"its ETag is {tag}, not {self.etag}"
+        lm = meta.get("last_modified")
+        if self.modified is not None and lm is not None and lm.timestamp() > 0 \
+                and lm != self.modified:
+            return f"it was modified at {lm.isoformat()}, not {self.modified.isoformat()}"
+        return None
+
+    def describe(self) -> str:
+        return {"ETag": f"ETag {self.etag}", "version id": f"version {self.version}",
+                "Last-Modified": f"Last-Modified {self.modified.isoformat()}"
+                if self.modified is not None else ""}.get(self.by or "", "nothing")
+
+
+def unpinned(urls) -> List[str]:
+    """Those of ``urls`` (opened objects) that nothing pins: no ETag, version id or
+    Last-Modified, so a rewrite between open and read would go unseen."""
+    return [u for u in urls if u in _META and _META[u][2].by is None]
 
 
 def is_remote(path: Any) -> bool:
@@ -72,7 +242,8 @@ def _import_obstore():
 _CLIENT_KEYS = {"allow_http", "timeout", "connect_timeout", "pool_max_idle_per_host",
                 "http2_only", "allow_invalid_certificates"}
 #: metamat's own keys.
-_OWN_KEYS = {"max_concurrency", "part_bytes", "coalesce_gap", "attempts", "max_retries"}
+_OWN_KEYS = {"max_concurrency", "part_bytes", "coalesce_gap", "attempts", "max_retries",
+             "deadline"}
 
 
 class S3Session:
@@ -83,7 +254,11 @@ class S3Session:
             ``aws_region``, ``aws_access_key_id``, ``aws_secret_access_key``,
             ``aws_session_token``, ...), client keys (``allow_http``, ``timeout``), and
             metamat's read settings (``max_concurrency``, ``part_bytes``, ``coalesce_gap``,
-            ``attempts``, ``max_retries``).
+            ``attempts``, ``max_retries``, ``deadline``: seconds an open, or a load's reads,
+            may take in all, default ``METAMAT_S3_DEADLINE`` else 300).
+
+    Raises:
+        ValueError: a ``deadline`` (or ``METAMAT_S3_DEADLINE``) that is not a positive number.
     """
 
     def __init__(self, options: Optional[Mapping[str, Any]] = None) -> None:
@@ -93,6 +268,8 @@ class S3Session:
         self.coalesce_gap = int(opts.pop("coalesce_gap", 64 << 10))
         self.attempts = int(opts.pop("attempts", 4))
         self.max_retries = int(opts.pop("max_retries", 3))
+        self._deadline = opts.pop("deadline", None)
+        _deadline_seconds(self._deadline)  # a bad value fails here, at open
         self._client = {k: opts.pop(k) for k in list(opts) if k in _CLIENT_KEYS}
         self._config = opts
         self._stores: Dict[str, Any] = {}
@@ -100,6 +277,12 @@ class S3Session:
 
     def __repr__(self) -> str:  # never the options: they may hold secrets
         return "S3Session(...)"
+
+    @property
+    def deadline(self) -> float:
+        """Seconds an open, or a load's reads, may take (the environment is read each time,
+        as the limits are)."""
+        return _deadline_seconds(self._deadline)
 
     def store(self, bucket: str):
         with self._lock:
@@ -135,37 +318,40 @@ class S3Session:
         retry = {"max_retries": self.max_retries,
                  "backoff": {"init_backoff": timedelta(milliseconds=50),
                              "max_backoff": timedelta(seconds=2), "base": 2.0},
-                 "retry_timeout": timedelta(seconds=60)}
+                 "retry_timeout": timedelta(seconds=min(60.0, self.deadline))}
         return S3Store(bucket, config=cfg, client_options=client, retry_config=retry, **kw)
 
     # -- object operations (errors are obstore's; callers name them) --
     def head(self, url: str) -> Optional[dict]:
-        """The object's metadata (size, e_tag), None if there is none; retried.
+        """The object's metadata (size, e_tag, last_modified, version), None if there is
+        none; retried, within the deadline.
 
         Raises:
-            OSError: access denied, or the store unreachable after retries (no secrets in
-                the message).
+            OSError: access denied, the store unreachable after retries, or the deadline
+                passed (:class:`DeadlineExceeded`); no secrets in the message.
         """
         import obstore
         bucket, key = split_url(url)
+        store = self.store(bucket)
         try:
-            return self._retry(url, "stat", lambda: obstore.head(self.store(bucket), key))
+            return self._retry(url, "stat", lambda: obstore.head_async(store, key))
         except FileNotFoundError:
             return None
 
-    def _retry(self, url: str, what: str, fn):
-        """``fn()`` retried with backoff; FileNotFoundError passes through; other failures
-        end as OSError naming ``url`` (never the options)."""
+    def _retry(self, url: str, what: str, make):
+        """``await make()`` retried with backoff, all within the deadline; FileNotFoundError
+        and LimitExceededError pass through; other failures end as OSError naming ``url``
+        (never the options)."""
+        from .errors import CheckpointError
+        dl = deadline(self)
         delay, last = 0.05, None
         for attempt in range(max(1, self.attempts)):
             if attempt:
-                time.sleep(delay)
+                time.sleep(max(0.0, min(delay, dl.left())))
                 delay = min(2 * delay, 2.0)
             try:
-                return fn()
-            except FileNotFoundError:
-                raise
-            except ImportError:
+                return run(make, dl, f"{what} {url}")
+            except (FileNotFoundError, ImportError, DeadlineExceeded, CheckpointError):
                 raise
             except Exception as e:  # noqa: BLE001 - obstore's hierarchy
                 last = e
@@ -174,25 +360,76 @@ class S3Session:
         msg = str(last).splitlines()[0][:200] if str(last) else ""
         raise OSError(f"cannot {what} {url} ({type(last).__name__}: {msg})")
 
-    def list_prefix(self, url: str, limit: Optional[int] = None) -> Tuple[List[str], List[str]]:
-        """(object names, sub-prefix names) directly under ``url`` (a "directory")."""
+    def any_under(self, url: str) -> bool:
+        """Whether an object's key starts with ``url``'s key (a "directory" when it ends in
+        "/"): the first answer of a streamed listing, never the whole listing."""
         import obstore
         bucket, key = split_url(url)
-        prefix = key.rstrip("/")
-        r = self._retry(url, "list", lambda: obstore.list_with_delimiter(self.store(bucket),
-                                                                        prefix or None))
-        objs = [posixpath.basename(o["path"]) for o in r["objects"]]
-        dirs = [posixpath.basename(p.rstrip("/")) for p in r["common_prefixes"]]
-        return objs, dirs
+        store = self.store(bucket)
 
-    def get_range(self, url: str, start: int, end: int, etag: Optional[str] = None):
-        """Bytes [start, end) of the object (If-Match ``etag`` when given)."""
+        async def first() -> bool:
+            async for chunk in obstore.list(store, key.rstrip("/") or None, chunk_size=1):
+                if len(chunk):
+                    return True
+            return False
+        return self._retry(url, "list", first)
+
+    def names_under(self, url: str) -> List[str]:
+        """The names directly under the prefix ``url`` (objects and sub-prefixes), from a
+        streamed listing of everything under it, stopped at ``METAMAT_MAX_LIST_ENTRIES``.
+
+        Raises:
+            LimitExceededError: more entries than the limit (a listing that never ends).
+            OSError: as :meth:`head`.
+        """
+        import obstore
+
+        from .limits import LIST_ENTRIES, check
+        bucket, key = split_url(url)
+        store = self.store(bucket)
+        prefix = key.rstrip("/")
+        base = prefix + "/" if prefix else ""
+
+        async def collect() -> List[str]:
+            names, seen = set(), 0
+            async for chunk in obstore.list(store, prefix or None, chunk_size=1000):
+                seen += len(chunk)
+                check(LIST_ENTRIES, seen, file=url, what="entries listed under the prefix")
+                for meta in chunk:
+                    path = meta["path"]
+                    if path.startswith(base) and len(path) > len(base):
+                        names.add(path[len(base):].split("/", 1)[0])
+            return sorted(names)
+        return self._retry(url, "list", collect)
+
+    def get_range(self, url: str, start: int, end: int, pin: Optional["Pin"] = None,
+                  dl: Optional[Deadline] = None, size: Optional[int] = None):
+        """Bytes [start, end) of the object, within the deadline ``dl``: the read requires
+        the object ``pin`` names (:meth:`Pin.options`), and an answer whose own metadata
+        differs (ETag, Last-Modified, or total ``size``) raises ``PinMismatch``.
+
+        Raises:
+            DeadlineExceeded, PinMismatch, and obstore's errors.
+        """
         import obstore
         bucket, key = split_url(url)
+        store = self.store(bucket)
         opts: Dict[str, Any] = {"range": (start, end)}
-        if etag:
-            opts["if_match"] = etag
-        return obstore.get(self.store(bucket), key, options=opts).bytes()
+        if pin is not None:
+            opts.update(pin.options())
+
+        async def get():
+            r = await obstore.get_async(store, key, options=opts)
+            if pin is not None and size is not None:
+                why = pin.differs(r.meta, size)
+                if why:
+                    raise PinMismatch(why)
+            return await r.bytes_async()
+        return run(get, dl or deadline(self), f"read bytes [{start}, {end}) of {url}")
+
+
+class PinMismatch(Exception):
+    """An answer's own metadata says the object is no longer the one opened."""
 
 
 def _key(options) -> Tuple:
@@ -216,9 +453,11 @@ def using(options: Optional[Mapping[str, Any]]) -> Iterator[None]:
     """Parsers called inside see ``options`` for ``s3://`` paths."""
     tok = _CURRENT.set(dict(options) if options else None)
     tok2 = _OPENING.set(True)
+    tok3 = _DEADLINE.set(Deadline(session(options).deadline))  # the whole open
     try:
         yield
     finally:
+        _DEADLINE.reset(tok3)
         _OPENING.reset(tok2)
         _CURRENT.reset(tok)
 
@@ -227,15 +466,15 @@ def current() -> S3Session:
     return session(_CURRENT.get())
 
 
-def remote_meta(url: str) -> Tuple[S3Session, int, Optional[str]]:
-    """(session, size, etag) recorded when a reader asked for ``url``'s size."""
+def remote_meta(url: str) -> Tuple[S3Session, int, Pin]:
+    """(session, size, :class:`Pin`) recorded when a reader asked for ``url``'s size."""
     m = _META.get(url)
     if m is None:
         s = current()
         h = s.head(url)
         if h is None:
             raise FileNotFoundError(url)
-        m = _META[url] = (s, int(h["size"]), h.get("e_tag"))
+        m = _META[url] = (s, int(h["size"]), Pin.of(h))
     return m
 
 
@@ -255,17 +494,23 @@ def isfile(path: str) -> bool:
 
 
 def isdir(path: str) -> bool:
+    """A local directory, or a prefix with at least one object under it (one listing
+    answer, however long the listing)."""
     if not is_remote(path):
         return os.path.isdir(path)
-    objs, dirs = current().list_prefix(path.rstrip("/") + "/")
-    return bool(objs or dirs)
+    return current().any_under(path.rstrip("/") + "/")
 
 
 def listdir(path: str) -> List[str]:
+    """Names in a local directory or directly under a prefix.
+
+    Raises:
+        LimitExceededError: a prefix with more than ``METAMAT_MAX_LIST_ENTRIES`` objects
+            under it (the listing is streamed and stopped there).
+    """
     if not is_remote(path):
         return os.listdir(path)
-    objs, dirs = current().list_prefix(path.rstrip("/") + "/")
-    return sorted(set(objs) | set(dirs))
+    return current().names_under(path.rstrip("/") + "/")
 
 
 def getsize(path: str) -> int:
@@ -283,7 +528,7 @@ def getsize(path: str) -> int:
     if h is None:
         raise FileNotFoundError(path)
     if opening or known is None:
-        _META[path] = (s, int(h["size"]), h.get("e_tag"))
+        _META[path] = (s, int(h["size"]), Pin.of(h))
     return int(h["size"])
 
 
@@ -332,11 +577,11 @@ class S3File(io.RawIOBase):
 
     BLOCK = 256 << 10
 
-    def __init__(self, url: str, sess: S3Session, size: int, etag: Optional[str]) -> None:
+    def __init__(self, url: str, sess: S3Session, size: int, pin: Optional[Pin]) -> None:
         self.name = url
         self._s = sess
         self._size = size
-        self._etag = etag
+        self._pin = pin
         self._pos = 0
         self._blocks: "OrderedDict[int, bytes]" = OrderedDict()
 
@@ -364,7 +609,7 @@ class S3File(io.RawIOBase):
             start = i * self.BLOCK
             end = min(self._size, start + self.BLOCK)
             from ..load.remote import fetch_range
-            b = bytes(fetch_range(self._s, self.name, start, end, self._etag))
+            b = bytes(fetch_range(self._s, self.name, start, end, self._pin, size=self._size))
             self._blocks[i] = b
             if len(self._blocks) > 32:
                 self._blocks.popitem(last=False)
@@ -378,7 +623,7 @@ class S3File(io.RawIOBase):
             return b""
         if end - off > 4 * self.BLOCK:  # a big read (an index json): one request
             from ..load.remote import fetch_range
-            return bytes(fetch_range(self._s, self.name, off, end, self._etag))
+            return bytes(fetch_range(self._s, self.name, off, end, self._pin, size=self._size))
         out = []
         p = off
         while p < end:
@@ -419,9 +664,10 @@ def open_raw(path: str):
         if isdir(path):
             raise IsADirectoryError(path)
         raise FileNotFoundError(path)
+    pin = Pin.of(h)
     if _OPENING.get() or path not in _META:
-        _META[path] = (s, int(h["size"]), h.get("e_tag"))
-    return io.BufferedReader(S3File(path, s, int(h["size"]), h.get("e_tag")), 1 << 16)
+        _META[path] = (s, int(h["size"]), pin)
+    return io.BufferedReader(S3File(path, s, int(h["size"]), pin), 1 << 16)
 
 
 def pread(fh, n: int, off: int) -> bytes:

@@ -11,7 +11,7 @@ reader as it streams (:mod:`metamat.load.verify`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 from .._ext import core
 from ..budget import StagingBudget
@@ -72,6 +72,7 @@ class Executed:
         staging_seconds: staged loads: time to allocate the staging ring (page-locking it for
             CUDA destinations: on an H100 VM ~0.5 s per GiB, a large part of a small load).
         stage: where a staged load's time went (:class:`StageProfile`).
+        warnings: what the report should say (e.g. s3 objects nothing could pin).
     """
 
     bytes_read: int = 0
@@ -80,6 +81,7 @@ class Executed:
     bytes_direct: int = 0
     staging_seconds: float = 0.0
     stage: StageProfile = field(default_factory=StageProfile)
+    warnings: List[str] = field(default_factory=list)
 
     def add(self, r: dict) -> None:
         self.bytes_read += r["bytes_read"]

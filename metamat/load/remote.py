@@ -4,8 +4,9 @@ The plan's ops become byte ranges (a strided op is one span when its row gaps ar
 one range per row); ranges of one object closer than ``coalesce_gap`` are merged and long ones
 cut into ``part_bytes`` parts, so a rank requests about the bytes it needs in requests big
 enough to be efficient (ops staged through the buffer are first cut to about ``part_bytes``
-of source each). Requests run ``max_concurrency`` at a time (ranged GETs with
-``If-Match: <ETag recorded at open>``) into a host buffer of at most ``staging_bytes`` (pinned
+of source each). Requests run ``max_concurrency`` at a time (ranged GETs pinned to the object
+opened: ``If-Match: <ETag>``, else its version id, else ``If-Unmodified-Since``; see
+:class:`~metamat.checkpoint.storage.Pin`) into a host buffer of at most ``staging_bytes`` (pinned
 when a destination is on CUDA); each batch's bytes are then copied into the destinations by
 torch (``copy_`` converts float32/float16/bfloat16, round to nearest even, as the file reader
 does; CUDA copies are asynchronous from the pinned buffer, one batch in flight).
@@ -14,7 +15,11 @@ Throttling (503 SlowDown, 429) and transient failures (connection reset, a trunc
 timeout) are retried with exponential backoff by the client (``max_retries``) and again here
 (``attempts``, also for short bodies the client accepted); when they run out a
 :class:`~metamat.checkpoint.errors.ReadError` names the object and the byte range. An object
-that changed since the checkpoint was opened (ETag differs) is a ReadError at once.
+that changed since the checkpoint was opened (ETag, version or Last-Modified, or an answer
+whose own ETag, Last-Modified or size differ) is a ReadError at once. The reads of one load
+end within the session's deadline (``storage_options["deadline"]`` / ``METAMAT_S3_DEADLINE``,
+300 s): a request still running then is cancelled and the load raises a ReadError naming the
+object and range, on every rank (a slow or stuck store included).
 """
 from __future__ import annotations
 
@@ -47,28 +52,42 @@ def _transient(e: BaseException) -> bool:
     return True
 
 
-def fetch_range(sess, url: str, start: int, end: int, etag: Optional[str], *,
-                into: Optional[memoryview] = None, what: str = "object"):
+def fetch_range(sess, url: str, start: int, end: int, pin: Optional[fs.Pin], *,
+                into: Optional[memoryview] = None, what: str = "object",
+                deadline: Optional[fs.Deadline] = None, size: Optional[int] = None):
     """Bytes [start, end) of ``url``, retried; with ``into``, written there (returns it).
 
+    Args:
+        pin: what the object was at open (:class:`~metamat.checkpoint.storage.Pin`).
+        deadline: when to give up (default: the open's in progress, else a new one).
+        size: the object's size at open (an answer for another size is refused).
+
     Raises:
-        ReadError: the object is gone or changed (ETag), access is denied, or retries ran
-            out (throttled, dropped connections, short bodies), naming the object key.
+        ReadError: the object is gone or changed, access is denied, retries ran out
+            (throttled, dropped connections, short bodies), or the deadline passed, naming
+            the object key.
     """
     want = end - start
+    dl = deadline or fs.deadline(sess)
     delay = 0.05
     last = None
     for attempt in range(max(1, sess.attempts)):
         if attempt:
-            time.sleep(delay * (1 + random.random()))
+            time.sleep(max(0.0, min(delay * (1 + random.random()), dl.left())))
             delay = min(delay * 2, 2.0)
         try:
-            data = sess.get_range(url, start, end, etag)
+            data = sess.get_range(url, start, end, pin, dl, size)
+        except fs.DeadlineExceeded as e:
+            raise ReadError(str(e), file=url) from None
+        except fs.PinMismatch as e:
+            raise ReadError(f"object changed since the checkpoint was opened ({e})",
+                            file=url) from None
         except Exception as e:  # noqa: BLE001 - obstore raises its own hierarchy
             name = type(e).__name__
             if name == "PreconditionError":
-                raise ReadError(f"object changed since the checkpoint was opened (ETag is no "
-                                f"longer {etag})", file=url) from None
+                raise ReadError(f"object changed since the checkpoint was opened (its "
+                                f"{pin.by if pin else 'ETag'} is no longer "
+                                f"{pin.describe() if pin else '?'})", file=url) from None
             if isinstance(e, FileNotFoundError) or name == "NotFoundError":
                 raise ReadError(f"{what} no longer exists", file=url) from None
             if not _transient(e):
@@ -217,11 +236,14 @@ def execute_plan_remote(plan: LoadPlan, *, staging_bytes: int = 256 << 20,
     """Run ``plan`` (its files are ``s3://`` objects) into its targets' tensors (any device).
 
     Returns:
-        :class:`~metamat.load.execute.Executed` (``bytes_read``: bytes requested).
+        :class:`~metamat.load.execute.Executed` (``bytes_read``: bytes requested;
+        ``warnings``: objects nothing could pin, see :func:`~metamat.checkpoint.storage.
+        unpinned`).
 
     Raises:
-        ReadError: an object is gone, changed, or unreadable after retries (named); the
-            destinations may be partly written (materialize writes into fresh memory).
+        ReadError: an object is gone, changed, or unreadable after retries, or the deadline
+            passed (named); the destinations may be partly written (materialize writes into
+            fresh memory).
         UnsupportedFormatError: ``verify`` (checksum manifests of remote checkpoints).
     """
     if verify is not None:
@@ -231,6 +253,7 @@ def execute_plan_remote(plan: LoadPlan, *, staging_bytes: int = 256 << 20,
     known = getattr(plan, "remote", None) or {}
     metas = [known.get(f) or fs.remote_meta(f) for f in plan.files]
     sess = metas[0][0] if metas else fs.current()
+    dl = fs.Deadline(sess.deadline)  # every read of this load ends by then
     ops = _cut(plan.ops, plan.targets, sess.part_bytes)
     direct = [_direct_ok(o, plan.targets[o.dst_index].tensor) for o in ops]
     pieces, reqs = plan_requests(ops, sess.coalesce_gap, sess.part_bytes, direct)
@@ -259,6 +282,12 @@ def execute_plan_remote(plan: LoadPlan, *, staging_bytes: int = 256 << 20,
     for p in pieces:
         by_req.setdefault(p.req, []).append(p)
     out = Executed()
+    loose = [f for f, m in zip(plan.files, metas) if m[2].by is None]
+    if loose:
+        out.warnings.append(
+            f"{len(loose)} s3 object(s) read with nothing to pin them to the checkpoint opened "
+            f"(the store gave no ETag, version id or Last-Modified): a rewrite between open and "
+            f"read would go unseen: {', '.join(loose[:3])}{' ...' if len(loose) > 3 else ''}")
     total = plan.src_bytes
     done = 0
     st = stats if stats is not None else RemoteStats()
@@ -297,7 +326,8 @@ def execute_plan_remote(plan: LoadPlan, *, staging_bytes: int = 256 << 20,
                 for _, ps, pe in _split([reqs[i]], sess.part_bytes):
                     b = ps - base
                     jobs.append(pool.submit(fetch_range, sess, url, ps, pe, metas[f][2],
-                                            into=target[b:b + (pe - ps)], what="data object"))
+                                            into=target[b:b + (pe - ps)], what="data object",
+                                            deadline=dl, size=metas[f][1]))
                 st.requests += 1
                 st.bytes_requested += e - s
             err = None
