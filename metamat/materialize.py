@@ -92,6 +92,8 @@ class _Load:
         self.prefixes: Dict[str, Optional[str]] = {}
         self.means: list = []
         self.manifest = None
+        self.described: Dict[str, str] = {}  # assembled/renamed by merge rules: how
+        self.warnings: List[str] = []
 
 
 def _optimizer_hint(unexpected: Sequence[str], has_fused: bool) -> str:
@@ -105,8 +107,9 @@ def _optimizer_hint(unexpected: Sequence[str], has_fused: bool) -> str:
 
 
 def _plan_load(parts, ck: Checkpoint, *, strict: bool, dtype, rename: Rename,
-               ignore: Sequence[str]) -> _Load:
+               ignore: Sequence[str], merge=None) -> _Load:
     """Match every target to the checkpoint and plan the reads (no allocation, no writes)."""
+    from .checkpoint.merge import missing_message
     from .load import plan_load
 
     out = _Load()
@@ -118,12 +121,32 @@ def _plan_load(parts, ck: Checkpoint, *, strict: bool, dtype, rename: Rename,
     found, prefix, used = resolve_keys(keys, names, prefixes=MODEL_PREFIXES, rename=rename)
     out.prefixes["model"] = prefix
     missing = sorted(n for n in names if n not in found)
-    if missing and strict:
-        raise MissingTensorError(
-            f"{len(missing)} tensor(s) missing from checkpoint: {', '.join(missing[:20])}"
-            + (" ..." if len(missing) > 20 else "") + " (pass strict=False to initialise them)",
-            names=missing, file=ck.path)
-    load: List[Target] = [t for t in model_t if t.fqn in found]
+    assembled: Dict[str, Any] = {}
+    notes: Dict[str, str] = {}
+    if missing and merge is not None:  # checkpoint tensors in another layout or name
+        from .checkpoint.merge import resolve_merges
+
+        rules = [r for m in merge for r in ([m] if m != "auto" else
+                                            [x for p in parts if hasattr(p, "merge_rules")
+                                             for x in p.merge_rules()])]
+        shapes_all: Dict[str, tuple] = {}
+        for p in parts:
+            if hasattr(p, "shapes"):
+                shapes_all.update(p.shapes())
+        mr = resolve_merges(rules, missing, keys, used, prefix, shapes_all, ck.path)
+        found.update(mr.renamed)
+        used |= mr.used
+        assembled, out.described = mr.entries, mr.described
+        notes = {n: why for r in rules for n, why in getattr(r, "notes", {}).items()}
+        missing = [n for n in missing if n not in found and n not in assembled]
+    if missing:
+        msg, looks = missing_message(missing, [k for k in keys if k not in used], notes)
+        if strict:
+            raise MissingTensorError(msg, names=missing, file=ck.path)
+        if looks:
+            out.warnings.append(f"initialised (strict=False) though the checkpoint may hold "
+                                f"them in another layout: {msg}")
+    load: List[Target] = [t for t in model_t if t.fqn in found or t.fqn in assembled]
     view_keys = {n: found[n] for n in found}
     opt_parts = [p for p in parts if hasattr(p, "match_optimizer")]
     has_fused = any(t.optimizer for p in opt_parts for t in p.targets)
@@ -148,7 +171,7 @@ def _plan_load(parts, ck: Checkpoint, *, strict: bool, dtype, rename: Rename,
     for p in parts:
         if hasattr(p, "nd_shapes"):
             shapes.update(p.nd_shapes())
-    view = CheckpointView(ck, view_keys, shapes)
+    view = CheckpointView(ck, view_keys, shapes, extra=assembled)
     out.plan = plan_load(load, view, strict=True, dtype=dtype, check_destinations=False)
     out.loaded |= {id(t) for t in load}
     return out
@@ -202,12 +225,14 @@ def materialize(
     seed: int = 0,
     init: Optional[Mapping[str, Any]] = None,
     rename: Rename = None,
+    merge: Any = "auto",
     verify: bool = False,
     ignore_unexpected: Sequence[str] = (),
     inplace: bool = False,
     timeout: Optional[float] = None,
     io: str = "auto",
     storage_options: Optional[Mapping[str, Any]] = None,
+    trust_pickles: bool = False,
 ) -> Report:
     """Give every meta tensor of ``model`` real memory and its value, or load ``ckpt``.
 
@@ -248,6 +273,12 @@ def materialize(
             to the local tensor. Names are TorchRec table names or ``state_dict()`` keys; an
             exact name wins, then the first matching pattern.
         rename: model key -> checkpoint key (dict or callable) when names differ.
+        merge: model tensors the checkpoint holds in several pieces or under other names,
+            for those it does not hold as they are: ``"auto"`` (default) applies the model's
+            own conversion rules (transformers' checkpoint conversion mapping: per-expert MoE
+            tensors stacked and concatenated into fused experts, renames); a list of
+            :class:`metamat.Merge` rules (``"auto"`` among them adds the model's own); None
+            applies none. Each rank reads only the pieces' bytes its blocks need.
         verify: with ``ckpt``, check every byte read against the checkpoint's checksum
             manifest (``python -m metamat checksum CKPT`` writes it) while streaming.
         ignore_unexpected: fnmatch patterns of checkpoint keys that may match nothing.
@@ -263,6 +294,11 @@ def materialize(
             ``"deadline"``: seconds the open, and then the reads, may each take in all
             (default ``METAMAT_S3_DEADLINE``, else 300): a stalled store fails with a
             ReadError by then on its rank, and its peers raise one naming it.
+        trust_pickles: with a ``ckpt`` path, unpickle its DCP ``.metadata`` / torch.save
+            ``data.pkl`` with plain pickle instead of the allow-list of what those formats
+            write (as ``torch.load(weights_only=False)``): only for checkpoints you trust
+            that carry custom classes. Default False: anything else is
+            :class:`metamat.checkpoint.UnsafePickleError` before a byte of tensor data is read.
         timeout: seconds a rank waits for its peers at each agreement point before raising
             :class:`PeerFailedError` (a dead peer is noticed at once); default
             ``METAMAT_TIMEOUT`` or 600.
@@ -302,7 +338,7 @@ def materialize(
             from .load.verify import resolve_manifest
 
             ck = ckpt if isinstance(ckpt, Checkpoint) else open_checkpoint(
-                ckpt, storage_options=storage_options)
+                ckpt, storage_options=storage_options, trust_pickles=trust_pickles)
             report.checkpoint = ck.path
             ld.manifest = resolve_manifest(ck, verify)  # missing: fail before allocating
             sec["open"] = time.perf_counter() - t
@@ -318,7 +354,7 @@ def materialize(
         if loading:
             manifest = ld.manifest
             ld = _plan_load(parts, ck, strict=strict, dtype=dtype, rename=rename,
-                            ignore=tuple(ignore_unexpected))
+                            ignore=tuple(ignore_unexpected), merge=_merge_arg(merge))
             ld.manifest = manifest
         for p in parts:
             if hasattr(p, "decide"):
@@ -360,10 +396,13 @@ def materialize(
             sec["read"] = time.perf_counter() - t
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
+        _fill_report(report, parts, ld, executed, alloc, shadows)
+        mine = report.rank_summary(rank())
     except BaseException as e:  # noqa: BLE001
         err = e
-    try:
-        ranks.agree(err, "fill")
+        mine = None
+    try:  # one collective: every rank's success and its summary for the job's Report
+        report.ranks = ranks.agree(err, "fill", payload=mine)
     except BaseException as e:  # noqa: BLE001
         _undo(parts)
         live = sorted({t.fqn for t in ld.plan.targets if _is_live(t, alloc)}) \
@@ -382,12 +421,34 @@ def materialize(
                 live.copy_(shadow)
         report.num_tensors = sum(p.register(alloc, loaded=loading) for p in parts)
     sec["register"] = time.perf_counter() - t
-    _fill_report(report, parts, ld, executed, alloc, shadows)
     for w in report.warnings:
         _warnings.warn(w, stacklevel=3)  # 3: past gc_paused's wrapper
     _log.info("metamat.materialize: %s", report.summary())
     _log.debug("materialize phases: %s", report.seconds)
     return report
+
+
+def _merge_arg(merge) -> Optional[list]:
+    """``merge=`` -> a list of rules ("auto" kept as a marker) or None.
+
+    Raises:
+        TypeError: neither "auto", None nor a list of Merge rules and "auto".
+    """
+    from .checkpoint.merge import Merge
+
+    if merge is None:
+        return None
+    if isinstance(merge, str):
+        if merge != "auto":
+            raise TypeError(f"merge must be 'auto', None or a list of metamat.Merge, got {merge!r}")
+        return ["auto"]
+    if isinstance(merge, Merge):
+        return [merge]
+    rules = list(merge)
+    for r in rules:
+        if not (r == "auto" or isinstance(r, Merge) or callable(getattr(r, "match", None))):
+            raise TypeError(f"merge: {r!r} is not a metamat.Merge (nor 'auto')")
+    return rules
 
 
 def _undo(parts) -> None:
@@ -430,9 +491,15 @@ def _fill_report(report: Report, parts, ld: _Load, executed, alloc, shadows) -> 
     report.num_targets = len(targets)
     report.warnings = [w for p in parts for w in p.warnings]
     report.warnings += list(getattr(executed, "warnings", ()))  # e.g. s3 objects nothing pins
+    report.warnings += ld.warnings
     for p in parts:
         if hasattr(p, "value_sources"):
             report.buffers.update(p.value_sources())
+        if hasattr(p, "sources"):
+            report.sources.update(p.sources())
+    for name, how in ld.described.items():  # assembled or renamed by a merge rule
+        if report.sources.get(name) == "checkpoint":
+            report.sources[name] = how
     if ld.plan is None:
         return
     lp = ld.plan

@@ -227,6 +227,13 @@ def test_trust_pickles_opts_out(dcp_dir):
     net.emb = nn.Parameter(torch.empty(13, 6, device="meta"))
     metamat.materialize(net, ck, device="cpu", strict=False)
     assert torch.equal(net.emb.detach(), hostile_gen.state()["emb"])
+    net2 = nn.Module()  # the same from materialize's own opt-out
+    net2.emb = nn.Parameter(torch.empty(13, 6, device="meta"))
+    with pytest.raises(UnsafePickleError):
+        metamat.materialize(net2, dcp_dir, device="cpu", strict=False)
+    assert net2.emb.is_meta
+    metamat.materialize(net2, dcp_dir, device="cpu", strict=False, trust_pickles=True)
+    assert torch.equal(net2.emb.detach(), hostile_gen.state()["emb"])
     env = {"PYTHONPATH": os.path.dirname(os.path.abspath(__file__))}
     assert _cli("inspect", dcp_dir, **env).returncode == 1
     r = _cli("inspect", dcp_dir, "--trust-pickles", **env)
