@@ -7,6 +7,7 @@ Importing metamat loads neither the compiled core nor torchrec, and never initia
 """
 from ._ext import ExtensionNotBuiltError
 from .checkpoint import CheckpointError, UnexpectedTensorError, open_checkpoint
+from .checkpoint.merge import Merge
 from .empty import init_empty_weights
 from .errors import (DeviceMemoryError, MissingValueError, PartialLoadError, PeerCheckpointError,
                      PeerFailedError, UnsupportedDTensorError, UnsupportedError)
@@ -19,7 +20,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Dist", "Uniform", "Normal", "TruncatedNormal", "Constant", "Zeros",
-    "fill_", "fill_many_", "materialize", "Report", "shard_on_meta", "init_empty_weights",
+    "fill_", "fill_many_", "materialize", "Report", "Merge", "shard_on_meta",
+    "init_empty_weights",
     "open_checkpoint", "CheckpointError", "UnexpectedTensorError", "ExtensionNotBuiltError",
     "UnsupportedError", "UnsupportedDTensorError", "MissingValueError", "PeerFailedError",
     "PeerCheckpointError", "PartialLoadError", "DeviceMemoryError", "release_staging_memory",

@@ -83,13 +83,23 @@ class Agreement:
                         backend="gloo", timeout=datetime.timedelta(seconds=self.timeout))
                 self.group = g
 
-    def agree(self, error: Optional[BaseException], stage: str) -> None:
+    def agree(self, error: Optional[BaseException], stage: str,
+              payload: Any = None) -> List[Any]:
         """Every rank says whether ``stage`` succeeded; if any failed, every rank raises.
 
         The failing rank raises its own error; the others raise :class:`PeerFailedError`
         naming the rank(s), the stage and the first error (:class:`PeerCheckpointError`, also
         a ``CheckpointError``, when that was a checkpoint problem), or that a peer died or did
         not answer within the timeout.
+
+        Args:
+            error: this rank's failure, or None.
+            stage: named in the peers' errors.
+            payload: a small picklable object sent along in the same collective (the
+                Report's per-rank summary); every rank gets every rank's.
+
+        Returns:
+            Every rank's ``payload``, in rank order (``[payload]`` without a process group).
 
         Raises:
             BaseException: ``error`` itself on the failing rank.
@@ -98,14 +108,14 @@ class Agreement:
         if self.group is None:
             if error is not None:
                 raise error
-            return
+            return [payload]
         import torch.distributed as dist
 
         mine = None if error is None else (isinstance(error, CheckpointError),
                                            f"{type(error).__name__}: {error}")
         everyone: List[Any] = [None] * dist.get_world_size(self.group)
         try:
-            dist.all_gather_object(everyone, mine, group=self.group)
+            dist.all_gather_object(everyone, (mine, payload), group=self.group)
         except RuntimeError as e:  # a peer died (connection closed) or did not answer
             # Drop the group: after a failed collective it cannot be trusted again.
             _GROUPS.pop(self.timeout, None)
@@ -118,13 +128,14 @@ class Agreement:
                 "Raise the wait with materialize(timeout=...) or METAMAT_TIMEOUT.") from None
         if error is not None:
             raise error
-        failed = [(r, m) for r, m in enumerate(everyone) if m is not None]
+        failed = [(r, m) for r, (m, _p) in enumerate(everyone) if m is not None]
         if failed:
             r, (is_ckpt, msg) = failed[0]
             cls = PeerCheckpointError if is_ckpt else PeerFailedError
             raise cls(f"materialize failed during {stage} on rank(s) "
                       f"{[r for r, _ in failed]}; this rank's model is unchanged. "
                       f"Rank {r}: {msg}")
+        return [p for _m, p in everyone]
 
 
 @contextlib.contextmanager

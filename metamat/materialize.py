@@ -96,7 +96,12 @@ class _Load:
         self.warnings: List[str] = []
 
 
-def _optimizer_hint(unexpected: Sequence[str], has_fused: bool) -> str:
+def _optimizer_hint(unexpected: Sequence[str], has_fused: bool, orphans=frozenset()) -> str:
+    lost = [k for k in unexpected if k in orphans]
+    if lost:
+        return (f" {len(lost)} of them are saved optimizer state of tables that have no such "
+                "state in this plan (e.g. data-parallel now, or another optimizer), so nothing "
+                "can load it; accept losing it with ignore_unexpected=[...] naming them")
     opt = [k for k in unexpected
            if k.startswith(("optim.", "optimizer.", "state.")) or ".state." in k]
     if opt and not has_fused:
@@ -140,16 +145,17 @@ def _plan_load(parts, ck: Checkpoint, *, strict: bool, dtype, rename: Rename,
         notes = {n: why for r in rules for n, why in getattr(r, "notes", {}).items()}
         missing = [n for n in missing if n not in found and n not in assembled]
     if missing:
-        msg, looks = missing_message(missing, [k for k in keys if k not in used], notes)
+        msg, looks = missing_message(missing, [k for k in keys if k not in used], notes,
+                                     strict)
         if strict:
             raise MissingTensorError(msg, names=missing, file=ck.path)
         if looks:
-            out.warnings.append(f"initialised (strict=False) though the checkpoint may hold "
-                                f"them in another layout: {msg}")
+            out.warnings.append(msg)
     load: List[Target] = [t for t in model_t if t.fqn in found or t.fqn in assembled]
     view_keys = {n: found[n] for n in found}
     opt_parts = [p for p in parts if hasattr(p, "match_optimizer")]
     has_fused = any(t.optimizer for p in opt_parts for t in p.targets)
+    orphans: Set[str] = set()
     for p in opt_parts:
         m = p.match_optimizer(keys, strict=strict, ckpt_path=ck.path)
         load += m.load
@@ -158,13 +164,14 @@ def _plan_load(parts, ck: Checkpoint, *, strict: bool, dtype, rename: Rename,
         out.loaded |= {id(t) for t in m.loaded}
         out.means += m.means
         out.prefixes["optim"] = m.prefix
+        orphans |= getattr(m, "orphans", set())
     out.unexpected = sorted(k for k in keys if k not in used
                             and not any(fnmatch.fnmatchcase(k, pat) for pat in ignore))
     if out.unexpected and strict:
         u = out.unexpected
         raise UnexpectedTensorError(
             f"{len(u)} checkpoint tensor(s) match nothing in the model: {', '.join(u[:20])}"
-            + (" ..." if len(u) > 20 else "") + "." + _optimizer_hint(u, has_fused)
+            + (" ..." if len(u) > 20 else "") + "." + _optimizer_hint(u, has_fused, orphans)
             + " Pass ignore_unexpected=[patterns] or strict=False to load anyway.",
             names=u, file=ck.path)
     shapes: Dict[str, tuple] = {}

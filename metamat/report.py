@@ -6,10 +6,93 @@ import sys
 import time
 from typing import Callable, Dict, List, Optional, Union
 
-__all__ = ["Report", "make_progress"]
+__all__ = ["Report", "RankSummary", "JobSummary", "make_progress"]
 
 PHASES = ("plan", "allocate", "fill", "register")
 LOAD_PHASES = ("open", "plan", "validate", "allocate", "fill", "read", "register")
+
+#: Names per rank and list a :class:`RankSummary` carries (the rest are counted in
+#: ``left_out``): what every rank gathers stays small whatever the model.
+SUMMARY_NAMES = 1000
+
+
+@dataclasses.dataclass
+class RankSummary:
+    """One rank's part of a ``materialize`` call, gathered by every rank in the agreement the
+    call makes anyway (no extra collective). Names are capped at :data:`SUMMARY_NAMES` per
+    list; ``left_out`` counts the rest.
+
+    Attributes:
+        rank: the rank.
+        bytes_written, bytes_allocated, bytes_needed, bytes_read: as the rank's Report.
+        seconds: the rank's phases up to the read (register comes after the gathering).
+        loaded: number of tensors (names) it loaded.
+        initialized, unchanged, unexpected, warnings: as the rank's Report.
+        sources: value source (the part of ``Report.sources`` before ":") -> number of its
+            tensors.
+        left_out: names not listed because of the cap.
+    """
+
+    rank: int
+    bytes_written: int = 0
+    bytes_allocated: int = 0
+    bytes_needed: int = 0
+    bytes_read: int = 0
+    seconds: Dict[str, float] = dataclasses.field(default_factory=dict)
+    loaded: int = 0
+    initialized: List[str] = dataclasses.field(default_factory=list)
+    unchanged: List[str] = dataclasses.field(default_factory=list)
+    unexpected: List[str] = dataclasses.field(default_factory=list)
+    warnings: List[str] = dataclasses.field(default_factory=list)
+    sources: Dict[str, int] = dataclasses.field(default_factory=dict)
+    left_out: int = 0
+
+
+@dataclasses.dataclass
+class JobSummary:
+    """The whole job's ``materialize`` call, from every rank's :class:`RankSummary`.
+
+    Attributes:
+        world_size: ranks.
+        bytes_written, bytes_allocated, bytes_needed, bytes_read: summed over ranks.
+        seconds: per phase, the slowest rank's.
+        loaded: tensors loaded, summed over ranks (a sharded tensor counts once per rank).
+        initialized, unchanged, unexpected, warnings: name or message -> the ranks it
+            concerns.
+        left_out: names the ranks did not list (``RankSummary.left_out`` summed).
+    """
+
+    world_size: int
+    bytes_written: int
+    bytes_allocated: int
+    bytes_needed: int
+    bytes_read: int
+    seconds: Dict[str, float]
+    loaded: int
+    initialized: Dict[str, List[int]]
+    unchanged: Dict[str, List[int]]
+    unexpected: Dict[str, List[int]]
+    warnings: Dict[str, List[int]]
+    left_out: int
+
+    @classmethod
+    def of(cls, ranks: List[RankSummary]) -> "JobSummary":
+        def union(attr: str) -> Dict[str, List[int]]:
+            out: Dict[str, List[int]] = {}
+            for r in ranks:
+                for n in getattr(r, attr):
+                    out.setdefault(n, []).append(r.rank)
+            return dict(sorted(out.items()))
+
+        seconds: Dict[str, float] = {}
+        for r in ranks:
+            for k, v in r.seconds.items():
+                seconds[k] = max(seconds.get(k, 0.0), v)
+        return cls(len(ranks), sum(r.bytes_written for r in ranks),
+                   sum(r.bytes_allocated for r in ranks), sum(r.bytes_needed for r in ranks),
+                   sum(r.bytes_read for r in ranks), seconds, sum(r.loaded for r in ranks),
+                   union("initialized"), union("unchanged"), union("unexpected"),
+                   union("warnings"), sum(r.left_out for r in ranks))
 
 
 @dataclasses.dataclass
@@ -51,6 +134,14 @@ class Report:
         bytes_by_memory: bytes allocated per kind of memory: ``"device"`` (the device's own,
             or host memory on the CPU), ``"uvm"`` / ``"uvm_host_mapped"`` (fbgemm's unified
             memory, for UVM tables).
+        sources: every parameter and buffer of the ordinary (plain, TP, FSDP2) modules ->
+            where its value came from and by which rule, e.g. ``"checkpoint"``,
+            ``"checkpoint: 8 checkpoint tensors stacked on dim 0 ..."``, ``"model init:
+            BertForMaskedLM._init_weights: Normal(mean=0.0, std=0.02)"``, ``"rule:
+            Linear.reset_parameters: Uniform(...)"``, ``"reset: ..."``, ``"init= ..."``,
+            ``"kept (real)"``. The same on every rank (decided from global shapes).
+        ranks: every rank's :class:`RankSummary`, in rank order, on every rank (one entry
+            without a process group); :attr:`job` sums them up.
     """
 
     bytes_written: int = 0
@@ -75,6 +166,32 @@ class Report:
     bytes_transient: int = 0
     bytes_direct: int = 0
     bytes_by_memory: Dict[str, int] = dataclasses.field(default_factory=dict)
+    sources: Dict[str, str] = dataclasses.field(default_factory=dict)
+    ranks: List[RankSummary] = dataclasses.field(default_factory=list)
+
+    @property
+    def job(self) -> Optional[JobSummary]:
+        """The whole job: what every rank loaded, initialised, found unexpected or warned
+        about, and the totals (None before the ranks' summaries were gathered)."""
+        return JobSummary.of(self.ranks) if self.ranks else None
+
+    def rank_summary(self, rank: int) -> RankSummary:
+        """This rank's :class:`RankSummary` (names capped at :data:`SUMMARY_NAMES`)."""
+        left = 0
+
+        def cap(names: List[str]) -> List[str]:
+            nonlocal left
+            left += max(0, len(names) - SUMMARY_NAMES)
+            return list(names[:SUMMARY_NAMES])
+
+        kinds: Dict[str, int] = {}
+        for how in self.sources.values():
+            k = how.split(":", 1)[0]
+            kinds[k] = kinds.get(k, 0) + 1
+        return RankSummary(rank, self.bytes_written, self.bytes_allocated, self.bytes_needed,
+                           self.bytes_read, dict(self.seconds), len(self.loaded),
+                           cap(self.initialized), cap(self.unchanged), cap(self.unexpected),
+                           cap(self.warnings), kinds, left)
 
     @property
     def total_seconds(self) -> float:
@@ -142,7 +259,31 @@ class Report:
             lines.append(f"  buffer {name}: {how}")
         for w in self.warnings:
             lines.append(f"  warning: {w}")
+        job = self.job
+        if job is not None and job.world_size > 1:
+            lines.append(f"  job ({job.world_size} ranks): {job.bytes_written / 1e9:.3f} GB "
+                         f"written, {job.bytes_needed / 1e9:.3f} GB needed, "
+                         f"{job.bytes_read / 1e9:.3f} GB read, slowest rank "
+                         f"{sum(job.seconds.values()):.4f} s before register")
+            for what, table in (("initialised", job.initialized),
+                                ("unchanged", job.unchanged),
+                                ("unexpected", job.unexpected), ("warning", job.warnings)):
+                for name, ranks in list(table.items())[:20]:
+                    lines.append(f"  job {what} on ranks {_ranks(ranks, job.world_size)}: {name}")
+                if len(table) > 20:
+                    lines.append(f"  job: ... and {len(table) - 20} more {what}")
+            if job.left_out:
+                lines.append(f"  job: {job.left_out} names not gathered (over "
+                             f"{SUMMARY_NAMES} per rank and list)")
         return "\n".join(lines)
+
+
+def _ranks(ranks: List[int], world: int) -> str:
+    if len(ranks) == world:
+        return "all"
+    if len(ranks) > 8:
+        return f"{ranks[:4]} ... ({len(ranks)} ranks)"
+    return str(ranks)
 
 
 class _Bar:

@@ -129,6 +129,8 @@ class CheckpointView:
         keys: target name -> checkpoint key (from :func:`resolve_keys`, or identity).
         shapes: target name -> the model tensor's global shape, for names whose tensor has
             more than 2 dims (viewed 2-D; the checkpoint's shape must equal it).
+        extra: target name -> an entry assembled from several checkpoint tensors
+            (:func:`metamat.checkpoint.merge.assemble_entry`), in the model's shape.
 
     Raises:
         ShapeMismatchError, UnsupportedFormatError: an N-D tensor whose shape or chunks do not
@@ -136,7 +138,8 @@ class CheckpointView:
     """
 
     def __init__(self, ckpt: Checkpoint, keys: Mapping[str, str],
-                 shapes: Optional[Mapping[str, Sequence[int]]] = None) -> None:
+                 shapes: Optional[Mapping[str, Sequence[int]]] = None,
+                 extra: Optional[Mapping[str, TensorEntry]] = None) -> None:
         self.format = ckpt.format
         self.path = ckpt.path
         self.ckpt = ckpt
@@ -156,6 +159,11 @@ class CheckpointView:
             elif key != name:
                 e = TensorEntry(name, e.global_shape, e.dtype, e.chunks)
             self.source_key[name] = key
+            self._entries[name] = e
+        for name, e in (extra or {}).items():
+            if len(e.global_shape) > 2:
+                e = _as_view_entry(name, e)
+            self.source_key[name] = name
             self._entries[name] = e
         self.files = sorted({c.file for e in self._entries.values() for c in e.chunks})
 

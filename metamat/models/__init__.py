@@ -63,19 +63,10 @@ class ModulesPart:
         """Decide every entry's value source; raises MissingValueError before allocation."""
         loaded_entries = {id(e) for e in self.entries if e.targets
                           and id(e.targets[0]) in loaded}
+        # every rule gives the same values on any plan: module resets run on tensors of the
+        # global shape (module_values), so sharded ones need no warning
         self.decisions, self.resets = decide(self.entries, init, loaded_entries, self.root,
-                                             device)
-        # A module's own reset of a whole tensor is deterministic (seeded per module); of a
-        # DTensor shard it depends on the placement: only that deserves a warning.
-        sharded = {id(e.owner.module) for e in self.entries
-                   if e.mesh is not None and self.decisions.get(id(e)) is not None
-                   and self.decisions[id(e)].kind == "reset"}
-        shown = [(n, m) for n, m, _ in self.resets if id(m) in sharded]
-        if shown:
-            self.warnings.append(
-                "no fused init for these modules; called their reset_parameters() on each shard (values "
-                "depend on the placement and torch's RNG): "
-                + ", ".join(f"{n or '<root>'} ({type(m).__name__})" for n, m in shown))
+                                             device, warn=self.warnings)
 
     def bind(self, alloc: Allocation, device: torch.device) -> None:
         bind(self.entries, self.decisions, alloc, device)
@@ -97,6 +88,22 @@ class ModulesPart:
         """Buffer fqn -> where its value came from (for the Report)."""
         return {e.fqn: self.decisions[id(e)].kind for e in self.entries
                 if not e.is_param and id(e) in self.decisions}
+
+    def sources(self) -> Dict[str, str]:
+        """Every tensor's fqn -> where its value came from and by which rule (the Report's
+        ``sources``); the same on every rank (the entries are global)."""
+        return {e.fqn: self.decisions[id(e)].source for e in self.entries
+                if id(e) in self.decisions}
+
+    def shapes(self) -> Dict[str, tuple]:
+        """Every persistent tensor's canonical name -> its global shape."""
+        return {e.fqn: tuple(e.global_shape) for e in self.entries if e.persistent}
+
+    def merge_rules(self) -> list:
+        """The model's own checkpoint conversion rules (transformers' mapping), if any."""
+        from .hf.convert import model_conversions
+
+        return model_conversions(self.root)
 
 
 def find_parts(model: nn.Module, device: torch.device, init: Mapping, *, loading: bool,

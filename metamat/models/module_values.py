@@ -3,13 +3,18 @@
 A meta tensor that the checkpoint does not provide takes, in this order (:func:`decide`):
 
 1. an ``init=`` entry naming it: a distribution (fused, plan-invariant), a tensor (its global
-   value) or a callable applied to the local tensor;
+   value) or a callable (applied to the whole tensor: each rank keeps its block);
 2. a value recorded while the model was built (``metamat.shard_on_meta``);
-3. the closed-form rule of its module (nn.Linear, convolutions, nn.Embedding, norm layers);
-4. its module's own ``reset_parameters()`` / ``_reset_parameters()`` (or a Hugging Face
-   model's ``_init_weights``), run under a per-module seed on the new memory before anything
-   is registered; floating tensors are poisoned with NaN first, so a reset that leaves one
-   unset is caught instead of leaving garbage.
+3. inside a Hugging Face ``PreTrainedModel``, the model's own init (its ``_init_weights``, as
+   transformers' ``initialize_weights`` walks it: :mod:`metamat.models.hf.init_trace`),
+   fused where it is a known distribution, else run on the whole tensor seeded per fqn;
+4. the closed-form rule of its module (nn.Linear, convolutions, nn.Embedding, norm layers);
+5. its module's own ``reset_parameters()`` / ``_reset_parameters()`` (or a Hugging Face
+   model's ``_init_weights``), run under a per-module seed before anything is registered, on
+   tensors of the *global* shape on the CPU (each rank keeps its block: the same values on
+   every plan and device; a plain CPU tensor is written in place, which is the same);
+   floating tensors are poisoned with NaN first, so a reset that leaves one unset is caught
+   instead of leaving garbage.
 
 Anything else (typically a non-persistent buffer such as a rotary ``inv_freq`` on meta) is a
 :class:`~metamat.errors.MissingValueError` raised before anything is allocated: a floating
@@ -19,7 +24,6 @@ device if needed) unless the checkpoint provides them.
 from __future__ import annotations
 
 import functools
-import warnings
 import zlib
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
@@ -39,13 +43,21 @@ __all__ = ["Decision", "decide", "fill_values", "module_seed"]
 
 
 class Decision:
-    """The value source of one entry (``kind`` is what the Report shows)."""
+    """The value source of one entry (``kind`` is what the Report shows, ``detail`` which
+    rule; ``run(seed)`` gives the global value of a model init that is not fused)."""
 
-    __slots__ = ("kind", "dist", "zero_row", "value", "fn")
+    __slots__ = ("kind", "dist", "zero_row", "value", "fn", "detail", "run")
 
     def __init__(self, kind: str, dist: Optional[Dist] = None, zero_row: Optional[int] = None,
-                 value: Optional[torch.Tensor] = None, fn: Optional[Callable] = None) -> None:
+                 value: Optional[torch.Tensor] = None, fn: Optional[Callable] = None,
+                 detail: str = "", run: Optional[Callable[[int], torch.Tensor]] = None) -> None:
         self.kind, self.dist, self.zero_row, self.value, self.fn = kind, dist, zero_row, value, fn
+        self.detail, self.run = detail, run
+
+    @property
+    def source(self) -> str:
+        """``kind``, and which rule when known (the Report's ``sources``)."""
+        return f"{self.kind}: {self.detail}" if self.detail else self.kind
 
 
 def module_seed(seed: int, fqn: str) -> int:
@@ -86,7 +98,7 @@ def _from_init(e: Entry, v: InitValue) -> Decision:
         if e.dtype not in FILL_DTYPES and not isinstance(v, Constant):
             raise UnsupportedError(f"{e.fqn!r}: init= {type(v).__name__} needs a floating "
                                    f"dtype, the tensor is {e.dtype}")
-        return Decision("init= distribution", dist=v)
+        return Decision("init= distribution", dist=v, detail=str(v))
     if isinstance(v, torch.Tensor):
         if tuple(v.shape) != tuple(e.global_shape):
             raise UnsupportedError(f"{e.fqn!r}: init= tensor has shape {tuple(v.shape)}, the "
@@ -97,8 +109,15 @@ def _from_init(e: Entry, v: InitValue) -> Decision:
     return Decision("init= callable", fn=v)
 
 
+def _from_model_init(e: Entry, mi, tr) -> Decision:
+    if mi.dist is not None and (e.dtype in FILL_DTYPES or isinstance(mi.dist, Constant)):
+        return Decision("model init", dist=mi.dist, zero_row=mi.zero_row, detail=mi.how)
+    return Decision("model init (run)", detail=mi.how,
+                    run=functools.partial(tr.run, e, mi))
+
+
 def decide(entries: Sequence[Entry], init: Mapping[str, InitValue], loaded: Set[int],
-           root: nn.Module, device: torch.device
+           root: nn.Module, device: torch.device, warn: Optional[List[str]] = None
            ) -> Tuple[Dict[int, Decision], List[Tuple[str, nn.Module, Callable]]]:
     """Decide every entry's value source (see the module docstring).
 
@@ -106,8 +125,10 @@ def decide(entries: Sequence[Entry], init: Mapping[str, InitValue], loaded: Set[
         entries: from :func:`metamat.models.modules.find_entries`.
         init: the validated ``init=`` mapping.
         loaded: ids of the entries the checkpoint provides.
-        root: the model (its ``_init_weights`` is a Hugging Face fallback).
+        root: the model (its ``PreTrainedModel`` subtrees are initialised as transformers
+            does: :mod:`metamat.models.hf.init_trace`).
         device: the target device (real tensors elsewhere are moved).
+        warn: messages for the Report are appended here.
 
     Returns:
         (id(entry) -> Decision, the module resets to run: [(module fqn, module, reset fn)]).
@@ -119,6 +140,8 @@ def decide(entries: Sequence[Entry], init: Mapping[str, InitValue], loaded: Set[
     out: Dict[int, Decision] = {}
     resets: Dict[int, Tuple[str, nn.Module, Callable]] = {}
     missing: List[str] = []
+    traced = False
+    tr = None
     for e in entries:
         if id(e) in loaded:
             out[id(e)] = Decision("checkpoint")
@@ -135,6 +158,16 @@ def decide(entries: Sequence[Entry], init: Mapping[str, InitValue], loaded: Set[
         if rec is not None:
             out[id(e)] = Decision("recorded", value=rec)
             continue
+        if not traced:  # once, and only when some tensor needs a value
+            from .hf.init_trace import trace
+
+            tr, traced = trace(root, entries), True
+            if tr is not None and warn is not None:
+                warn += tr.warnings
+        mi = tr.decide(e) if tr is not None else None
+        if mi is not None:
+            out[id(e)] = _from_model_init(e, mi, tr)
+            continue
         m, attr = e.owner.module, e.owner.name
         d: Optional[Default] = default_init(m, attr, e.global_shape)
         if d is None and isinstance(m, (nn.ParameterDict, nn.ParameterList)):
@@ -146,7 +179,10 @@ def decide(entries: Sequence[Entry], init: Mapping[str, InitValue], loaded: Set[
             if e.dtype not in FILL_DTYPES and not isinstance(d.dist, Constant):
                 d = RESET
             else:
-                out[id(e)] = Decision("rule", dist=d.dist, zero_row=d.zero_row)
+                out[id(e)] = Decision("rule", dist=d.dist, zero_row=d.zero_row,
+                                      detail=f"{type(m).__name__}.reset_parameters: {d.dist}"
+                                      + (f", row {d.zero_row} zeroed"
+                                         if d.zero_row is not None else ""))
                 continue
         fn = _reset_fn(m, root)
         if fn is None:
@@ -154,7 +190,9 @@ def decide(entries: Sequence[Entry], init: Mapping[str, InitValue], loaded: Set[
             continue
         mname = e.owner.fqn.rsplit(".", 1)[0] if "." in e.owner.fqn else ""
         resets.setdefault(id(m), (mname, m, fn))
-        out[id(e)] = Decision("reset")
+        out[id(e)] = Decision("reset", detail=f"{type(m).__name__}."
+                              f"{getattr(fn, '__name__', 'reset')}() on the whole tensor, "
+                              f"seeded by module {mname or '<root>'!r}")
     if missing:
         raise MissingValueError(
             f"{len(missing)} meta tensor(s) have no value: {', '.join(map(repr, missing[:20]))}"
@@ -192,28 +230,53 @@ def _swapped_in(m: nn.Module, new_of: Dict[int, Any]):
     return _Ctx()
 
 
+def _whole(e: Entry) -> bool:
+    """A reset or callable writes ``e`` through a CPU tensor of its global shape (a sharded
+    or non-CPU tensor), not in place: the values then depend on nothing but the seed."""
+    return e.mesh is not None or e.local.device.type != "cpu"
+
+
+def _block(e: Entry, full: torch.Tensor) -> torch.Tensor:
+    return full[tuple(slice(o, o + n) for o, n in zip(e.offsets, e.local_shape))]
+
+
 def _run_resets(entries: Sequence[Entry], dec: Dict[int, Decision],
                 resets: Sequence[Tuple[str, nn.Module, Callable]], seed: int) -> None:
     new_of = {id(e.old): e.new for e in entries if e.new is not None}
     by_module: Dict[int, List[Entry]] = {}
+    in_module: Dict[int, List[Entry]] = {}
     for e in entries:
         if dec[id(e)].kind == "reset":
             by_module.setdefault(id(e.owner.module), []).append(e)
+        if e.meta:
+            for s in e.slots:
+                in_module.setdefault(id(s.module), []).append(e)
     unset: List[str] = []
     with torch.no_grad():
         for mname, m, fn in resets:
             mine = by_module.get(id(m), [])
+            # every meta tensor of m, its global shape on the CPU (kept only for m's reset
+            # entries): the reset draws the same numbers whatever the plan or device
+            whole: Dict[int, torch.Tensor] = {}
+            swap = dict(new_of)
+            for e in in_module.get(id(m), []):
+                if _whole(e) and id(e.old) not in whole:
+                    w = torch.empty(e.global_shape, dtype=e.dtype, device="cpu")
+                    whole[id(e.old)] = w
+                    swap[id(e.old)] = nn.Parameter(w, e.requires_grad) if e.is_param else w
             for e in mine:
-                if e.local.is_floating_point():
-                    e.local.fill_(float("nan"))
-            devs = sorted({e.local.device.index for e in mine
-                           if e.local.device.type == "cuda" and e.local.device.index is not None})
-            with torch.random.fork_rng(devices=devs), _swapped_in(m, new_of):
+                x = whole.get(id(e.old), e.local)
+                if x.is_floating_point():
+                    x.fill_(float("nan"))
+            with torch.random.fork_rng(devices=[]), _swapped_in(m, swap):
                 torch.manual_seed(module_seed(seed, mname))
                 fn()
             for e in mine:
-                if e.local.is_floating_point() and bool(torch.isnan(e.local).any()):
+                x = whole.get(id(e.old), e.local)
+                if x.is_floating_point() and bool(torch.isnan(x).any()):
                     unset.append(f"{e.fqn} ({type(m).__name__})")
+                elif x is not e.local:
+                    e.local.copy_(_block(e, x))
     if unset:
         raise MissingValueError(
             "reset_parameters() left these meta tensors (partly) unset: " + ", ".join(unset[:20])
@@ -246,15 +309,18 @@ def fill_values(entries: Sequence[Entry], dec: Dict[int, Decision],
                     off = tuple(t.offsets) + (0, 0)
                     items.append((x, d.dist, t.key, int(off[0]), int(off[1])))
             elif d.value is not None:
-                block = d.value[tuple(slice(o, o + n) for o, n in zip(e.offsets, e.local_shape))]
-                e.local.copy_(block)
+                e.local.copy_(_block(e, d.value))
+            elif d.run is not None:
+                e.local.copy_(_block(e, d.run(seed)))
             elif d.fn is not None:
-                if e.mesh is not None:
-                    warnings.warn(f"init= callable for sharded {e.fqn!r}: applied to each "
-                                  "local shard (values depend on the placement)", stacklevel=4)
                 with torch.random.fork_rng(devices=[]):
                     torch.manual_seed(module_seed(seed, e.fqn))
-                    d.fn(e.local)
+                    if _whole(e):
+                        full = torch.empty(e.global_shape, dtype=e.dtype, device="cpu")
+                        d.fn(full)
+                        e.local.copy_(_block(e, full))
+                    else:
+                        d.fn(e.local)
         fill_many_(items, seed=seed)
         for e, d in consts:
             e.local.fill_(d.dist.value)

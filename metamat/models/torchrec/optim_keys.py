@@ -8,7 +8,10 @@ merging both dicts into one. Optimizer state is optional, per tensor: a table wh
 checkpoint lacks (a weights-only checkpoint, or a table that was DATA_PARALLEL when saved and
 so had no fused state) gets it initialised as TorchRec does (zeros) on a meta model and keeps
 it on an eager one, and the Report lists it. State that is present must be complete and match
-(coverage, shape, dtype are validated by the planner).
+(coverage, shape, dtype are validated by the planner). Saved state that nothing in this plan
+takes (a table that is data-parallel now, or state of another optimizer) is unexpected like any
+unused key (:attr:`OptimMatch.orphans` names it for the error's hint): ``strict=True`` refuses
+it unless ``ignore_unexpected`` names it; it is never dropped silently.
 
 Row-wise optimizer state of COLUMN_WISE tables: TorchRec keeps one per-row accumulator per
 column shard, so its global shape is ``rows * k`` for ``k`` column shards (plan-dependent).
@@ -46,6 +49,7 @@ class OptimMatch:
         prefix: the prefix chosen (None when the checkpoint holds no optimizer state).
         means: (destination, parts) whose mean :func:`finish_means` stores after the read.
         warnings: row-wise state loaded as a mean.
+        orphans: saved state of a model table that no target of this plan takes (unused).
     """
 
     load: List[Target]
@@ -56,6 +60,7 @@ class OptimMatch:
     prefix: Optional[str]
     means: List[Tuple[Target, List[Target]]]
     warnings: List[str]
+    orphans: Set[str] = dataclasses.field(default_factory=set)
 
 
 def match_optimizer(targets: Sequence[Target], keys: Mapping[str, object],
@@ -68,9 +73,8 @@ def match_optimizer(targets: Sequence[Target], keys: Mapping[str, object],
         keys: the checkpoint's tensors (name -> entry with ``global_shape``).
         model_rows: table fqn -> its global row count (for the row-wise remap).
         names: every optimizer state path of the model (all ranks' tables).
-        tables: every table weight fqn of the model: saved state of a model table is never
-            unexpected (this rank may not hold the table, or the plan gives it no fused state,
-            e.g. DATA_PARALLEL: then nothing loads it).
+        tables: every table weight fqn of the model: saved state of one that the plan gives
+            no such state (e.g. DATA_PARALLEL) is listed in ``orphans`` (still unused).
         strict: a shape that cannot be remapped raises (else the target is initialised).
         ckpt_path: for messages.
 
@@ -81,8 +85,8 @@ def match_optimizer(targets: Sequence[Target], keys: Mapping[str, object],
     if not found:
         return OptimMatch([], {}, [], list(targets), set(), None, [], [])
     out = OptimMatch([], {}, [], [], used, prefix, [], [])
-    out.used |= {k for k in keys if k not in used and k.startswith(prefix + "state.")
-                 and any(k.startswith(f"{prefix}state.{t}.") for t in tables)}
+    out.orphans = {k for k in keys if k not in used and k.startswith(prefix + "state.")
+                   and any(k.startswith(f"{prefix}state.{t}.") for t in tables)}
     for t in targets:
         key = found.get(t.fqn)
         if key is None:
