@@ -94,6 +94,14 @@ class _Load:
         self.manifest = None
         self.described: Dict[str, str] = {}  # assembled/renamed by merge rules: how
         self.warnings: List[str] = []
+        # saved optimizer state of model tables, taken here (bit i of mine) or maybe by
+        # another rank: settled in the validation agreement (_settle_optimizer)
+        self.pending: List[str] = []
+        self.mine = 0
+        self.ignore: Sequence[str] = ()
+        self.strict = True
+        self.path = ""
+        self.quant: list = []  # load.quantize.QuantReads: float rows quantized while read
 
 
 def _optimizer_hint(unexpected: Sequence[str], has_fused: bool, orphans=frozenset()) -> str:
@@ -119,7 +127,9 @@ def _plan_load(parts, ck: Checkpoint, *, strict: bool, dtype, rename: Rename,
 
     out = _Load()
     keys = ck.tensors()
-    model_t = [t for p in parts for t in p.targets if not t.optimizer and t.persistent]
+    # adapters that match the checkpoint themselves (quantized tables) are left out here
+    model_t = [t for p in parts if not hasattr(p, "match_checkpoint") for t in p.targets
+               if not t.optimizer and t.persistent]
     names: Dict[str, List[str]] = {}
     for p in parts:  # global names: a rank without a block of a tensor still knows it
         names.update(p.names())
@@ -153,9 +163,18 @@ def _plan_load(parts, ck: Checkpoint, *, strict: bool, dtype, rename: Rename,
             out.warnings.append(msg)
     load: List[Target] = [t for t in model_t if t.fqn in found or t.fqn in assembled]
     view_keys = {n: found[n] for n in found}
+    from .load.quantize import refuse_quantized
+    refuse_quantized(load, keys, view_keys, ck.path)  # quantized tables into a float model
+    for p in parts:  # quantized tables: from float rows (quantized while read) or quantized
+        if hasattr(p, "match_checkpoint"):
+            m = p.match_checkpoint(keys, found, ckpt_path=ck.path)
+            load += m.load
+            view_keys.update(m.keys)
+            used |= m.used
+            out.loaded |= {id(t) for t in p.loaded_targets()}
     opt_parts = [p for p in parts if hasattr(p, "match_optimizer")]
     has_fused = any(t.optimizer for p in opt_parts for t in p.targets)
-    orphans: Set[str] = set()
+    cands: Set[str] = set()
     for p in opt_parts:
         m = p.match_optimizer(keys, strict=strict, ckpt_path=ck.path)
         load += m.load
@@ -164,14 +183,16 @@ def _plan_load(parts, ck: Checkpoint, *, strict: bool, dtype, rename: Rename,
         out.loaded |= {id(t) for t in m.loaded}
         out.means += m.means
         out.prefixes["optim"] = m.prefix
-        orphans |= getattr(m, "orphans", set())
-    out.unexpected = sorted(k for k in keys if k not in used
+        cands |= set(m.candidates)
+    out.pending, out.ignore, out.strict, out.path = sorted(cands), tuple(ignore), strict, ck.path
+    out.mine = sum(1 << i for i, k in enumerate(out.pending) if k in used)
+    out.unexpected = sorted(k for k in keys if k not in used and k not in cands
                             and not any(fnmatch.fnmatchcase(k, pat) for pat in ignore))
     if out.unexpected and strict:
         u = out.unexpected
         raise UnexpectedTensorError(
             f"{len(u)} checkpoint tensor(s) match nothing in the model: {', '.join(u[:20])}"
-            + (" ..." if len(u) > 20 else "") + "." + _optimizer_hint(u, has_fused, orphans)
+            + (" ..." if len(u) > 20 else "") + "." + _optimizer_hint(u, has_fused)
             + " Pass ignore_unexpected=[patterns] or strict=False to load anyway.",
             names=u, file=ck.path)
     shapes: Dict[str, tuple] = {}
@@ -181,7 +202,36 @@ def _plan_load(parts, ck: Checkpoint, *, strict: bool, dtype, rename: Rename,
     view = CheckpointView(ck, view_keys, shapes, extra=assembled)
     out.plan = plan_load(load, view, strict=True, dtype=dtype, check_destinations=False)
     out.loaded |= {id(t) for t in load}
+    out.quant = [p.plan_reads(view, dtype) for p in parts if hasattr(p, "plan_reads")]
+    out.plan.bytes_needed += sum(q.bytes_needed for q in out.quant)
     return out
+
+
+def _settle_optimizer(ld: _Load, taken: Sequence[int]) -> None:
+    """Saved optimizer state of a model table that no rank takes (a table that is data-parallel
+    now, state of another optimizer) is unexpected: every rank has the same lists, so every
+    rank raises the same error under ``strict`` (nothing was allocated), else the Report
+    lists it. Never dropped silently.
+
+    Raises:
+        UnexpectedTensorError: ``strict`` and such state that ``ignore_unexpected`` does not
+            name.
+    """
+    bits = 0
+    for t in taken:
+        bits |= t or 0
+    lost = [k for i, k in enumerate(ld.pending) if not bits >> i & 1
+            and not any(fnmatch.fnmatchcase(k, pat) for pat in ld.ignore)]
+    if not lost:
+        return
+    if ld.strict:
+        raise UnexpectedTensorError(
+            f"{len(lost)} checkpoint tensor(s) match nothing in the model: "
+            f"{', '.join(lost[:20])}" + (" ..." if len(lost) > 20 else "") + "."
+            + _optimizer_hint(lost, True, set(lost))
+            + " Pass ignore_unexpected=[patterns] or strict=False to load anyway.",
+            names=lost, file=ld.path)
+    ld.unexpected = sorted(ld.unexpected + lost)
 
 
 def _shadow(x: torch.Tensor) -> torch.Tensor:
@@ -369,8 +419,9 @@ def materialize(
         sec["validate"] = time.perf_counter() - t
     except BaseException as e:  # noqa: BLE001 - told to the other ranks, then re-raised
         err = e
-    try:
-        ranks.agree(err, "validation")
+    try:  # the bits: which saved optimizer state this rank takes (no rank: unexpected)
+        taken = ranks.agree(err, "validation", payload=ld.mine)
+        _settle_optimizer(ld, taken)
     except BaseException:
         _undo(parts)
         raise
@@ -483,8 +534,16 @@ def _read(ld: _Load, io_threads, staging_bytes, progress, io, alloc):
     staged = in_device_memory if alloc.emulated else False
     cb = make_progress(progress, rank())
     try:
-        return execute(ld.plan, io_threads=io_threads, staging_bytes=staging_bytes,
-                       progress=cb, verify=ld.manifest, io=io, staged=staged)
+        out = execute(ld.plan, io_threads=io_threads, staging_bytes=staging_bytes,
+                      progress=cb, verify=ld.manifest, io=io, staged=staged)
+        for q in ld.quant:  # float rows quantized into place, through a bounded scratch buffer
+            r = q.execute(io_threads=io_threads, staging_bytes=staging_bytes, verify=ld.manifest,
+                          io=io)
+            out.bytes_read += r.bytes_read
+            out.bytes_verified += r.bytes_verified
+            out.bytes_reread += r.bytes_reread
+            out.bytes_direct += r.bytes_direct
+        return out
     finally:
         if hasattr(cb, "close"):
             cb.close()

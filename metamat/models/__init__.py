@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from ..allocate import Allocation
+from ..errors import UnsupportedError
 from ..plan import Target
 from ..support import fill_support
 from .aliases import find_aliases
@@ -127,14 +128,25 @@ def find_parts(model: nn.Module, device: torch.device, init: Mapping, *, loading
         undo = relayout_for_cuda(model, sharded, device)
         sharded = sharded_modules(root_of(model))
     try:
-        skip = [n for n, _ in sharded]
+        from .torchrec.quant import quant_modules
+
+        quant = quant_modules(root_of(model))  # TorchRec's quantized inference collections
+        if quant and sharded:
+            raise UnsupportedError("a model holding both TorchRec training collections and "
+                                   "quantized inference ones on meta is not supported")
+        skip = [n for n, _ in sharded] + [n for n, _ in quant]
         modules = ModulesPart(root_of(model) if skip else model, skip=skip, loading=loading,
-                              aliases=not skip)
+                              aliases=not sharded)
         parts: list = []
-        if skip:
+        if sharded:
             parts.append(TorchRecPart(model, device, init, claimed=modules.claimed(),
                                       loading=loading, sharded=sharded, emulated=emulated))
             parts[0].undo = undo
+        if quant:
+            from .torchrec.quant_part import QuantPart
+
+            parts.append(QuantPart(model, device, init, modules=quant, loading=loading,
+                                   emulated=emulated))
         parts.append(modules)
     except BaseException:
         if undo is not None:

@@ -47,7 +47,8 @@ def sharded_modules(root: nn.Module) -> List[Tuple[str, nn.Module]]:
         if isinstance(m, tables):
             out.append((name, m))
         elif isinstance(m, ShardedModule) and not _is_container(m):
-            if any(p.is_meta for p in _tensors_of(m)):
+            from .quant import is_quantized  # quantized inference modules: quant_part.py
+            if not is_quantized(m) and any(p.is_meta for p in _tensors_of(m)):
                 raise UnsupportedError(
                     f"{name or '<root>'}: sharded module type {type(m).__name__} is not supported "
                     "(supported: ShardedEmbeddingBagCollection, ShardedEmbeddingCollection)"

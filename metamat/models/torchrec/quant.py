@@ -1,0 +1,315 @@
+"""TorchRec quantized inference modules, find: their tables, where each row lands, and what
+fbgemm's CPU layout of every inference TBE looks like. Nothing is allocated here.
+
+Modules (built on meta, all their tables' storage meta):
+
+* unsharded ``torchrec.quant.embedding_modules.EmbeddingBagCollection`` /
+  ``EmbeddingCollection`` (``quantize_embeddings``, ``quantize_inference_model`` or built
+  directly): TorchRec lays a module built on meta out for a GPU (``EmbeddingLocation.DEVICE``,
+  ``weights_dev``); on the CPU it is laid out again for the host at register time, as the same
+  module built with ``device="cpu"`` is (same row alignment, same offsets);
+* sharded ``ShardedQuantEmbeddingBagCollection`` / ``ShardedQuantEmbeddingCollection``
+  (``shard_quant_model(..., compute_device="cpu", sharding_device="meta")``, TW/RW/CW): one
+  fbgemm ``IntNBitTableBatchedEmbeddingBagsCodegen`` per rank and group, HOST placement.
+
+This module is the one door to the TorchRec/fbgemm inference internals metamat uses: the TBE
+attributes named here were checked on torchrec 1.8.0 / fbgemm-gpu-cpu 1.8.0.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from ...errors import UnsupportedError
+from ...load.quantize import KINDS, padded_row_bytes, unpadded_row_bytes
+
+__all__ = ["QuantTable", "QuantTBE", "quant_modules", "is_quantized", "find_tbes", "host_twin",
+           "TBE_HOST_ATTRS"]
+
+#: Attributes of an inference TBE that differ between one built on meta and the same one
+#: built for the CPU (measured: everything else, buffers aside, is equal).
+TBE_HOST_ATTRS = ("current_device", "use_cpu", "embedding_specs", "host_size", "dev_size",
+                  "uvm_size", "weights_physical_placements", "weights_physical_offsets",
+                  "weights_offsets", "weights_placements", "row_alignment")
+
+
+@dataclasses.dataclass
+class QuantTable:
+    """One table block held by one TBE: rows ``[row0, row0 + rows)`` and columns
+    ``[col0, col0 + cols)`` of table ``name`` (global ``(num_embeddings, dim)``).
+
+    ``fqn``: the state_dict key of its weight (``<module>.embedding_bags.<name>.weight``),
+    which a float checkpoint's table has too. ``kind``: 8/4/2 (INT-N), 16/32 (FP16/FP32).
+    ``storage``: the TBE's meta weights tensor; the block's row ``i`` is at byte
+    ``offset + i * stride`` of it; ``sb_last``: scale/bias after the data."""
+
+    name: str
+    fqn: str
+    prefix: str
+    global_shape: Tuple[int, int]
+    row0: int
+    col0: int
+    rows: int
+    cols: int
+    kind: int
+    tbe: Any
+    index: int
+    storage: torch.Tensor
+    offset: int
+    stride: int
+    sb_last: bool
+    config: Any = None
+
+    @property
+    def data_offset(self) -> int:
+        """Byte of a row where the data starts."""
+        return 4 if self.kind in (8, 4, 2) and not self.sb_last else 0
+
+    @property
+    def data_bytes(self) -> int:
+        return self.cols * self.kind // 8
+
+    @property
+    def sb_offset(self) -> int:
+        """Byte of a row where scale/bias start (INT-N)."""
+        return self.data_bytes if self.sb_last else 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * unpadded_row_bytes(self.kind, self.cols)
+
+
+@dataclasses.dataclass
+class QuantTBE:
+    """One inference TBE of a quantized module: its tables and the storage they live in."""
+
+    module: Any
+    owner: str  # the quantized module's name
+    storage: torch.Tensor  # meta weights tensor (weights_host, or weights_dev on meta)
+    tables: List[QuantTable]
+
+
+def _classes():
+    from torchrec.distributed.quant_embedding import ShardedQuantEmbeddingCollection
+    from torchrec.distributed.quant_embeddingbag import ShardedQuantEmbeddingBagCollection
+    from torchrec.quant.embedding_modules import EmbeddingBagCollection as QEBC
+    from torchrec.quant.embedding_modules import EmbeddingCollection as QEC
+
+    return QEBC, QEC, ShardedQuantEmbeddingBagCollection, ShardedQuantEmbeddingCollection
+
+
+def _unsupported_classes() -> tuple:
+    out = []
+    try:
+        from torchrec.quant.embedding_modules import FeatureProcessedEmbeddingBagCollection
+        out.append(FeatureProcessedEmbeddingBagCollection)
+        from torchrec.distributed.quant_embeddingbag import (
+            ShardedQuantFeatureProcessedEmbeddingBagCollection)
+        out.append(ShardedQuantFeatureProcessedEmbeddingBagCollection)
+    except ImportError:  # pragma: no cover - other torchrec versions
+        pass
+    return tuple(out)
+
+
+def _tbe_of_module(m: nn.Module) -> List[Any]:
+    QEBC, QEC, SQEBC, SQEC = _classes()
+    if isinstance(m, (SQEBC, SQEC)):
+        return list(m._tbes_configs)
+    return list(m._emb_modules)
+
+
+def is_quantized(m: nn.Module) -> bool:
+    """True for TorchRec's quantized collections, sharded or not (this adapter's modules)."""
+    return isinstance(m, _classes() + _unsupported_classes())
+
+
+def _has_meta(m: nn.Module) -> bool:
+    return any(_weights_of(t).is_meta for t in _tbe_of_module(m))
+
+
+def quant_modules(root: nn.Module) -> List[Tuple[str, nn.Module]]:
+    """(name, module) of every quantized TorchRec module of ``root`` whose tables are on meta
+    ([] when torchrec was never imported: a model without it holds none).
+
+    Raises:
+        UnsupportedError: a quantized module metamat does not handle (feature-processed
+            collections) holds meta tensors.
+    """
+    import sys
+
+    if "torchrec" not in sys.modules:
+        return []
+    from ..modules import named_modules_pruned
+
+    kinds = _classes()
+    unsupported = _unsupported_classes()
+    out = []
+    for name, m in named_modules_pruned(root, lambda _n, m: isinstance(m, kinds)):
+        if isinstance(m, unsupported):
+            if any(t.is_meta for t in m.buffers()):
+                raise UnsupportedError(
+                    f"{name or '<root>'}: {type(m).__name__} (feature-processed quantized "
+                    "collection) is not supported by metamat's quantized loading yet")
+            continue
+        if isinstance(m, kinds) and _has_meta(m):
+            out.append((name, m))
+    return out
+
+
+def _weights_of(tbe: Any) -> torch.Tensor:
+    """The TBE's weights storage tensor (its placements must agree)."""
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
+
+    places = set(tbe.weights_physical_placements)
+    if places == {EmbeddingLocation.HOST.value}:
+        return tbe.weights_host
+    if places == {EmbeddingLocation.DEVICE.value}:
+        return tbe.weights_dev
+    raise UnsupportedError(
+        f"inference TBE with placements {sorted(places)} (unified memory or mixed): only "
+        "HOST or DEVICE tables are supported")
+
+
+def _check_tbe(tbe: Any, where: str) -> None:
+    from fbgemm_gpu.split_table_batched_embeddings_ops_inference import (
+        IntNBitTableBatchedEmbeddingBagsCodegen)
+
+    if not isinstance(tbe, IntNBitTableBatchedEmbeddingBagsCodegen):
+        raise UnsupportedError(f"{where}: {type(tbe).__name__} (not fbgemm's "
+                               "IntNBitTableBatchedEmbeddingBagsCodegen) is not supported")
+    if tbe.scale_bias_size_in_bytes != 4:
+        raise UnsupportedError(f"{where}: scale/bias of {tbe.scale_bias_size_in_bytes} bytes "
+                               "(MTIA layout) is not supported")
+    if tbe.index_remappings_array_offsets.numel() or tbe.index_remapping_hash_table_offsets.numel():
+        raise UnsupportedError(f"{where}: pruned tables (index remapping) are not supported")
+    if not getattr(tbe, "weight_initialized", False):
+        raise UnsupportedError(f"{where}: the TBE's weights were never laid out")
+
+
+def _kind_of(ty: Any, table: str, where: str) -> int:
+    kind = KINDS.get(getattr(ty, "value", None))
+    if kind is None:
+        raise UnsupportedError(
+            f"{where}: table {table!r} has weight type {ty}; metamat quantizes into "
+            "INT8, INT4, INT2, FP16 and FP32 tables (TorchRec 1.8 cannot build FP8/NFP8 ones)")
+    return kind
+
+
+def _tables_attr(m: nn.Module) -> str:
+    QEBC, QEC, SQEBC, SQEC = _classes()
+    return "embeddings" if isinstance(m, (QEC, SQEC)) else "embedding_bags"
+
+
+def _configs(name: str, m: nn.Module, tbe: Any) -> List[Tuple[Any, int, int, int, int]]:
+    """Per table of ``tbe``: (config, row0, col0, global rows, global cols)."""
+    QEBC, QEC, SQEBC, SQEC = _classes()
+    if isinstance(m, (SQEBC, SQEC)):
+        out = []
+        for t in m._tbes_configs[tbe].embedding_tables:
+            off = t.local_metadata.shard_offsets if t.local_metadata is not None else [0, 0]
+            out.append((t, int(off[0]), int(off[1]), int(t.num_embeddings), int(t.embedding_dim)))
+        return out
+    groups = list(m._key_to_tables.values())
+    tables = groups[m._emb_modules.index(tbe)]
+    for t in tables:
+        if getattr(t, "num_embeddings_post_pruning", None) is not None:
+            raise UnsupportedError(f"{name or '<root>'}: table {t.name!r} is pruned "
+                                   "(num_embeddings_post_pruning): not supported")
+    return [(t, 0, 0, int(t.num_embeddings), int(t.embedding_dim)) for t in tables]
+
+
+def find_tbes(name: str, m: nn.Module) -> List[QuantTBE]:
+    """The inference TBEs of quantized module ``m`` (named ``name``) and their tables.
+
+    Raises:
+        UnsupportedError: a TBE or table layout metamat does not write.
+    """
+    from fbgemm_gpu.split_table_batched_embeddings_ops_inference import (
+        rounded_row_size_in_bytes)
+
+    prefix = f"{name}." if name else ""
+    attr = _tables_attr(m)
+    out = []
+    for j, tbe in enumerate(_tbe_of_module(m)):
+        where = f"{name or '<root>'} (TBE {j})"
+        _check_tbe(tbe, where)
+        storage = _weights_of(tbe)
+        configs = _configs(name, m, tbe)
+        if len(configs) != len(tbe.embedding_specs):
+            raise UnsupportedError(f"{where}: {len(tbe.embedding_specs)} tables in the TBE, "
+                                   f"{len(configs)} in the module's configs")
+        tables = []
+        for i, ((tname, rows, cols, ty, _loc), (cfg, r0, c0, grows, gcols)) in enumerate(
+                zip(tbe.embedding_specs, configs)):
+            if tname != cfg.name or r0 + rows > grows or c0 + cols > gcols:
+                raise UnsupportedError(f"{where}: table {tname!r} ({rows}x{cols} at {r0},{c0}) "
+                                       f"does not fit its config {cfg.name!r} {grows}x{gcols}")
+            kind = _kind_of(ty, tname, where)
+            stride = rounded_row_size_in_bytes(cols, ty, tbe.row_alignment,
+                                               tbe.scale_bias_size_in_bytes)
+            if stride != padded_row_bytes(kind, cols, tbe.row_alignment):
+                raise UnsupportedError(f"{where}: table {tname!r}: fbgemm's row of {stride} "
+                                       "bytes is not the layout metamat writes")
+            offset = int(tbe.weights_physical_offsets[i])
+            if offset + rows * stride > storage.numel():
+                raise UnsupportedError(f"{where}: table {tname!r} past its TBE's storage")
+            tp = f"{prefix}{attr}.{tname}."
+            tables.append(QuantTable(tname, tp + "weight", tp, (grows, gcols), r0, c0, rows, cols,
+                                     kind, tbe, i, storage, offset, stride,
+                                     bool(getattr(tbe, "reverse_qparam", False)), cfg))
+        out.append(QuantTBE(tbe, name, storage, tables))
+    return out
+
+
+def host_twin(tbe: Any) -> Any:
+    """The same inference TBE built for the CPU (HOST placement, same row alignment), without
+    its weights: every metadata buffer and layout attribute of the host layout, computed by
+    fbgemm itself (a few KiB; the weights are never allocated).
+
+    Raises:
+        UnsupportedError: fbgemm refuses the arguments, or the twin's layout differs.
+    """
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import (BoundsCheckMode,
+                                                                     EmbeddingLocation)
+    from fbgemm_gpu.split_embedding_configs import SparseType
+
+    specs = [(n, r, d, ty, EmbeddingLocation.HOST) for n, r, d, ty, _ in tbe.embedding_specs]
+    kwargs: Dict[str, Any] = dict(
+        embedding_specs=specs, feature_table_map=list(tbe.feature_table_map),
+        pooling_mode=tbe.pooling_mode, device=torch.device("cpu"),
+        bounds_check_mode=BoundsCheckMode(tbe.bounds_check_mode_int),
+        output_dtype=SparseType.from_int(tbe.output_dtype), row_alignment=tbe.row_alignment,
+        scale_bias_size_in_bytes=tbe.scale_bias_size_in_bytes,
+        reverse_qparam=getattr(tbe, "reverse_qparam", False),
+        feature_names_per_table=getattr(tbe, "feature_names_per_table", None),
+        indices_dtype=getattr(tbe, "indices_dtype", torch.int32),
+        uvm_host_mapped=getattr(tbe, "uvm_host_mapped", False))
+    if getattr(tbe, "fp8_exponent_bits", -1) >= 0:
+        kwargs.update(fp8_exponent_bits=tbe.fp8_exponent_bits,
+                      fp8_exponent_bias=tbe.fp8_exponent_bias)
+    try:
+        twin = type(tbe)(**kwargs)
+    except Exception as e:  # noqa: BLE001 - fbgemm's own checks
+        raise UnsupportedError(f"cannot lay the inference TBE out for the CPU: {e}") from e
+    twin.initialize_logical_weights_placements_and_offsets()
+    if list(twin.weights_physical_offsets) != list(tbe.weights_physical_offsets) or \
+            twin.host_size != _weights_of(tbe).numel():
+        raise UnsupportedError("the inference TBE's CPU layout differs from the one built on meta")
+    return twin
+
+
+def weights_bytes(tbe: Any) -> int:
+    """Bytes of the TBE's weights storage."""
+    return int(_weights_of(tbe).numel())
+
+
+def tbe_storages(tbe: Any) -> Dict[str, torch.Tensor]:
+    """The TBE's weights tensors by attribute name."""
+    return {k: getattr(tbe, k) for k in ("weights_host", "weights_dev", "weights_uvm")}
+
+
+def config_of(table: QuantTable) -> Optional[Any]:
+    return table.config

@@ -1,0 +1,217 @@
+"""The adapter of TorchRec's quantized inference modules (:mod:`.quant`): find, match the
+checkpoint (:mod:`.quant_keys`), fill what no checkpoint gives, register.
+
+* storages: each inference TBE's weights storage (zeroed: row padding and the gaps between
+  tables stay 0, as fbgemm's ``torch.zeros``; large storages are born zero and cost nothing);
+* values: from a float checkpoint, each block's rows quantized while read
+  (:mod:`metamat.load.quantize`); from a quantized one, its bytes; else the table's init
+  (``init=``, its ``init_fn`` or TorchRec's default), drawn as the float table's values (plan
+  invariant: a pure function of seed, table, global row and column) and quantized the same
+  way;
+* metadata: the TBE laid out for the CPU by fbgemm itself (:func:`.quant.host_twin`): its
+  buffers and layout attributes replace the meta ones at register time; meta devices
+  (TBEs, modules, shard placements) become the CPU.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Mapping, Optional, Set
+
+import torch
+from torch import nn
+
+from ...allocate import Allocation
+from ...errors import MissingValueError, UnsupportedError
+from ...load.quantize import QuantJob, QuantOut, plan_quant_reads, quantize_into, rows_per_piece
+from ...plan import StorageGroup, Target, storage_key
+from ...rules import default_table_dist, dist_from_init_fn, match_init
+from ...spec import Dist
+from ...support import fill_support
+from .compat import check_versions
+from .graph import scan
+from .quant import QuantTBE, TBE_HOST_ATTRS, find_tbes, host_twin
+from .quant_keys import QuantMatch, match_quant
+
+__all__ = ["QuantPart"]
+
+_CPU = torch.device("cpu")
+
+
+class QuantPart:
+    """The quantized TorchRec modules of one model (``modules``: (name, module)), found."""
+
+    kind = "torchrec_quant"
+
+    def __init__(self, model: nn.Module, device: torch.device, init, *, modules: list,
+                 loading: bool, emulated: bool = False) -> None:
+        if device.type != "cpu" or emulated:
+            raise UnsupportedError(
+                "quantized TorchRec modules are materialized on the CPU for now (device='cpu'); "
+                "CUDA inference TBEs are not supported yet (docs/QUANT.md)")
+        check_versions()
+        self.modules = modules
+        self.tbes: List[QuantTBE] = [t for name, m in modules for t in find_tbes(name, m)]
+        self.tables = [tb for t in self.tbes for tb in t.tables]
+        self.twins = {id(t.module): host_twin(t.module) for t in self.tbes}
+        self.graph = scan(*[m for _, m in modules])
+        self.keys = {storage_key(t.storage) for t in self.tbes}
+        self.storages = [StorageGroup(k, self._nbytes(k), kind="zeros")
+                         for k in dict.fromkeys(storage_key(t.storage) for t in self.tbes)]
+        self._check_meta()
+        # one report target per table block (Report.loaded / initialized name them)
+        self.targets: List[Target] = [
+            Target(t.fqn, t.name, t.global_shape, (t.row0, t.col0), (t.rows, t.cols),
+                   torch.uint8, tensor=t.storage) for t in self.tables]
+        self.warnings: List[str] = []
+        self.match: Optional[QuantMatch] = None
+        self.init_jobs: List[QuantJob] = []
+        self._loaded_names: Set[str] = set()
+
+    def _nbytes(self, key: int) -> int:
+        return next(t.storage.untyped_storage().nbytes() for t in self.tbes
+                    if storage_key(t.storage) == key)
+
+    def _replaced(self) -> Set[int]:
+        """ids of the meta tensors register replaces wholesale (TBE metadata, leftovers)."""
+        out: Set[int] = set()
+        for t in self.tbes:
+            tbe = t.module
+            out.update(id(b) for b in tbe._buffers.values() if b is not None)
+            out.update(id(getattr(tbe, a)) for a in ("weights_offsets", "weights_placements",
+                                                     "weights_host", "weights_dev", "weights_uvm"))
+        for _, m in self.modules:
+            for pair in (getattr(m, "_table_name_to_quantized_weights", None) or {}).values():
+                out.update(id(x) for x in pair if isinstance(x, torch.Tensor))
+        return out
+
+    def _check_meta(self) -> None:
+        replaced = self._replaced()
+        for t in self.graph.meta_tensors():
+            if storage_key(t) in self.keys or id(t) in replaced:
+                continue
+            raise UnsupportedError(f"meta tensor {self.graph.path(t)} ({t.dtype}, shape "
+                                   f"{tuple(t.shape)}) of a quantized TorchRec module: metamat "
+                                   "does not know its value")
+
+    def claimed(self) -> Set[int]:
+        return set(self.keys)
+
+    def names(self) -> Dict[str, List[str]]:
+        """Every table weight's name (what a float or a quantized checkpoint holds)."""
+        return {t.fqn: [t.fqn] for t in self.tables}
+
+    # -- checkpoint --------------------------------------------------------------------------
+
+    def match_checkpoint(self, keys: Mapping[str, object], found: Mapping[str, str], *,
+                         ckpt_path: str) -> QuantMatch:
+        """What the checkpoint gives each table (:func:`.quant_keys.match_quant`)."""
+        self.match = match_quant(self.tables, keys, found, path=ckpt_path)
+        self._loaded_names = set(self.match.tables)
+        return self.match
+
+    def plan_reads(self, view, dtype):
+        """The quantized loads of the matched float tables, planned and validated."""
+        jobs = self.match.jobs if self.match is not None else []
+        return plan_quant_reads(jobs, view, dtype=dtype)
+
+    def loaded_targets(self) -> List[Target]:
+        return [t for t in self.targets if t.fqn in self._loaded_names]
+
+    # -- values ------------------------------------------------------------------------------
+
+    def decide(self, init: Mapping, loaded: Set[int], device: torch.device) -> None:
+        """Tables no checkpoint gives get their init, quantized (MissingValueError when it is
+        not a distribution metamat draws)."""
+        missing, jobs = [], {}
+        for t in self.tables:
+            if t.fqn in self._loaded_names:
+                continue
+            dist = match_init(init, (t.fqn, t.name))
+            if dist is None:
+                fn = getattr(t.config, "init_fn", None)
+                dist = default_table_dist(t.global_shape[0]) if fn is None \
+                    else dist_from_init_fn(fn)
+            if not isinstance(dist, Dist):
+                missing.append(t.fqn)
+                continue
+            key = (t.fqn, t.row0, t.rows)
+            if key not in jobs:
+                jobs[key] = QuantJob(t.fqn, t.name, t.global_shape, t.row0, t.rows, [], dist)
+            jobs[key].outs.append(QuantOut(t.col0, t.cols, t.kind, storage_key(t.storage),
+                                           t.offset, t.stride, t.sb_last))
+        if missing:
+            raise MissingValueError(
+                f"{len(missing)} quantized table(s) have no value: not in the checkpoint, and "
+                "their init is not a distribution metamat draws (pass init={table: "
+                f"metamat.Uniform(...)}}): {', '.join(sorted(set(missing))[:20])}",
+                names=sorted(set(missing)))
+        self.init_jobs = list(jobs.values())
+
+    def bind(self, alloc: Allocation, device: Optional[torch.device] = None) -> None:
+        """Point the jobs at the new storages; twins of every meta view of them."""
+        for t in self.graph.meta_tensors():
+            if storage_key(t) in self.keys:
+                alloc.twin(t)
+        jobs = self.init_jobs + (self.match.jobs if self.match is not None else [])
+        for job in jobs:
+            for o in job.outs:
+                o.base = alloc.full(o.storage)
+        for tg in self.targets:
+            if tg.tensor.is_meta:
+                tg.tensor = alloc.view(tg.tensor)
+
+    def fill(self, alloc: Allocation, seed: int, loaded: Set[int]) -> int:
+        """Zero the storages (unless born zero), draw and quantize the tables no checkpoint
+        gives. Returns bytes written."""
+        from ...load.ops import default_io_threads
+        from .tables import fill_targets
+
+        written = fill_support(self.storages, [], alloc)
+        threads = default_io_threads()
+        for job in self.init_jobs:
+            per = rows_per_piece(job.cols)
+            scratch = torch.empty((min(per, job.rows), job.cols), dtype=torch.float32)
+            for r in range(0, job.rows, per):
+                n = min(per, job.rows - r)
+                piece = Target(job.fqn, job.key, job.global_shape, (job.row0 + r, 0),
+                               (n, job.cols), torch.float32, job.dist, scratch[:n])
+                fill_targets([piece], seed)
+                quantize_into(scratch[:n], job, r, threads=threads)
+            written += job.nbytes
+        if self.match is not None:
+            written += sum(j.nbytes for j in self.match.jobs)
+        return written
+
+    # -- register ----------------------------------------------------------------------------
+
+    def register(self, alloc: Allocation, loaded: bool = False) -> int:
+        """Swap the twins in everywhere; lay every TBE out for the CPU (fbgemm's own host
+        layout: buffers, offsets, placements, specs); meta devices become the CPU."""
+        twins = alloc.twins()
+        n = 0
+        for old_id, new in twins.items():
+            for slot in self.graph.slots.get(old_id, []):
+                slot.set(new)
+                n += 1
+        for t in self.tbes:
+            tbe, twin = t.module, self.twins[id(t.module)]
+            weights = twins.get(id(t.storage))
+            if weights is None:
+                weights = alloc.view(t.storage)
+            for a in TBE_HOST_ATTRS:
+                setattr(tbe, a, getattr(twin, a))
+            for name, buf in twin._buffers.items():
+                tbe._buffers[name] = buf
+            tbe.weights_host = weights
+            tbe.weights_dev = twin.weights_dev
+            tbe.weights_uvm = twin.weights_uvm
+        for _, m in self.modules:
+            if getattr(m, "_table_name_to_quantized_weights", None):
+                m._table_name_to_quantized_weights = None  # meta copies the constructor kept
+        for holder, key in self.graph.device_refs:
+            d = holder.__dict__
+            v = d.get(key)
+            if isinstance(v, torch.device) and v.type == "meta":
+                d[key] = _CPU
+            elif isinstance(v, str) and v == "meta":
+                d[key] = "cpu"
+        return n
