@@ -94,6 +94,13 @@ class _Load:
         self.manifest = None
         self.described: Dict[str, str] = {}  # assembled/renamed by merge rules: how
         self.warnings: List[str] = []
+        # saved optimizer state of model tables, taken here (bit i of mine) or maybe by
+        # another rank: settled in the validation agreement (_settle_optimizer)
+        self.pending: List[str] = []
+        self.mine = 0
+        self.ignore: Sequence[str] = ()
+        self.strict = True
+        self.path = ""
         self.quant: list = []  # load.quantize.QuantReads: float rows quantized while read
 
 
@@ -167,7 +174,7 @@ def _plan_load(parts, ck: Checkpoint, *, strict: bool, dtype, rename: Rename,
             out.loaded |= {id(t) for t in p.loaded_targets()}
     opt_parts = [p for p in parts if hasattr(p, "match_optimizer")]
     has_fused = any(t.optimizer for p in opt_parts for t in p.targets)
-    orphans: Set[str] = set()
+    cands: Set[str] = set()
     for p in opt_parts:
         m = p.match_optimizer(keys, strict=strict, ckpt_path=ck.path)
         load += m.load
@@ -176,14 +183,16 @@ def _plan_load(parts, ck: Checkpoint, *, strict: bool, dtype, rename: Rename,
         out.loaded |= {id(t) for t in m.loaded}
         out.means += m.means
         out.prefixes["optim"] = m.prefix
-        orphans |= getattr(m, "orphans", set())
-    out.unexpected = sorted(k for k in keys if k not in used
+        cands |= set(m.candidates)
+    out.pending, out.ignore, out.strict, out.path = sorted(cands), tuple(ignore), strict, ck.path
+    out.mine = sum(1 << i for i, k in enumerate(out.pending) if k in used)
+    out.unexpected = sorted(k for k in keys if k not in used and k not in cands
                             and not any(fnmatch.fnmatchcase(k, pat) for pat in ignore))
     if out.unexpected and strict:
         u = out.unexpected
         raise UnexpectedTensorError(
             f"{len(u)} checkpoint tensor(s) match nothing in the model: {', '.join(u[:20])}"
-            + (" ..." if len(u) > 20 else "") + "." + _optimizer_hint(u, has_fused, orphans)
+            + (" ..." if len(u) > 20 else "") + "." + _optimizer_hint(u, has_fused)
             + " Pass ignore_unexpected=[patterns] or strict=False to load anyway.",
             names=u, file=ck.path)
     shapes: Dict[str, tuple] = {}
@@ -196,6 +205,33 @@ def _plan_load(parts, ck: Checkpoint, *, strict: bool, dtype, rename: Rename,
     out.quant = [p.plan_reads(view, dtype) for p in parts if hasattr(p, "plan_reads")]
     out.plan.bytes_needed += sum(q.bytes_needed for q in out.quant)
     return out
+
+
+def _settle_optimizer(ld: _Load, taken: Sequence[int]) -> None:
+    """Saved optimizer state of a model table that no rank takes (a table that is data-parallel
+    now, state of another optimizer) is unexpected: every rank has the same lists, so every
+    rank raises the same error under ``strict`` (nothing was allocated), else the Report
+    lists it. Never dropped silently.
+
+    Raises:
+        UnexpectedTensorError: ``strict`` and such state that ``ignore_unexpected`` does not
+            name.
+    """
+    bits = 0
+    for t in taken:
+        bits |= t or 0
+    lost = [k for i, k in enumerate(ld.pending) if not bits >> i & 1
+            and not any(fnmatch.fnmatchcase(k, pat) for pat in ld.ignore)]
+    if not lost:
+        return
+    if ld.strict:
+        raise UnexpectedTensorError(
+            f"{len(lost)} checkpoint tensor(s) match nothing in the model: "
+            f"{', '.join(lost[:20])}" + (" ..." if len(lost) > 20 else "") + "."
+            + _optimizer_hint(lost, True, set(lost))
+            + " Pass ignore_unexpected=[patterns] or strict=False to load anyway.",
+            names=lost, file=ld.path)
+    ld.unexpected = sorted(ld.unexpected + lost)
 
 
 def _shadow(x: torch.Tensor) -> torch.Tensor:
@@ -383,8 +419,9 @@ def materialize(
         sec["validate"] = time.perf_counter() - t
     except BaseException as e:  # noqa: BLE001 - told to the other ranks, then re-raised
         err = e
-    try:
-        ranks.agree(err, "validation")
+    try:  # the bits: which saved optimizer state this rank takes (no rank: unexpected)
+        taken = ranks.agree(err, "validation", payload=ld.mine)
+        _settle_optimizer(ld, taken)
     except BaseException:
         _undo(parts)
         raise

@@ -33,6 +33,9 @@ N_TABLES = 5
 SAVE_KINDS = {"t0": "rw", "t1": "tw", "t2": "cw", "t3": "dp", "t4": "rw"}
 LOAD2_KINDS = {"t0": "tw", "t1": "cw", "t2": "twrw", "t3": "rw", "t4": "dp"}
 LOAD1_KINDS = {"t0": "tw", "t1": "tw", "t2": "rw", "t3": "cw", "t4": "twrw"}
+# t4 is data-parallel in LOAD2: its saved momentum has nowhere to go (unexpected, never dropped
+# silently), accepted by name
+DROPPED = "optim.state.embedding_bags.t4.weight.t4.momentum1"
 SEED = 3
 
 
@@ -126,11 +129,16 @@ def worker_world2(rank, world_size, tmp):
     # one rank's failure makes every rank raise; nothing registered, no hang
     meta = _on_meta(LOAD2_KINDS, world_size)
     bad = full if rank == 0 else os.path.join(tmp, "does-not-exist")
-    res["agree_err"] = _try(lambda: metamat.materialize(meta, bad, device="cpu"))
+    res["agree_err"] = _try(lambda: metamat.materialize(meta, bad, device="cpu",
+                                                         ignore_unexpected=[DROPPED]))
     res["agree_meta_left"] = meta_bytes_of(meta)
 
+    # momentum of a table that is data-parallel now: refused under strict, named
+    res["dropped_err"] = _try(lambda: metamat.materialize(meta, full, device="cpu"))
+    res["dropped_meta_left"] = meta_bytes_of(meta)
+
     # meta DMP, another plan: tables and optimizer state
-    report = metamat.materialize(meta, full, device="cpu")
+    report = metamat.materialize(meta, full, device="cpu", ignore_unexpected=[DROPPED])
     res["report"] = str(report)
     res["prefixes"] = report.key_prefixes
     res["initialized"] = report.initialized
@@ -142,9 +150,10 @@ def worker_world2(rank, world_size, tmp):
     # eager DMP, same other plan: overwritten in place; failure first leaves it unchanged
     eager2 = _eager(LOAD2_KINDS, world_size)
     before = _bits_of(eager2)
-    res["agree_eager_err"] = _try(lambda: metamat.materialize(eager2, bad))
+    res["agree_eager_err"] = _try(lambda: metamat.materialize(eager2, bad,
+                                                               ignore_unexpected=[DROPPED]))
     res["agree_eager_unchanged"] = _unchanged(before, eager2)
-    metamat.materialize(eager2, full)
+    res["eager_unexpected"] = metamat.materialize(eager2, full, strict=False).unexpected
     res["loaded_eager"] = _state(eager2)
 
     # weights-only checkpoint: optimizer state initialised (zeros), strict still passes
@@ -231,6 +240,18 @@ def test_dcp_other_plan_bit_identical_world2(world2):
     # (zeros, as TorchRec does) even with strict=True; all others come from the checkpoint.
     t3m = _full([r["loaded_meta"] for r in res], "state.embedding_bags.t3.weight.t3.momentum1", (49,))
     assert torch.equal(t3m, torch.zeros(49))
+
+
+@pytest.mark.multiprocess
+def test_saved_state_without_a_place_is_unexpected_world2(world2):
+    """RW -> DP t4: its saved momentum cannot load; strict refuses it by name (the model left
+    on meta), strict=False reports it, ignore_unexpected accepts it (above)."""
+    _, res = world2
+    for r in res:
+        assert r["dropped_err"].startswith("UnexpectedTensorError"), r["dropped_err"]
+        assert DROPPED in r["dropped_err"] and "no such state in this plan" in r["dropped_err"]
+        assert r["dropped_meta_left"][1] < 1024
+        assert r["eager_unexpected"] == [DROPPED]
 
 
 @pytest.mark.multiprocess

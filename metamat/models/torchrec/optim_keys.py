@@ -8,10 +8,12 @@ merging both dicts into one. Optimizer state is optional, per tensor: a table wh
 checkpoint lacks (a weights-only checkpoint, or a table that was DATA_PARALLEL when saved and
 so had no fused state) gets it initialised as TorchRec does (zeros) on a meta model and keeps
 it on an eager one, and the Report lists it. State that is present must be complete and match
-(coverage, shape, dtype are validated by the planner). Saved state that nothing in this plan
-takes (a table that is data-parallel now, or state of another optimizer) is unexpected like any
-unused key (:attr:`OptimMatch.orphans` names it for the error's hint): ``strict=True`` refuses
-it unless ``ignore_unexpected`` names it; it is never dropped silently.
+(coverage, shape, dtype are validated by the planner). Saved state of a model table that this
+rank does not take may be another rank's (a table-wise table it does not hold is absent from
+its optimizer): :attr:`OptimMatch.candidates` lists it, and what no rank takes (a table that is
+data-parallel now, state of another optimizer) is unexpected like any unused key, decided in
+the validation agreement (:func:`metamat.materialize`): ``strict=True`` refuses it unless
+``ignore_unexpected`` names it; it is never dropped silently.
 
 Row-wise optimizer state of COLUMN_WISE tables: TorchRec keeps one per-row accumulator per
 column shard, so its global shape is ``rows * k`` for ``k`` column shards (plan-dependent).
@@ -49,7 +51,8 @@ class OptimMatch:
         prefix: the prefix chosen (None when the checkpoint holds no optimizer state).
         means: (destination, parts) whose mean :func:`finish_means` stores after the read.
         warnings: row-wise state loaded as a mean.
-        orphans: saved state of a model table that no target of this plan takes (unused).
+        candidates: saved state of model tables, sorted (the same list on every rank):
+            what is not in ``used`` may be another rank's.
     """
 
     load: List[Target]
@@ -60,7 +63,7 @@ class OptimMatch:
     prefix: Optional[str]
     means: List[Tuple[Target, List[Target]]]
     warnings: List[str]
-    orphans: Set[str] = dataclasses.field(default_factory=set)
+    candidates: List[str] = dataclasses.field(default_factory=list)
 
 
 def match_optimizer(targets: Sequence[Target], keys: Mapping[str, object],
@@ -73,8 +76,8 @@ def match_optimizer(targets: Sequence[Target], keys: Mapping[str, object],
         keys: the checkpoint's tensors (name -> entry with ``global_shape``).
         model_rows: table fqn -> its global row count (for the row-wise remap).
         names: every optimizer state path of the model (all ranks' tables).
-        tables: every table weight fqn of the model: saved state of one that the plan gives
-            no such state (e.g. DATA_PARALLEL) is listed in ``orphans`` (still unused).
+        tables: every table weight fqn of the model: saved state of one is a candidate
+            (another rank may take it, or none: then it is unexpected).
         strict: a shape that cannot be remapped raises (else the target is initialised).
         ckpt_path: for messages.
 
@@ -82,11 +85,10 @@ def match_optimizer(targets: Sequence[Target], keys: Mapping[str, object],
         ShapeMismatchError: ``strict`` and row-wise state that cannot be remapped.
     """
     found, prefix, used = resolve_keys(keys, {n: [n] for n in names}, prefixes=OPTIM_PREFIXES)
+    cands = _table_state(keys, tables)
     if not found:
-        return OptimMatch([], {}, [], list(targets), set(), None, [], [])
-    out = OptimMatch([], {}, [], [], used, prefix, [], [])
-    out.orphans = {k for k in keys if k not in used and k.startswith(prefix + "state.")
-                   and any(k.startswith(f"{prefix}state.{t}.") for t in tables)}
+        return OptimMatch([], {}, [], list(targets), set(), None, [], [], cands)
+    out = OptimMatch([], {}, [], [], used, prefix, [], [], cands)
     for t in targets:
         key = found.get(t.fqn)
         if key is None:
@@ -114,6 +116,24 @@ def match_optimizer(targets: Sequence[Target], keys: Mapping[str, object],
             out.warnings.append(f"{t.fqn}: row-wise optimizer state of {copies} column shards "
                                 "loaded as their mean")
     return out
+
+
+def _table_state(keys: Mapping[str, object], tables: Set[str]) -> List[str]:
+    """Keys ``<prefix>state.<table>.<state>`` of model tables behind any of the optimizer
+    prefixes, sorted: the same list on every rank (it depends on no plan)."""
+    out = []
+    for k in keys:
+        for p in OPTIM_PREFIXES:
+            if not k.startswith(p + "state."):
+                continue
+            rest = k[len(p) + 6:]
+            i = rest.find(".weight.")
+            while i >= 0 and rest[:i + 7] not in tables:
+                i = rest.find(".weight.", i + 1)
+            if i >= 0:
+                out.append(k)
+                break
+    return sorted(out)
 
 
 def _rowwise_remap(t: Target, saved: Tuple[int, ...], model_rows: Mapping[str, int]):
