@@ -67,15 +67,16 @@ def torchrec_known_values(sm: nn.Module) -> Iterator[Tuple[torch.Tensor, torch.T
         yield fot, torch.tensor(fo, dtype=fot.dtype)
 
 
-def put_value(values: Dict[int, torch.Tensor], old: torch.Tensor, new: torch.Tensor,
-               device: torch.device) -> None:
-    """Record ``new`` as the content of ``old``'s storage when ``old`` is the whole storage."""
+def put_value(values: Dict[int, torch.Tensor], old: torch.Tensor, new: torch.Tensor) -> None:
+    """Record ``new`` as the content of ``old``'s storage when ``old`` is the whole storage.
+    Values stay where they are (the CPU, mostly): the fill copies them into the new storage,
+    so planning allocates nothing on a GPU."""
     if not old.is_meta or old.numel() == 0:
         return
     if old.storage_offset() != 0 or not old.is_contiguous() or \
             old.untyped_storage().nbytes() != old.numel() * old.element_size():
         return  # a view into a bigger storage: not plain metadata
-    values[storage_key(old)] = new.to(device)
+    values[storage_key(old)] = new
 
 
 def known_values(meta: List[torch.Tensor], sharded: List[Tuple[str, nn.Module]],
@@ -89,7 +90,7 @@ def known_values(meta: List[torch.Tensor], sharded: List[Tuple[str, nn.Module]],
     values: Dict[int, torch.Tensor] = {}
 
     def put(old: torch.Tensor, new: torch.Tensor) -> None:
-        put_value(values, old, new, device)
+        put_value(values, old, new)
 
     for _, sm in sharded:
         for w in wrappers(sm):

@@ -162,7 +162,7 @@ def build_plan(model: nn.Module, device: torch.device, init=None, *, claimed=fro
         tbes = cuda_tbes(named_wrappers(sharded))
     values = known_values(starts, sharded, device, skip={id(t.wrapper) for t in tbes})
     if cuda:
-        plan_cuda_storages(tbes, storages, lambda old, new: put_value(values, old, new, device))
+        plan_cuda_storages(tbes, storages, lambda old, new: put_value(values, old, new))
     for tg in targets:
         if not tg.tensor.is_meta:
             continue  # a real block: loaded (or a DATA_PARALLEL table DMP built, refilled)
