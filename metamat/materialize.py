@@ -153,6 +153,7 @@ def _plan_load(parts, ck: Checkpoint, *, strict: bool, dtype, rename: Rename,
         used |= mr.used
         assembled, out.described = mr.entries, mr.described
         notes = {n: why for r in rules for n, why in getattr(r, "notes", {}).items()}
+        notes.update(mr.incomplete)
         missing = [n for n in missing if n not in found and n not in assembled]
     if missing:
         msg, looks = missing_message(missing, [k for k in keys if k not in used], notes,

@@ -5,7 +5,8 @@ The logits must equal ``from_pretrained(dir)`` on the same input, bit for bit.
 
 The rotary embedding's ``inv_freq`` is a non-persistent buffer, never in a checkpoint: built
 under ``metamat.init_empty_weights()`` it stays real; built under ``torch.device("meta")`` its
-value is recovered through the model's own ``_init_weights``.
+value is recovered through the model's own ``_init_weights`` (run on the whole tensor:
+``model init (run)``).
 """
 from __future__ import annotations
 
@@ -82,7 +83,7 @@ def test_plain_built_on_meta_recovers_inv_freq(ckpt):
     assert m.model.rotary_emb.inv_freq.is_meta
     rep = metamat.materialize(m, ckpt, device="cpu")
     # not in the checkpoint (non-persistent): the model's own _init_weights recomputes it
-    assert rep.buffers["model.rotary_emb.inv_freq"] == "reset"
+    assert rep.buffers["model.rotary_emb.inv_freq"] == "model init (run)"
     assert torch.equal(_logits(m.eval()), _reference(ckpt))
 
 
@@ -151,7 +152,7 @@ def _parallel(rank, world, d, kind):
 def test_parallel_llama_matches_from_pretrained(ckpt, kind):
     res = run_dist(_parallel, 2, ckpt, kind)
     for r in res:
-        assert r["inv_freq"] == "reset"
+        assert r["inv_freq"] == "model init (run)"
         # TP/FSDP2 reduce partial sums in another order than the unsharded model: equal up to
         # float rounding (the loaded weights themselves are bit-exact: test_models_dtensor_*).
         assert r["equal"] or r["max_diff"] < 1e-5, r

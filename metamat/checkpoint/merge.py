@@ -89,7 +89,8 @@ def assemble_entry(a: Assembly, src: Mapping[str, TensorEntry], shape: Sequence[
         path: the checkpoint's path, for messages.
 
     Raises:
-        MissingTensorError: a key of the assembly is not in the checkpoint.
+        MissingTensorError: a key of the assembly is not in the checkpoint, or a segment has
+            fewer stacked tensors than the model's size along the stack dim.
         ShapeMismatchError: pieces of one segment differ in shape, segments do not line up
             along the concatenation dim, or the result's shape is not the model's.
         DtypeMismatchError: pieces saved in different dtypes.
@@ -101,6 +102,14 @@ def assemble_entry(a: Assembly, src: Mapping[str, TensorEntry], shape: Sequence[
                                  f"assembled from are absent: {', '.join(absent[:10])}",
                                  names=[a.name], file=path)
     dtype = src[a.keys[0]].dtype
+    if a.stack_dim is not None and a.cat_dim != a.stack_dim and a.stack_dim < len(shape):
+        n = shape[a.stack_dim]
+        for seg in a.segments:
+            if len(seg) < n:
+                raise MissingTensorError(
+                    f"the checkpoint has {len(seg)} of the {n} tensors stacked on dim "
+                    f"{a.stack_dim} ({seg[0]} ... {seg[-1]}; the others are absent)",
+                    names=[a.name], file=path)
     seg_shapes: List[Tuple[int, ...]] = []
     for seg in a.segments:
         first = tuple(src[seg[0]].global_shape)
@@ -174,9 +183,7 @@ def assemble_entry(a: Assembly, src: Mapping[str, TensorEntry], shape: Sequence[
 
 
 def _glob_regex(pattern: str) -> "re.Pattern[str]":
-    parts = pattern.split("*")
-    return re.compile("(.+?)".join(re.escape(p) for p in parts[:-1]) + re.escape(parts[-1])
-                      if len(parts) > 1 else re.escape(pattern))
+    return re.compile("(.+?)".join(re.escape(p) for p in pattern.split("*")))
 
 
 @dataclass(frozen=True)
@@ -269,6 +276,7 @@ class MergeResult:
     entries: Dict[str, TensorEntry] = field(default_factory=dict)
     used: Set[str] = field(default_factory=set)
     described: Dict[str, str] = field(default_factory=dict)
+    incomplete: Dict[str, str] = field(default_factory=dict)  # name -> why (still missing)
 
 
 def resolve_merges(rules: Sequence[object], missing: Sequence[str],
@@ -289,8 +297,8 @@ def resolve_merges(rules: Sequence[object], missing: Sequence[str],
         path: for messages.
 
     Raises:
-        MissingTensorError, ShapeMismatchError, DtypeMismatchError: from
-            :func:`assemble_entry`.
+        ShapeMismatchError, DtypeMismatchError: from :func:`assemble_entry` (pieces that are
+            absent leave the name missing, with the reason in ``incomplete``).
     """
     out = MergeResult()
     todo = list(missing)
@@ -310,7 +318,11 @@ def resolve_merges(rules: Sequence[object], missing: Sequence[str],
                 continue
             if any(k not in unused for k in how.keys):
                 continue
-            out.entries[name] = assemble_entry(how, src, shapes[name], path)
+            try:
+                out.entries[name] = assemble_entry(how, src, shapes[name], path)
+            except MissingTensorError as e:
+                out.incomplete[name] = e.detail
+                continue
             out.used |= set(how.keys)
             unused -= set(how.keys)
             out.described[name] = "checkpoint: " + how.describe()
@@ -366,7 +378,16 @@ def missing_message(missing: Sequence[str], unused: Sequence[str],
     msg = (f"{len(missing)} tensor(s) missing from checkpoint: {', '.join(missing[:20])}"
            + (" ..." if len(missing) > 20 else ""))
     if not looks and not notes:
-        return msg + " (pass strict=False to initialise them)", looks
+        if not unused:
+            return msg + " (pass strict=False to initialise them)", looks
+        ex = sorted(unused)[:5]
+        return (msg + f". The checkpoint also holds {len(unused)} tensor(s) that no model tensor "
+                f"takes ({', '.join(ex)}{' ...' if len(unused) > 5 else ''}): if they hold "
+                "these values under other names or in another layout, map them with "
+                "merge=[metamat.Merge(...)] or rename=; "
+                + ("strict=False would initialise the missing ones with random values instead"
+                   if strict else "strict=False initialised the missing ones with random "
+                   "values")), looks
     shown = [n for n in missing if n in looks or n in notes]
     parts = []
     for n in shown[:5]:
