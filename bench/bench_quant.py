@@ -1,0 +1,208 @@
+"""--mode quant: a training checkpoint (float tables, DCP) into a quantized inference model
+(TorchRec's quantized EmbeddingBagCollection, INT8 by default), two ways, same checkpoint,
+same run:
+
+* TorchRec's path (the baseline): build the float model on the CPU (``EmbeddingBagCollection
+  (device="cpu")``: allocated and initialised), ``dcp.load`` the whole checkpoint into it,
+  then ``quantize_embeddings`` (fbgemm's row-wise op per table);
+* metamat: the quantized model built on meta (``quantize_embeddings`` of the float model on
+  meta: nothing allocated), then ``metamat.materialize(qmodel, ckpt)``: rows read in pieces
+  into a bounded scratch buffer and quantized into place by the C++ core.
+
+Both end with the same bytes (checked). Each repetition runs in its own process; the time is
+from building the model to the quantized model ready; the peak is the process's VmHWM growth
+over its RSS before the model is built (``/proc/self/clear_refs`` resets the high-water mark
+after the imports), so it is that method's memory alone. The page cache is warm (the
+checkpoint is read once before the runs): both methods read the same cached bytes.
+
+    python bench/bench_quant.py --size-gib 2 --reps 3      # or: bench/materialize.py --mode quant
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import List
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from _common import Row, env_header, finish, print_table, progress  # noqa: E402
+
+QDTYPES = {"int8": torch.qint8, "int4": torch.quint4x2, "int2": torch.quint2x4,
+           "fp16": torch.float16}
+METHODS = ("torchrec: float EBC + dcp.load + quantize_embeddings",
+           "metamat.materialize(quantized EBC on meta)")
+
+
+def _tables(size_bytes: int, n_tables: int, dim: int):
+    from torchrec.modules.embedding_configs import EmbeddingBagConfig
+
+    rows = max(8, size_bytes // (n_tables * dim * 4))
+    return [EmbeddingBagConfig(name=f"t{i}", embedding_dim=dim, num_embeddings=rows,
+                               feature_names=[f"f{i}"]) for i in range(n_tables)]
+
+
+def _status(key: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(key)) * 1024
+
+
+def _reset_peak() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def _digest(qmodel) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    for k, v in sorted(qmodel.state_dict().items()):
+        v = v.elem if hasattr(v, "elem") else v
+        h.update(k.encode())
+        h.update(v.contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def child(method: int, ckpt: str, size: int, n_tables: int, dim: int, qdtype: str,
+          threads: int) -> dict:
+    """One run in this (fresh) process: JSON-able seconds, peak growth, digest."""
+    from _quiet import quiet
+
+    quiet()
+    torch.set_num_threads(threads)
+    import torch.distributed.checkpoint as dcp
+    from torchrec.inference.modules import quantize_embeddings
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    import metamat
+
+    tables = _tables(size, n_tables, dim)
+    resettable = _reset_peak()
+    before = _status("VmRSS:")
+    t0 = time.perf_counter()
+    if method == 0:
+        m = torch.nn.Sequential(EmbeddingBagCollection(tables=tables, device=torch.device("cpu")))
+        sd = m.state_dict()
+        dcp.load(sd, checkpoint_id=ckpt)
+        q = quantize_embeddings(m, dtype=QDTYPES[qdtype], inplace=True)
+    else:
+        m = torch.nn.Sequential(EmbeddingBagCollection(tables=tables, device=torch.device("meta")))
+        q = quantize_embeddings(m, dtype=QDTYPES[qdtype], inplace=True)
+        metamat.materialize(q, ckpt, io_threads=threads)
+    seconds = time.perf_counter() - t0
+    peak = _status("VmHWM:") if resettable else 0
+    qbytes = sum(t.weights_host.numel() for t in q[0]._emb_modules)
+    return {"seconds": seconds, "grew": peak - before if resettable else -1,
+            "qbytes": qbytes, "digest": _digest(q)}
+
+
+def _write_checkpoint(root: str, size: int, n_tables: int, dim: int) -> str:
+    """A float training checkpoint of the tables (DCP, one writer), filled fast."""
+    import torch.distributed.checkpoint as dcp
+    from torchrec.modules.embedding_modules import EmbeddingBagCollection
+
+    import metamat
+
+    ebc = EmbeddingBagCollection(tables=_tables(size, n_tables, dim), device=torch.device("meta"))
+    metamat.materialize(torch.nn.Sequential(ebc), seed=1)
+    path = os.path.join(root, "dcp")
+    dcp.save({f"0.{k}": v for k, v in ebc.state_dict().items()}, checkpoint_id=path,
+             no_dist=True)
+    for name in os.listdir(path):  # page cache warm: both methods read cached bytes
+        with open(os.path.join(path, name), "rb") as f:
+            while f.read(64 << 20):
+                pass
+    return path
+
+
+def run_quant(a, device: torch.device) -> List[Row]:
+    if device.type != "cpu":
+        print("\n== quant: CPU only for now (CUDA inference TBEs: docs/QUANT.md)")
+        return []
+    size = int(a.size_gib * 2**30)
+    threads = max(1, min(16, os.cpu_count() or 1))
+    qdtype = getattr(a, "qdtype", "int8")
+    root = tempfile.mkdtemp(prefix="metamat_bench_quant_")
+    rows: List[Row] = []
+    try:
+        progress(f"quant: writing a {size / 2**30:.2f} GiB float checkpoint")
+        ckpt = _write_checkpoint(root, size, a.tables, a.dim)
+        nbytes = sum(os.path.getsize(os.path.join(ckpt, f)) for f in os.listdir(ckpt))
+        results = {i: [] for i in range(len(METHODS))}
+        for rep in range(a.reps):  # interleaved: a shared machine drifts
+            for i, name in enumerate(METHODS):
+                progress(f"quant: {name} (rep {rep + 1}/{a.reps})")
+                out = subprocess.run(
+                    [sys.executable, os.path.abspath(__file__), "--child", str(i), "--ckpt",
+                     ckpt, "--size", str(size), "--tables", str(a.tables), "--dim", str(a.dim),
+                     "--qdtype", qdtype, "--threads", str(threads)],
+                    capture_output=True, text=True, timeout=3600)
+                if out.returncode != 0:
+                    raise RuntimeError(f"{name} failed:\n{out.stderr[-4000:]}")
+                results[i].append(json.loads(out.stdout.strip().splitlines()[-1]))
+        digests = {r["digest"] for rs in results.values() for r in rs}
+        for i, name in enumerate(METHODS):
+            rs = results[i]
+            grew = statistics.median(r["grew"] for r in rs)
+            q = rs[0]["qbytes"]
+            rows.append(Row("quant", name, nbytes, statistics.median(r["seconds"] for r in rs),
+                            len(rs), peak_rss_gib=grew / 2**30,
+                            extra=f"{qdtype}; quantized {q / 2**30:.3f} GiB; peak/quantized "
+                                  f"{grew / q:.2f}; same bytes: {len(digests) == 1}"))
+        finish(rows, METHODS[0], METHODS[0])
+        print_table(f"quant ({qdtype}, {a.tables} tables x dim {a.dim}, float checkpoint "
+                    f"{nbytes / 2**30:.2f} GiB DCP, page cache warm, {threads} threads; peak = "
+                    "VmHWM growth per process)", rows, METHODS[0], METHODS[0])
+        base, mm = rows
+        print(f"metamat: {base.seconds / mm.seconds:.1f}x faster, peak memory "
+              f"{mm.peak_rss_gib / base.peak_rss_gib:.2f}x TorchRec's "
+              f"(goal: >= 5x faster, <= 0.3x memory at INT8)")
+        if len(digests) != 1:
+            raise RuntimeError("the two methods gave different quantized bytes")
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--size-gib", type=float, default=2.0, help="float checkpoint bytes")
+    p.add_argument("--tables", type=int, default=5)
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--qdtype", choices=tuple(QDTYPES), default="int8")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--ckpt", help=argparse.SUPPRESS)
+    p.add_argument("--size", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    if a.child is not None:
+        print(json.dumps(child(a.child, a.ckpt, a.size, a.tables, a.dim, a.qdtype, a.threads)))
+        return 0
+    if a.quick:
+        a.size_gib, a.reps = min(a.size_gib, 1 / 16), min(a.reps, 1)
+    from _quiet import quiet
+
+    quiet()
+    print(env_header(torch.device("cpu")))
+    run_quant(a, torch.device("cpu"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
