@@ -20,6 +20,9 @@ import torch
 from _hf_models import moe_classes, on_meta, save_moe
 
 transformers = pytest.importorskip("transformers")
+if int(transformers.__version__.split(".")[0]) < 5:
+    pytest.skip("transformers < 5 keeps MoE experts as one module each (no fused experts, "
+                "no conversion mapping)", allow_module_level=True)
 
 import metamat  # noqa: E402
 from metamat import Merge  # noqa: E402

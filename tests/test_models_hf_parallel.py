@@ -21,6 +21,9 @@ from _dist import run_dist
 from _hf_models import families, moe_classes, on_meta, save_moe
 
 transformers = pytest.importorskip("transformers")
+if int(transformers.__version__.split(".")[0]) < 5:
+    pytest.skip("transformers < 5 keeps MoE experts as one module each (no fused experts, "
+                "no conversion mapping)", allow_module_level=True)
 
 pytestmark = pytest.mark.multiprocess
 
