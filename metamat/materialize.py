@@ -327,9 +327,10 @@ def materialize(
         seed: values are a pure function of (seed, tensor or table name, global position)
             for every fused distribution, whatever the plan or the world size.
         init: name or fnmatch pattern -> value for tensors no checkpoint provides: a
-            :class:`metamat.Dist` (fused), a tensor (the global value) or a callable applied
-            to the local tensor. Names are TorchRec table names or ``state_dict()`` keys; an
-            exact name wins, then the first matching pattern.
+            :class:`metamat.Dist` (fused), a tensor (the global value) or a callable (given
+            the whole tensor of an ordinary module, under a seed keyed by its name, each rank
+            keeping its block; a TorchRec table's local block). Names are TorchRec table names
+            or ``state_dict()`` keys; an exact name wins, then the first matching pattern.
         rename: model key -> checkpoint key (dict or callable) when names differ.
         merge: model tensors the checkpoint holds in several pieces or under other names,
             for those it does not hold as they are: ``"auto"`` (default) applies the model's

@@ -4,7 +4,8 @@ One rule set for every model kind:
 
 * ``init=`` (:func:`match_init`): an exact name wins, then the first fnmatch pattern in the
   mapping's order; the value is a distribution (fused, plan-invariant), a tensor (the global
-  value; each rank copies its block) or a callable applied to the local tensor.
+  value; each rank copies its block) or a callable (an ordinary module's: applied to the
+  whole tensor, each rank keeping its block; a TorchRec table's: to the local block).
 * TorchRec tables: the table config's ``init_fn`` as a distribution when it is a known one
   (:func:`dist_from_init_fn`), else TorchRec's default U(+-sqrt(1/num_embeddings)).
 * Ordinary modules (:func:`default_init`): ``reset_parameters()`` of common modules in

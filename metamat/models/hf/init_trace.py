@@ -38,6 +38,7 @@ import contextlib
 import inspect
 import math
 import sys
+import threading
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple
@@ -53,6 +54,10 @@ from . import upstream
 __all__ = ["ModelInit", "Trace", "trace"]
 
 SlotKey = Tuple[int, str]  # (id(module), attribute name)
+
+# The recorders replace module attributes of torch and transformers process-wide while a trace
+# runs (as transformers' own guard_torch_init_functions does): one trace at a time.
+_TRACING = threading.Lock()
 
 
 @dataclass
@@ -294,6 +299,7 @@ class Trace:
                         trace._record(key, "write", None, {})
                 return func(*args, **kwargs)
 
+        _TRACING.acquire()
         try:
             for target in targets:
                 for n, r in recs.items():
@@ -305,6 +311,7 @@ class Trace:
         finally:
             for target, n, f in reversed(patched):
                 setattr(target, n, f)
+            _TRACING.release()
 
     def run_trace(self) -> None:
         self._by_storage = {storage_key(p): key for key, (_m, _k, _ip, p) in self.slots.items()}
