@@ -1,32 +1,83 @@
 #!/usr/bin/env bash
 # Prepares, on a development machine with network, TorchRec's CUDA stack for the GPU machine
-# (Python 3.12, torch 2.11+cu130, no torchrec, no network, 64 MiB per transfer) in TWO
-# transfers: fbgemm-gpu 1.6.0 with only sm_90a device code kept (scripts/fatbin_keep_arch.py),
-# packed with xz (~79 MiB) and split in two; torchrec 1.6.1, tensordict, pyvers, iopath whole.
-# (../shared/gpu/stack-wheels.sh sends the whole wheel: nine 52 MiB transfers.)
-# Usage, in the project root:  bash scripts/gpu_torchrec_stack.sh   (~4 min on 2 cores)
-# Result (git-ignored): .gpu/a, .gpu/b (one half each), .gpu/base (small wheels, SHA256).
-# On the GPU machine, two `run` calls back to back (it stays warm ~30 s between them):
-#   carry [".gpu/a"]:               bash scripts/gpu_torchrec_install.sh; (anything else)
-#   carry [".gpu/b", ".gpu/base"]:  bash scripts/gpu_torchrec_install.sh && export PYTHONPATH=/tmp/site; ...
-# With pytest-xdist there, pass `-p no:benchmark` (pytest-benchmark breaks with -n there).
+# (Python 3.12, torch 2.11+cu130, no torchrec, no network, 64 MiB per transfer) in ONE
+# transfer: .gpu/stack/ (~40 MiB; the repo's own files add ~2 MB).
+#
+#   fbgemm-gpu 1.6.0 (cp312, CUDA 13 build: the one for torch 2.11), every file and all host
+#   code kept (every library loads, every operator registers), device code cut by
+#   scripts/fatbin_keep_arch.py to the sm_90a cubins an H100/H200 loads, less the kernel
+#   families TorchRec's training and metamat's tests never launch (DROP below: SSD tables,
+#   variable batch (VBE), global weight decay, the IntN/FP8/FP16/FP32 inference TBE, and the
+#   optimizers other than row-wise Adagrad, Adagrad, SGD, Adam, none): 2.4 GB -> xz ~38 MiB;
+#   torchrec 1.6.1, tensordict, pyvers, iopath (~2 MB, whole).
+#
+# A dropped kernel, if ever launched, fails with "no kernel image is available for execution
+# on the device"; .gpu/stack/DROPPED.tsv names every dropped cubin's kernels. DROP='' keeps
+# every sm_90a cubin (~79 MiB: then split in two, .gpu/stack + .gpu/stack2, two `run` calls;
+# scripts/gpu_torchrec_install.sh keeps the first half in /tmp/gpustack while the machine is
+# warm, ~30 s).
+#
+# Usage, in the project root:  bash scripts/gpu_torchrec_stack.sh   (~9 min on 2 cores, xz)
+#   env: SM (90), DROP (regex, see below), XZ_LEVEL (6), MAX_MIB (56: larger is split),
+#        FBGEMM, TORCHREC (pip requirement strings)
+# Result (git-ignored through .git/info/exclude): .gpu/stack/ = fbgemm.tar.xz (or part.0),
+#   the small wheels, SHA256, DROPPED.tsv, MANIFEST. On the GPU machine:
+#   carry [".gpu/stack"]:  bash scripts/gpu_check.sh "$OUT"   (installs it into /tmp/site)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 D=.gpu
 SM=${SM:-90}
+XZ_LEVEL=${XZ_LEVEL:-6}
+MAX_MIB=${MAX_MIB:-56}
+# A cubin is dropped when ALL its kernels' names match (see fatbin_keep_arch.py).
+DEFAULT_DROP='^(ssd_|(FP32|FP16|FP8|INT8|INT4|INT2)_split_embedding_)|_vbe|_gwd|_codegen_(rowwise_adagrad_with_counter|lamb|lars_sgd|partial_rowwise_adam|partial_rowwise_lamb)_'
+DROP=${DROP-$DEFAULT_DROP}
+PY=${PYTHON:-python3}
 mkdir -p .git/info
 grep -qxF "/$D/" .git/info/exclude 2>/dev/null || echo "/$D/" >> .git/info/exclude
-rm -rf $D && mkdir -p $D/a $D/b $D/base $D/work/tree
+rm -rf $D/stack $D/stack2 $D/work $D/a $D/b $D/base
+mkdir -p $D/stack $D/work/tree
 PLAT="--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64"
-python3 -m pip download -q --no-deps $PLAT -d $D/work "${FBGEMM:-fbgemm-gpu==1.6.0}"
-python3 -m pip download -q --no-deps $PLAT -d $D/base "${TORCHREC:-torchrec==1.6.1}" tensordict "pyvers>=0.2,<0.3"
-python3 -m pip download -q --no-deps --no-binary=:none: -d $D/base iopath==0.1.10
-python3 -m zipfile -e $D/work/fbgemm_gpu-*.whl $D/work/tree
-python3 scripts/fatbin_keep_arch.py "$SM" $D/work/tree/fbgemm_gpu/*.so
-tar -C $D/work/tree -cf - . | xz -T0 -6 > $D/work/fbgemm.tar.xz
-(cd $D/work && sha256sum fbgemm.tar.xz) > $D/base/SHA256
-half=$(( ($(stat -c %s $D/work/fbgemm.tar.xz) + 1) / 2 ))
-split -b "$half" -d -a 1 $D/work/fbgemm.tar.xz $D/work/part.
-mv $D/work/part.0 $D/a/ && mv $D/work/part.1 $D/b/
+FBGEMM=${FBGEMM:-fbgemm-gpu==1.6.0}
+TORCHREC=${TORCHREC:-torchrec==1.6.1}
+$PY -m pip download -q --no-deps $PLAT -d $D/work "$FBGEMM"
+$PY -m pip download -q --no-deps $PLAT -d $D/stack "$TORCHREC" tensordict "pyvers>=0.2,<0.3"
+$PY -m pip download -q --no-deps --no-binary=:none: -d $D/stack iopath==0.1.10
+(cd $D/stack && sha256sum ./*.whl ./*.tar.gz) > $D/work/SHA256.wheels
+$PY -m zipfile -e $D/work/fbgemm_gpu-*.whl $D/work/tree
+$PY scripts/fatbin_keep_arch.py ${DROP:+--drop "$DROP"} --empty-dir $D/work/empty \
+  --report $D/stack/DROPPED.tsv "$SM" $D/work/tree/fbgemm_gpu/*.so
+# every fatbin still reads whole (empty cubins where code was cut), where cuobjdump exists
+if command -v cuobjdump >/dev/null; then
+  for f in $D/work/tree/fbgemm_gpu/*.so; do
+    if cuobjdump -lelf "$f" >/dev/null 2>&1; then
+      (mkdir -p $D/work/x && cd $D/work/x && cuobjdump -xelf all "../tree/fbgemm_gpu/${f##*/}" >/dev/null && rm -f ./*) \
+        || { echo "cuobjdump cannot read $f" >&2; exit 1; }
+    fi
+  done
+  echo "cuobjdump read every cubin of every library"
+fi
+tar -C $D/work/tree -cf - . | xz -T0 "-$XZ_LEVEL" > $D/work/fbgemm.tar.xz
+size=$(stat -c %s $D/work/fbgemm.tar.xz)
+(cd $D/work && sha256sum fbgemm.tar.xz) > $D/stack/SHA256
+mv $D/work/SHA256.wheels $D/stack/
+if ((size > MAX_MIB * 1048576)); then  # two transfers: .gpu/stack (part.0), .gpu/stack2
+  mkdir -p $D/stack2
+  split -b $(((size + 1) / 2)) -d -a 1 $D/work/fbgemm.tar.xz $D/work/part.
+  mv $D/work/part.0 $D/stack/ && mv $D/work/part.1 $D/stack2/
+  echo "fbgemm.tar.xz is $((size >> 20)) MiB > ${MAX_MIB}: split in two (.gpu/stack, .gpu/stack2)"
+else
+  mv $D/work/fbgemm.tar.xz $D/stack/
+fi
+{
+  echo "fbgemm: $FBGEMM  torchrec: $TORCHREC  sm_$SM  xz -$XZ_LEVEL"
+  echo "drop: ${DROP:-<none>}"
+  echo "fbgemm.tar.xz: $size bytes; dropped cubins: $(wc -l < $D/stack/DROPPED.tsv)"
+  (cd $D/stack && ls -l)
+} > $D/stack/MANIFEST
 rm -rf $D/work
-du -sh $D/a $D/b $D/base | tr '\n' ' '; echo
+cat $D/stack/MANIFEST
+du -sh $D/stack* | tr '\n' ' '; echo
+tree_bytes=$( (git ls-files -co --exclude-standard -z | xargs -0 stat -c %s 2>/dev/null || true) \
+  | awk '{s+=$1} END {print s+0}')
+echo "one transfer: repo $((tree_bytes >> 20)) MiB + .gpu/stack $(du -sm $D/stack | cut -f1) MiB (limit 64 MiB)"
