@@ -498,8 +498,9 @@ def test_gpu_host_keeps_data_parallel_tables_on_meta():
     (r,) = run_dist(worker_gpu_host, 1, "dmp")
     if torch.cuda.is_available():
         assert "allocated this table block on cuda" in r.get("materialize_error", ""), r
-    else:
-        assert "build_error" in r and "CUDA" in r["build_error"], r
+    else:  # a CPU build of torch: "not compiled with CUDA"; a CUDA build: "no NVIDIA driver"
+        err = r.get("build_error", "")
+        assert "CUDA" in err or "NVIDIA driver" in err, r
 
 
 @pytest.mark.multiprocess
