@@ -13,6 +13,7 @@ void metamat_bind_pack(py::module_& m);  // bindings_pack.cpp: fill_many_'s segm
 void metamat_bind_graph(py::module_& m);  // bindings_graph.cpp: the TorchRec object-graph walk
 void metamat_bind_zip(py::module_& m);    // bindings_zip.cpp: DCP's torch.save blobs located
 void metamat_bind_pickle(py::module_& m);  // bindings_pickle.cpp: a pickle's opcodes bounded
+void metamat_bind_fill_variant(py::module_& m);  // bindings_fill_variant.cpp: kernel variants
 void metamat_bind_quant(py::module_& m);   // bindings_quant.cpp: row-wise quantization
 
 namespace {
@@ -106,4 +107,5 @@ PYBIND11_MODULE(_C, m) {
   metamat_bind_zip(m);
   metamat_bind_pickle(m);
   metamat_bind_quant(m);
+  metamat_bind_fill_variant(m);
 }

@@ -5,6 +5,7 @@
 #include <string>
 
 #include "dtype.h"
+#include "fill_variant.h"
 #include "philox.h"
 
 namespace metamat {
@@ -16,7 +17,9 @@ struct LaunchInfo {
   int64_t units;                   // work units: rows x 32-column blocks per row
   int64_t blocks_per_row;          // 32-column blocks one row touches
   uint32_t div_magic, div_shift;   // unit / blocks_per_row in 32 bits (when not kWideIndex)
-  uint32_t flags, pad;             // LaunchFlags (fill_units.h)
+  uint32_t flags;                  // LaunchFlags (fill_units.h)
+  uint32_t scale;                  // float bits: the Uniform/TruncatedNormal scale times 2^-24
+                                   // (with kFoldedScale; kernel variants, fill_variant.h)
 };
 
 // One block to fill: rows x cols elements at ptr (row stride in elements, unit col stride),
@@ -54,8 +57,10 @@ int cuda_device_count();
 // device memory of the same size. The core writes the launch's segment table to `staging`
 // (`staging` may be `segs` itself) and copies it to `dev_scratch` with cudaMemcpyAsync on
 // `stream`: both buffers must stay alive and unchanged until the stream passes this launch.
+// `opt` picks a kernel variant and the tiles per thread block (fill_variant.h; default: the
+// environment's METAMAT_FILL_VARIANT / METAMAT_FILL_TILES, else the measured kernel).
 void fill_cuda(const Segment* segs, int64_t n, Segment* staging, void* dev_scratch,
-               void* stream);
+               void* stream, FillOptions opt = FillOptions{});
 
 // What the host emulation of the launch did (tests check the kernel's store decisions).
 struct EmulationStats {
@@ -65,6 +70,8 @@ struct EmulationStats {
 // The CUDA launch run on the host: the same segment table, block search, per-thread units and
 // vector/scalar store decisions as the kernel, writing CPU memory. `force_wide` makes every
 // segment take the 64-bit index path (normally only segments of >= 2^31 units do).
-EmulationStats fill_cuda_emulated(const Segment* segs, int64_t n, bool force_wide = false);
+// `opt` as fill_cuda's: the emulation runs the variant's shared code and tile walk.
+EmulationStats fill_cuda_emulated(const Segment* segs, int64_t n, bool force_wide = false,
+                                  FillOptions opt = FillOptions{});
 
 }  // namespace metamat

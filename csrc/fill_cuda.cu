@@ -11,6 +11,7 @@
 #include "check.h"
 #include "cuda_check.h"
 #include "fill.h"
+#include "fill_kernel.cuh"
 #include "fill_sink_cuda.cuh"
 #include "fill_unit_work.h"
 #include "fill_units.h"
@@ -44,9 +45,37 @@ fill_kernel(const Segment* __restrict__ segs, int64_t nseg, int64_t tile_base) {
   const Segment& s = segs[lo];  // read where used (L1-cached), not held in registers
   const int lane = threadIdx.x % kWarpSize;
   DeviceSink direct;
-  run_warp_any(s, tile - s.launch.tile_begin, int(threadIdx.x) - lane, DeviceWarp{lane}, stage,
-               staged_at, DeviceSlots{}, direct, DeviceStore{});
+  run_warp_any<CfgBase>(s, tile - s.launch.tile_begin, int(threadIdx.x) - lane, DeviceWarp{lane},
+                        stage, staged_at, DeviceSlots{}, direct, DeviceStore{});
 }
+
+#if defined(METAMAT_FILL_VARIANTS)
+// The one (dtype, kind) all segments share, else -1 (the specialized variants' choice).
+void common_pair(const Segment* segs, int64_t n, int* dtype, int* kind) {
+  *dtype = segs[0].dtype;
+  *kind = segs[0].dist.kind;
+  for (int64_t i = 1; i < n; ++i) {
+    if (segs[i].dtype != *dtype || segs[i].dist.kind != *kind) {
+      *dtype = *kind = -1;
+      return;
+    }
+  }
+}
+
+// Any other variant, or more than one tile per block: the A/B kernels (fill_kernel.cuh), built
+// only with METAMAT_FILL_VARIANTS=1.
+void launch_variant(const FillOptions& o, const Segment* table, const Segment* dsegs,
+                    const LaunchPlan& plan, cudaStream_t st) {
+  VariantLaunch l{dsegs, plan.segments, plan.tiles, o.tiles_per_block, -1, -1, st};
+  common_pair(table, plan.segments, &l.dtype, &l.kind);
+  if (launch_variant_a(o.variant, l) || launch_variant_bits(o.variant, l) ||
+      launch_variant_b(o.variant, l) || launch_variant_hsplit(o.variant, l) ||
+      launch_variant_c(o.variant, l) || launch_variant_cs(o.variant, l) ||
+      launch_variant_spec(o.variant, l) || launch_variant_spec2(o.variant, l))
+    return;
+  fail(__FILE__, __LINE__, "init kernel variant " + std::to_string(o.variant) + " has no launcher");
+}
+#endif
 
 }  // namespace
 
@@ -62,8 +91,17 @@ int cuda_device_count() {
 }
 
 void fill_cuda(const Segment* segs, int64_t n, Segment* staging, void* dev_scratch,
-               void* stream) {
+               void* stream, FillOptions opt) {
   MM_CHECK(n >= 0, "negative segment count");
+  opt = resolve_fill_options(opt);
+  const bool variant = opt.variant != kVarBase || opt.tiles_per_block != 1;
+#if !defined(METAMAT_FILL_VARIANTS)
+  MM_CHECK(!variant, "init kernel variant " + std::to_string(opt.variant) + " with " +
+                         std::to_string(opt.tiles_per_block) +
+                         " tile(s) per block is not in this build (only variant 0 with 1 tile "
+                         "per block is): rebuild with METAMAT_FILL_VARIANTS=1, or unset "
+                         "METAMAT_FILL_VARIANT and METAMAT_FILL_TILES");
+#endif
   if (n == 0) return;
   MM_CHECK(staging != nullptr && dev_scratch != nullptr, "null staging or scratch buffer");
   const LaunchPlan plan = prepare_launch(segs, n, staging);
@@ -74,6 +112,9 @@ void fill_cuda(const Segment* segs, int64_t n, Segment* staging, void* dev_scrat
   MM_CUDA_CHECK(cudaMemcpyAsync(dev_scratch, staging, plan.segments * sizeof(Segment),
                                 cudaMemcpyHostToDevice, st));
   const auto* dsegs = static_cast<const Segment*>(dev_scratch);
+#if defined(METAMAT_FILL_VARIANTS)
+  if (variant) return launch_variant(opt, staging, dsegs, plan, st);
+#endif
   // One launch unless the tile count exceeds the grid limit (2^31 - 1 blocks).
   const int64_t max_blocks = 2147483647;
   for (int64_t base = 0; base < plan.tiles; base += max_blocks) {

@@ -6,7 +6,7 @@ namespace metamat {
 
 bool cuda_compiled() { return false; }
 int cuda_device_count() { return 0; }
-void fill_cuda(const Segment*, int64_t, Segment*, void*, void*) {
+void fill_cuda(const Segment*, int64_t, Segment*, void*, void*, FillOptions) {
   MM_CHECK(false, "metamat was built without its CUDA backend (rebuild with METAMAT_CUDA=1)");
 }
 

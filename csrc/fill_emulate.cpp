@@ -5,6 +5,7 @@
 // Lets machines without a GPU test the kernel's indexing against the CPU engine; the stores
 // check the alignment the GPU requires and are counted, so tests also see which path (vector
 // or scalar) the kernel takes.
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <type_traits>
@@ -15,6 +16,7 @@
 #include "fill.h"
 #include "fill_unit_work.h"
 #include "fill_units.h"
+#include "fill_variant.h"
 
 namespace metamat {
 namespace {
@@ -110,7 +112,9 @@ struct Stage {
 
 }  // namespace
 
-EmulationStats fill_cuda_emulated(const Segment* segs, int64_t n, bool force_wide) {
+EmulationStats fill_cuda_emulated(const Segment* segs, int64_t n, bool force_wide,
+                                  FillOptions opt) {
+  opt = resolve_fill_options(opt);
   EmulationStats st;
   std::vector<Segment> table(segs, segs + n);  // the kernel's copy in device memory
   const LaunchPlan plan = prepare_launch(table.data(), n, table.data(), force_wide);
@@ -120,22 +124,33 @@ EmulationStats fill_cuda_emulated(const Segment* segs, int64_t n, bool force_wid
   Stage stage;
   MM_CHECK(stage.p != nullptr, "emulated launch: cannot allocate the staging area");
   std::vector<uintptr_t> staged_at(kTileThreads);
-  for (int64_t tile = 0; tile < plan.tiles; ++tile) {  // one iteration = one thread block
-    int64_t lo = 0, hi = plan.segments - 1;
-    while (lo < hi) {
-      const int64_t step = search_step(lo, hi);
-      int count = 0;  // __syncthreads_count
-      for (int t = 0; t < kTileThreads; ++t)
-        count += search_probe(table.data(), lo, hi, step, t, tile) ? 1 : 0;
-      search_narrow(&lo, &hi, step, count);
+  const int64_t per = opt.tiles_per_block;
+  with_kernel_cfg(opt.variant, [&](auto cfg) {
+    using Cfg = decltype(cfg);
+    // One iteration = one thread block: it searches its first tile's segment, then walks its
+    // tiles (fill_kernel.cuh; the measured kernel is the case of one tile per block).
+    for (int64_t first = 0; first < plan.tiles; first += per) {
+      int64_t lo = 0, hi = plan.segments - 1;
+      while (lo < hi) {
+        const int64_t step = search_step(lo, hi);
+        int count = 0;  // __syncthreads_count
+        for (int t = 0; t < kTileThreads; ++t)
+          count += search_probe(table.data(), lo, hi, step, t, first) ? 1 : 0;
+        search_narrow(&lo, &hi, step, count);
+      }
+      const int64_t end = std::min(first + per, plan.tiles);
+      for (int64_t tile = first; tile < end; ++tile) {
+        lo = tile == first ? lo : advance_segment(table.data(), plan.segments, lo, tile);
+        const Segment& s = table[lo];
+        // stale bytes from earlier tiles, as shared memory would hold: the kernel must not
+        // store them
+        std::memset(stage.p, 0xA5, kStageBytes);
+        for (int warp0 = 0; warp0 < kTileThreads; warp0 += kWarpSize)
+          run_warp_any<Cfg>(s, tile - s.launch.tile_begin, warp0, HostWarp{}, stage.p,
+                            staged_at.data(), HostSlots{&st}, out, HostStore{&st});
+      }
     }
-    const Segment& s = table[lo];
-    // stale bytes from earlier tiles, as shared memory would hold: the kernel must not store them
-    std::memset(stage.p, 0xA5, kStageBytes);
-    for (int warp0 = 0; warp0 < kTileThreads; warp0 += kWarpSize)
-      run_warp_any(s, tile - s.launch.tile_begin, warp0, HostWarp{}, stage.p, staged_at.data(),
-                   HostSlots{&st}, out, HostStore{&st});
-  }
+  });
   return st;
 }
 

@@ -32,38 +32,53 @@ __device__ __forceinline__ uint16_t pack1(BF16, float a) {
   return __bfloat16_as_ushort(__float2bfloat16_rn(a));
 }
 
+// One store with the variant's cache operator (fill_variant.h `store`): 0 st.global.wb (the
+// measured kernel), 1 plain st.global, 2 st.global.cs (evict-first).
+template <int kOp, class V>
+__device__ __forceinline__ void store_op(V* p, V v) {
+  if constexpr (kOp == 0) {
+    __stwb(p, v);
+  } else if constexpr (kOp == 2) {
+    __stcs(p, v);
+  } else {
+    *p = v;
+  }
+}
+
 // The kernel's stores (the Sink of fill_unit_work.h): 128-bit (or 64-bit) vector stores.
-struct DeviceSink {
+template <int kOp = 0>
+struct DeviceSinkT {
   template <class T, int N>
   __device__ __forceinline__ void vec(uintptr_t a, const float* f) const {
     if constexpr (std::is_same_v<T, F32>) {
 #pragma unroll
       for (int k = 0; k < N; k += 4)
-        __stwb(reinterpret_cast<float4*>(a + 4 * k), make_float4(f[k], f[k + 1], f[k + 2], f[k + 3]));
+        store_op<kOp>(reinterpret_cast<float4*>(a + 4 * k), make_float4(f[k], f[k + 1], f[k + 2], f[k + 3]));
     } else if constexpr (std::is_same_v<T, F64>) {
 #pragma unroll
       for (int k = 0; k < N; k += 2)
-        __stwb(reinterpret_cast<double2*>(a + 8 * k), make_double2(f[k], f[k + 1]));
+        store_op<kOp>(reinterpret_cast<double2*>(a + 8 * k), make_double2(f[k], f[k + 1]));
     } else if constexpr (N == 8) {
-      __stwb(reinterpret_cast<uint4*>(a), make_uint4(pack2(T{}, f[0], f[1]), pack2(T{}, f[2], f[3]),
+      store_op<kOp>(reinterpret_cast<uint4*>(a), make_uint4(pack2(T{}, f[0], f[1]), pack2(T{}, f[2], f[3]),
                                                      pack2(T{}, f[4], f[5]), pack2(T{}, f[6], f[7])));
     } else {
       static_assert(N == 4, "16-bit vectors are 4 or 8 elements");
-      __stwb(reinterpret_cast<uint2*>(a), make_uint2(pack2(T{}, f[0], f[1]), pack2(T{}, f[2], f[3])));
+      store_op<kOp>(reinterpret_cast<uint2*>(a), make_uint2(pack2(T{}, f[0], f[1]), pack2(T{}, f[2], f[3])));
     }
   }
   template <class T>
   __device__ __forceinline__ void one(uintptr_t a, float v) const {
     if constexpr (std::is_same_v<T, F32>) {
-      __stwb(reinterpret_cast<float*>(a), v);
+      store_op<kOp>(reinterpret_cast<float*>(a), v);
     } else if constexpr (std::is_same_v<T, F64>) {
-      __stwb(reinterpret_cast<double*>(a), static_cast<double>(v));
+      store_op<kOp>(reinterpret_cast<double*>(a), static_cast<double>(v));
     } else {
-      __stwb(reinterpret_cast<unsigned short*>(a), pack1(T{}, v));
+      store_op<kOp>(reinterpret_cast<unsigned short*>(a), pack1(T{}, v));
     }
   }
   __device__ __forceinline__ void philox(int) const {}
 };
+using DeviceSink = DeviceSinkT<0>;
 
 // An interior unit's vectors into its thread's slot of shared memory, at their offset in the
 // unit (`base` is the unit's address), packed as DeviceSink packs them.
@@ -99,11 +114,13 @@ struct DeviceSlots {
   }
 };
 
-struct DeviceStore {
+template <int kOp = 0>
+struct DeviceStoreT {
   __device__ __forceinline__ void chunk16(uintptr_t dst, const unsigned char* src) const {
-    __stwb(reinterpret_cast<uint4*>(dst), *reinterpret_cast<const uint4*>(src));
+    store_op<kOp>(reinterpret_cast<uint4*>(dst), *reinterpret_cast<const uint4*>(src));
   }
 };
+using DeviceStore = DeviceStoreT<0>;
 
 // The calling thread is one lane; the warp's lanes run in parallel.
 struct DeviceWarp {

@@ -18,8 +18,10 @@
 //             vector store when it is whole and aligned, else scalar stores.
 #pragma once
 #include <cstdint>
+#include <type_traits>
 
 #include "fill_units.h"
+#include "fill_variant.h"
 #include "philox.h"
 
 namespace metamat {
@@ -49,10 +51,64 @@ MM_HD void normal_values(const DistParams& d, uint32_t w0, uint32_t w1, float* a
   *b = d.p0 + d.p1 * z1;
 }
 
+// The same values as a kernel variant computes them (fill_variant.h). kMode, from the segment's
+// launch fields (fill_units.h variant_fields): kModeFold, the scale times 2^-24 is in
+// LaunchInfo::scale, so a + u (b - a) with u = (x >> 8) 2^-24 is a + (x >> 8) ((b - a) 2^-24),
+// the one rounding of the same real product; kModeCentral, erfinv's argument stays where its
+// first polynomial is the result. The diagnostic `bits` stores the word itself.
+constexpr int kModeFold = 1, kModeCentral = 2;
+template <class Cfg, DistKind K, int kMode>
+MM_HD float word_value_v(const Segment& s, uint32_t w) {
+  const DistParams& d = s.dist;
+  if constexpr (Cfg::bits && K == DistKind::kUniform) {
+    return bits_to_float(w);
+  } else if constexpr (K == DistKind::kUniform) {
+    if constexpr ((kMode & kModeFold) != 0)
+      return d.p0 + static_cast<float>(w >> 8) * bits_to_float(s.launch.scale);
+    return uniform_value(d, w);
+  } else if constexpr (!Cfg::math) {
+    return trunc_normal_value(d, w);
+  } else {
+    const float p = (kMode & kModeFold) != 0
+                        ? d.p2 + static_cast<float>(w >> 8) * bits_to_float(s.launch.scale)
+                        : d.p2 + uniform01(w) * d.p3;
+    float v = d.p0 + d.p1 * ((kMode & kModeCentral) != 0 ? mm_erfinvf_central(p) : mm_erfinvf(p));
+    v = v < d.clamp_lo ? d.clamp_lo : v;
+    return v > d.clamp_hi ? d.clamp_hi : v;
+  }
+}
+template <class Cfg>
+MM_HD void normal_values_v(const DistParams& d, uint32_t w0, uint32_t w1, float* a, float* b) {
+  if constexpr (Cfg::math) {
+    float z0, z1;
+    box_muller_sel(w0, w1, &z0, &z1);
+    *a = d.p0 + d.p1 * z0;
+    *b = d.p0 + d.p1 * z1;
+  } else {
+    normal_values(d, w0, w1, a, b);
+  }
+}
+
+// Philox's products as two instructions (variant `split`): ptxas fuses mul.hi and mul.lo of the
+// same operands into one IMAD.WIDE.U32, so the low half multiplies by the multiplier read from
+// constant memory (an operand ptxas cannot prove equal): IMAD.HI.U32 + IMAD. Same bits.
+#if defined(__CUDACC__)
+static __constant__ uint32_t kPhiloxMul[2] = {0xD2511F53u, 0xCD9E8D57u};
+#endif
+MM_HD uint32_t mulhilo_split(int which, uint32_t a, uint32_t* hi) {
+  const uint32_t m = which == 0 ? 0xD2511F53u : 0xCD9E8D57u;
+#if defined(__CUDA_ARCH__)
+  *hi = __umulhi(a, m);
+  return a * kPhiloxMul[which];
+#else
+  return mulhilo(m, a, hi);
+#endif
+}
+
 // Philox4x32-10 (philox.h) for N lanes (counters c0 .. c0+N-1 of one row), round by round:
 // the lanes' chains are independent (the scheduler interleaves them) and share each round's
 // key and, in round 1, the product of the row word. x[i][j] = word i of lane j.
-template <int N>
+template <int N, int kSplit = 0>
 MM_HD void philox_lanes(const UnitPos& p, uint64_t key, uint32_t c0, uint32_t x[4][N]) {
   constexpr uint32_t M0 = 0xD2511F53u, M1 = 0xCD9E8D57u;
   uint32_t k0 = static_cast<uint32_t>(key), k1 = static_cast<uint32_t>(key >> 32);
@@ -69,8 +125,9 @@ MM_HD void philox_lanes(const UnitPos& p, uint64_t key, uint32_t c0, uint32_t x[
   for (int r = 0; r < 10; ++r) {
     for (int j = 0; j < N; ++j) {
       uint32_t hi0, hi1;
-      const uint32_t lo0 = mulhilo(M0, a[j], &hi0);
-      const uint32_t lo1 = mulhilo(M1, c[j], &hi1);
+      const bool split = kSplit == 1 || (kSplit == 2 && j >= N / 2);
+      const uint32_t lo0 = split ? mulhilo_split(0, a[j], &hi0) : mulhilo(M0, a[j], &hi0);
+      const uint32_t lo1 = split ? mulhilo_split(1, c[j], &hi1) : mulhilo(M1, c[j], &hi1);
       a[j] = hi1 ^ b[j] ^ k0;
       c[j] = hi0 ^ d[j] ^ k1;
       b[j] = lo1;
@@ -111,8 +168,9 @@ MM_HD void store_chunk(Sink& out, uintptr_t a, const float f[4], uint32_t m) {
 }
 
 // Interior unit: a = address of lane 0, word 0 (16-byte aligned); all 32 columns in the row.
-template <DistKind K, class T, class Sink>
-MM_HD void interior_unit(const Segment& s, const UnitPos& p, uintptr_t a, Sink& out) {
+// kMode: the variant's per-segment shortcuts (word_value_v), chosen by interior_unit.
+template <class Cfg, DistKind K, class T, int kMode, class Sink>
+MM_HD void interior_unit_body(const Segment& s, const UnitPos& p, uintptr_t a, Sink& out) {
   const DistParams& d = s.dist;
   constexpr uintptr_t kWord = 8 * T::kSize;  // bytes between words
   float f[kLanes], g[kLanes];
@@ -121,7 +179,7 @@ MM_HD void interior_unit(const Segment& s, const UnitPos& p, uintptr_t a, Sink& 
     for (int i = 0; i < 4; ++i) out.template vec<T, kLanes>(a + i * kWord, f);
   } else {
     uint32_t x[4][kLanes];
-    philox_lanes<kLanes>(p, s.key, p.c0, x);
+    philox_lanes<kLanes, Cfg::split>(p, s.key, p.c0, x);
     out.philox(kLanes);
 #if defined(__CUDA_ARCH__)
 #pragma unroll
@@ -129,10 +187,13 @@ MM_HD void interior_unit(const Segment& s, const UnitPos& p, uintptr_t a, Sink& 
     for (int i = 0; i < 4; i += 2) {
       for (int j = 0; j < kLanes; ++j) {
         if constexpr (K == DistKind::kNormal) {
-          normal_values(d, x[i][j], x[i + 1][j], &f[j], &g[j]);
-        } else {
+          normal_values_v<Cfg>(d, x[i][j], x[i + 1][j], &f[j], &g[j]);
+        } else if constexpr (std::is_same_v<Cfg, CfgBase>) {
           f[j] = word_value<K>(d, x[i][j]);
           g[j] = word_value<K>(d, x[i + 1][j]);
+        } else {
+          f[j] = word_value_v<Cfg, K, kMode>(s, x[i][j]);
+          g[j] = word_value_v<Cfg, K, kMode>(s, x[i + 1][j]);
         }
       }
       out.template vec<T, kLanes>(a + i * kWord, f);
@@ -141,9 +202,32 @@ MM_HD void interior_unit(const Segment& s, const UnitPos& p, uintptr_t a, Sink& 
   }
 }
 
+// Calls f(mode) with the variant's shortcuts for this segment as a compile-time kMode
+// (block-uniform: one segment per tile); the plain kernel and other kinds always get 0.
+template <class Cfg, DistKind K, class F>
+MM_HD void with_mode(const Segment& s, F&& f) {
+  if constexpr (Cfg::math && !Cfg::bits && K == DistKind::kUniform) {
+    if (s.launch.flags & kFoldedScale) return f(std::integral_constant<int, kModeFold>{});
+  } else if constexpr (Cfg::math && K == DistKind::kTruncNormal) {
+    const uint32_t fl = s.launch.flags;
+    if ((fl & kFoldedScale) && (fl & kErfinvCentral))
+      return f(std::integral_constant<int, kModeFold | kModeCentral>{});
+    if (fl & kFoldedScale) return f(std::integral_constant<int, kModeFold>{});
+    if (fl & kErfinvCentral) return f(std::integral_constant<int, kModeCentral>{});
+  }
+  f(std::integral_constant<int, 0>{});
+}
+
+template <class Cfg, DistKind K, class T, class Sink>
+MM_HD void interior_unit(const Segment& s, const UnitPos& p, uintptr_t a, Sink& out) {
+  with_mode<Cfg, K>(s, [&](auto mode) {
+    interior_unit_body<Cfg, K, T, decltype(mode)::value>(s, p, a, out);
+  });
+}
+
 // Edge unit: lanes in two halves; only what lies inside the row is computed and stored.
-template <DistKind K, class T, class Sink>
-MM_HD void edge_unit(const Segment& s, const UnitPos& p, uintptr_t a, Sink& out) {
+template <class Cfg, DistKind K, class T, int kMode, class Sink>
+MM_HD void edge_unit_body(const Segment& s, const UnitPos& p, uintptr_t a, Sink& out) {
   const DistParams& d = s.dist;
   constexpr uintptr_t kWord = 8 * T::kSize;
   uint32_t wm[4];  // lanes inside the row, per word
@@ -167,7 +251,7 @@ MM_HD void edge_unit(const Segment& s, const UnitPos& p, uintptr_t a, Sink& out)
         if (m[i]) store_chunk<T>(out, ah + i * kWord, f, m[i]);
     } else {
       uint32_t x[4][4];
-      philox_lanes<4>(p, s.key, p.c0 + sh, x);
+      philox_lanes<4, Cfg::split>(p, s.key, p.c0 + sh, x);
       out.philox(4);
 #if defined(__CUDA_ARCH__)
 #pragma unroll
@@ -175,12 +259,17 @@ MM_HD void edge_unit(const Segment& s, const UnitPos& p, uintptr_t a, Sink& out)
       for (int i = 0; i < 4; i += 2) {
         if ((m[i] | m[i + 1]) == 0) continue;
         if constexpr (K == DistKind::kNormal) {
-          for (int j = 0; j < 4; ++j) normal_values(d, x[i][j], x[i + 1][j], &f[j], &g[j]);
-        } else {
+          for (int j = 0; j < 4; ++j) normal_values_v<Cfg>(d, x[i][j], x[i + 1][j], &f[j], &g[j]);
+        } else if constexpr (std::is_same_v<Cfg, CfgBase>) {
           if (m[i])
             for (int j = 0; j < 4; ++j) f[j] = word_value<K>(d, x[i][j]);
           if (m[i + 1])
             for (int j = 0; j < 4; ++j) g[j] = word_value<K>(d, x[i + 1][j]);
+        } else {
+          if (m[i])
+            for (int j = 0; j < 4; ++j) f[j] = word_value_v<Cfg, K, kMode>(s, x[i][j]);
+          if (m[i + 1])
+            for (int j = 0; j < 4; ++j) g[j] = word_value_v<Cfg, K, kMode>(s, x[i + 1][j]);
         }
         if (m[i]) store_chunk<T>(out, ah + i * kWord, f, m[i]);
         if (m[i + 1]) store_chunk<T>(out, ah + (i + 1) * kWord, g, m[i + 1]);
@@ -189,18 +278,25 @@ MM_HD void edge_unit(const Segment& s, const UnitPos& p, uintptr_t a, Sink& out)
   }
 }
 
-template <DistKind K, class T, class Sink>
+template <class Cfg, DistKind K, class T, class Sink>
+MM_HD void edge_unit(const Segment& s, const UnitPos& p, uintptr_t a, Sink& out) {
+  with_mode<Cfg, K>(s, [&](auto mode) {
+    edge_unit_body<Cfg, K, T, decltype(mode)::value>(s, p, a, out);
+  });
+}
+
+template <class Cfg, DistKind K, class T, class Sink>
 MM_HD void run_unit(const Segment& s, int64_t u, Sink& out) {
   const UnitPos p = unit_pos<T::kSize>(s, u);
   const uintptr_t a = p.row + static_cast<uintptr_t>(p.cb * T::kSize);
   if (p.cb >= 0 && p.cb + 32 <= s.cols && (a & 15) == 0)
-    interior_unit<K, T>(s, p, a, out);
+    interior_unit<Cfg, K, T>(s, p, a, out);
   else
-    edge_unit<K, T>(s, p, a, out);
+    edge_unit<Cfg, K, T>(s, p, a, out);
 }
 
 // Thread `tid` of the block running tile `tile` (counted within segment s).
-template <DistKind K, class T, class Sink>
+template <class Cfg, DistKind K, class T, class Sink>
 MM_HD void run_thread(const Segment& s, int64_t tile, int tid, Sink& out) {
   const int64_t first = tile * kTile + tid;
 #if defined(__CUDA_ARCH__)
@@ -209,28 +305,29 @@ MM_HD void run_thread(const Segment& s, int64_t tile, int tid, Sink& out) {
   for (int k = 0; k < kUnitsPerThread; ++k) {
     const int64_t u = first + int64_t{k} * kTileThreads;
     if (u >= s.launch.units) return;
-    run_unit<K, T>(s, u, out);
+    run_unit<Cfg, K, T>(s, u, out);
   }
 }
 
-template <class T, class Sink>
+template <class Cfg, class T, class Sink>
 MM_HD void run_thread_dist(const Segment& s, int64_t tile, int tid, Sink& out) {
   switch (static_cast<DistKind>(s.dist.kind)) {
-    case DistKind::kUniform: return run_thread<DistKind::kUniform, T>(s, tile, tid, out);
-    case DistKind::kNormal: return run_thread<DistKind::kNormal, T>(s, tile, tid, out);
-    case DistKind::kTruncNormal: return run_thread<DistKind::kTruncNormal, T>(s, tile, tid, out);
-    case DistKind::kConstant: return run_thread<DistKind::kConstant, T>(s, tile, tid, out);
+    case DistKind::kUniform: return run_thread<Cfg, DistKind::kUniform, T>(s, tile, tid, out);
+    case DistKind::kNormal: return run_thread<Cfg, DistKind::kNormal, T>(s, tile, tid, out);
+    case DistKind::kTruncNormal:
+      return run_thread<Cfg, DistKind::kTruncNormal, T>(s, tile, tid, out);
+    case DistKind::kConstant: return run_thread<Cfg, DistKind::kConstant, T>(s, tile, tid, out);
   }
 }
 
 // Entry point of one thread: dtype and distribution are uniform over the block (one segment).
-template <class Sink>
+template <class Cfg, class Sink>
 MM_HD void run_thread_any(const Segment& s, int64_t tile, int tid, Sink& out) {
   switch (static_cast<DType>(s.dtype)) {
-    case DType::kFloat32: return run_thread_dist<F32>(s, tile, tid, out);
-    case DType::kFloat16: return run_thread_dist<F16>(s, tile, tid, out);
-    case DType::kBFloat16: return run_thread_dist<BF16>(s, tile, tid, out);
-    case DType::kFloat64: return run_thread_dist<F64>(s, tile, tid, out);
+    case DType::kFloat32: return run_thread_dist<Cfg, F32>(s, tile, tid, out);
+    case DType::kFloat16: return run_thread_dist<Cfg, F16>(s, tile, tid, out);
+    case DType::kBFloat16: return run_thread_dist<Cfg, BF16>(s, tile, tid, out);
+    case DType::kFloat64: return run_thread_dist<Cfg, F64>(s, tile, tid, out);
     default: return;  // validated by prepare_launch
   }
 }
@@ -260,10 +357,42 @@ struct StagedSlot {
 };
 constexpr int kStageBytes = kTileThreads * StagedSlot<F32>::kStride;  // one block's slots
 
+// One lane's unit of a staged step: an interior unit goes into the lane's slot (returns its
+// address, written out by the warp), any other unit is stored directly (returns 0).
+template <class Cfg, DistKind K, class T, class Slots, class Sink>
+MM_HD uintptr_t stage_unit(const Segment& s, int64_t u, unsigned char* slot_bytes,
+                           const Slots& slots, Sink& direct) {
+  const UnitPos p = unit_pos<T::kSize>(s, u);
+  const uintptr_t a = p.row + static_cast<uintptr_t>(p.cb * T::kSize);
+  if (p.cb >= 0 && p.cb + 32 <= s.cols && (a & 15) == 0) {
+    auto slot = slots.template make<T>(slot_bytes, a);
+    interior_unit<Cfg, K, T>(s, p, a, slot);
+    return a;
+  }
+  edge_unit<Cfg, K, T>(s, p, a, direct);
+  return 0;
+}
+
+// One lane's share of the warp's write-out: 16-byte chunk 32 i + lane of the warp's slots.
+template <class T, class Store>
+MM_HD void write_out_lane(int warp0, int lane, const unsigned char* stage,
+                          const uintptr_t* staged_at, const Store& store) {
+  using Slot = StagedSlot<T>;
+#if defined(__CUDA_ARCH__)
+#pragma unroll
+#endif
+  for (int i = 0; i < Slot::kChunks; ++i) {
+    const int c = i * kWarpSize + lane, unit = warp0 + c / Slot::kChunks;
+    const int off = (c % Slot::kChunks) * 16;
+    const uintptr_t dst = staged_at[unit];
+    if (dst != 0) store.chunk16(dst + off, stage + unit * Slot::kStride + off);
+  }
+}
+
 // Warp `warp0 / 32` of the block running `tile` (counted within s); `stage` and `staged_at`
 // are the block's (kStageBytes, kTileThreads entries). Every lane runs the loop equally often:
 // the warp's units are consecutive, so its first unit decides when it ends.
-template <DistKind K, class T, class W, class Slots, class Sink, class Store>
+template <class Cfg, DistKind K, class T, class W, class Slots, class Sink, class Store>
 MM_HD void run_warp_staged(const Segment& s, int64_t tile, int warp0, const W& w,
                            unsigned char* stage, uintptr_t* staged_at, const Slots& slots,
                            Sink& direct, const Store& store) {
@@ -276,71 +405,67 @@ MM_HD void run_warp_staged(const Segment& s, int64_t tile, int warp0, const W& w
     if (u0 >= s.launch.units) return;
     w.lanes([&](int lane) {
       const int64_t u = u0 + lane;
-      uintptr_t at = 0;
-      if (u < s.launch.units) {
-        const UnitPos p = unit_pos<T::kSize>(s, u);
-        const uintptr_t a = p.row + static_cast<uintptr_t>(p.cb * T::kSize);
-        if (p.cb >= 0 && p.cb + 32 <= s.cols && (a & 15) == 0) {
-          auto slot = slots.template make<T>(stage + (warp0 + lane) * Slot::kStride, a);
-          interior_unit<K, T>(s, p, a, slot);
-          at = a;
-        } else {
-          edge_unit<K, T>(s, p, a, direct);
-        }
-      }
-      staged_at[warp0 + lane] = at;
+      staged_at[warp0 + lane] =
+          u < s.launch.units
+              ? stage_unit<Cfg, K, T>(s, u, stage + (warp0 + lane) * Slot::kStride, slots, direct)
+              : 0;
     });
     w.sync();
-    w.lanes([&](int lane) {
-#if defined(__CUDA_ARCH__)
-#pragma unroll
-#endif
-      for (int i = 0; i < Slot::kChunks; ++i) {
-        const int c = i * kWarpSize + lane, unit = warp0 + c / Slot::kChunks;
-        const int off = (c % Slot::kChunks) * 16;
-        const uintptr_t dst = staged_at[unit];
-        if (dst != 0) store.chunk16(dst + off, stage + unit * Slot::kStride + off);
-      }
-    });
+    w.lanes([&](int lane) { write_out_lane<T>(warp0, lane, stage, staged_at, store); });
     w.sync();  // the slots and addresses are rewritten by the next units
   }
 }
 
-template <class T, class W, class Slots, class Sink, class Store>
+// A warp's units of one (dtype, distribution): fp64 keeps its own stores (256-byte units).
+template <class Cfg, class T, DistKind K, class W, class Slots, class Sink, class Store>
+MM_HD void run_warp_fixed(const Segment& s, int64_t tile, int warp0, const W& w,
+                          unsigned char* stage, uintptr_t* staged_at, const Slots& slots,
+                          Sink& direct, const Store& store) {
+  if constexpr (std::is_same_v<T, F64>) {
+    w.lanes([&](int lane) { run_thread<Cfg, K, F64>(s, tile, warp0 + lane, direct); });
+  } else {
+    run_warp_staged<Cfg, K, T>(s, tile, warp0, w, stage, staged_at, slots, direct, store);
+  }
+}
+
+template <class Cfg, class T, class W, class Slots, class Sink, class Store>
 MM_HD void run_warp_staged_dist(const Segment& s, int64_t tile, int warp0, const W& w,
                                 unsigned char* stage, uintptr_t* staged_at, const Slots& slots,
                                 Sink& direct, const Store& store) {
   switch (static_cast<DistKind>(s.dist.kind)) {
     case DistKind::kUniform:
-      return run_warp_staged<DistKind::kUniform, T>(s, tile, warp0, w, stage, staged_at, slots,
-                                                     direct, store);
-    case DistKind::kNormal:
-      return run_warp_staged<DistKind::kNormal, T>(s, tile, warp0, w, stage, staged_at, slots,
-                                                    direct, store);
-    case DistKind::kTruncNormal:
-      return run_warp_staged<DistKind::kTruncNormal, T>(s, tile, warp0, w, stage, staged_at,
+      return run_warp_fixed<Cfg, T, DistKind::kUniform>(s, tile, warp0, w, stage, staged_at,
                                                          slots, direct, store);
+    case DistKind::kNormal:
+      return run_warp_fixed<Cfg, T, DistKind::kNormal>(s, tile, warp0, w, stage, staged_at,
+                                                        slots, direct, store);
+    case DistKind::kTruncNormal:
+      return run_warp_fixed<Cfg, T, DistKind::kTruncNormal>(s, tile, warp0, w, stage,
+                                                             staged_at, slots, direct, store);
     case DistKind::kConstant:
-      return run_warp_staged<DistKind::kConstant, T>(s, tile, warp0, w, stage, staged_at, slots,
-                                                      direct, store);
+      return run_warp_fixed<Cfg, T, DistKind::kConstant>(s, tile, warp0, w, stage, staged_at,
+                                                          slots, direct, store);
   }
 }
 
 // Entry point of one warp: dtype and distribution are uniform over the block (one segment).
-template <class W, class Slots, class Sink, class Store>
+template <class Cfg, class W, class Slots, class Sink, class Store>
 MM_HD void run_warp_any(const Segment& s, int64_t tile, int warp0, const W& w,
                         unsigned char* stage, uintptr_t* staged_at, const Slots& slots,
                         Sink& direct, const Store& store) {
   switch (static_cast<DType>(s.dtype)) {
     case DType::kFloat32:
-      return run_warp_staged_dist<F32>(s, tile, warp0, w, stage, staged_at, slots, direct, store);
+      return run_warp_staged_dist<Cfg, F32>(s, tile, warp0, w, stage, staged_at, slots, direct,
+                                            store);
     case DType::kFloat16:
-      return run_warp_staged_dist<F16>(s, tile, warp0, w, stage, staged_at, slots, direct, store);
+      return run_warp_staged_dist<Cfg, F16>(s, tile, warp0, w, stage, staged_at, slots, direct,
+                                            store);
     case DType::kBFloat16:
-      return run_warp_staged_dist<BF16>(s, tile, warp0, w, stage, staged_at, slots, direct,
-                                        store);
+      return run_warp_staged_dist<Cfg, BF16>(s, tile, warp0, w, stage, staged_at, slots, direct,
+                                             store);
     case DType::kFloat64:  // 256-byte units: their own stores
-      return w.lanes([&](int lane) { run_thread_dist<F64>(s, tile, warp0 + lane, direct); });
+      return w.lanes(
+          [&](int lane) { run_thread_dist<Cfg, F64>(s, tile, warp0 + lane, direct); });
     default:
       return;  // validated by prepare_launch
   }

@@ -31,7 +31,32 @@ constexpr int kUnitsPerThread = 4;
 constexpr int64_t kTile = int64_t{kTileThreads} * kUnitsPerThread;  // units per thread block
 constexpr int kLanes = 8;  // Philox counters per unit
 
-enum LaunchFlags : uint32_t { kWideIndex = 1 };
+enum LaunchFlags : uint32_t { kWideIndex = 1, kFoldedScale = 2, kErfinvCentral = 4 };
+
+// What the kernel variants (fill_variant.h `math`) read from LaunchInfo:
+// * kFoldedScale, scale: Uniform's b - a or TruncatedNormal's p3 times 2^-24, when that product
+//   is exact (zero or a normal float): (x >> 8) * (scale 2^-24) is then the one rounding of the
+//   same real product as ((x >> 8) 2^-24) * scale.
+// * kErfinvCentral: TruncatedNormal whose erf-space interval [p2, p2 + p3] lies inside
+//   (-0.99, 0.99): x = p2 + u p3 stays there (rounding is monotone), so erfinv's
+//   w = -log((1 - x)(1 + x)) <= 3.92 < 5 and its result is always the first polynomial's
+//   (the +-2 std truncations of trunc_normal_ have |x| <= 0.9545).
+inline void variant_fields(Segment& s) {
+  const DistKind k = static_cast<DistKind>(s.dist.kind);
+  if (k != DistKind::kUniform && k != DistKind::kTruncNormal) return;
+  const float src = k == DistKind::kUniform ? s.dist.p1 : s.dist.p3;
+  const float folded = src * 5.9604644775390625e-8f;  // 2^-24
+  const float mag = folded < 0.0f ? -folded : folded;
+  if (src == 0.0f || (mag >= 1.17549435e-38f && folded * 16777216.0f == src)) {
+    s.launch.flags |= kFoldedScale;
+    s.launch.scale = float_to_bits(folded);
+  }
+  if (k == DistKind::kTruncNormal) {
+    const double lo = s.dist.p2, hi = double(s.dist.p2) + double(s.dist.p3);
+    const double a = lo < 0 ? -lo : lo, b = hi < 0 ? -hi : hi;
+    if ((a > b ? a : b) < 0.99) s.launch.flags |= kErfinvCentral;
+  }
+}
 
 // 32-column blocks that columns [col_offset, col_offset + cols) touch (cols >= 1).
 MM_HD int64_t blocks_per_row(int64_t col_offset, int64_t cols) {
@@ -85,6 +110,7 @@ inline LaunchPlan prepare_launch(const Segment* in, int64_t n, Segment* out,
     L.blocks_per_row = blocks_per_row(s.col_offset, s.cols);
     L.units = s.rows * L.blocks_per_row;
     L.tile_begin = plan.tiles;
+    variant_fields(s);
     if (L.units < (int64_t{1} << 31) && !force_wide) {
       div_magic(static_cast<uint32_t>(L.blocks_per_row), &L.div_magic, &L.div_shift);
     } else {
@@ -115,6 +141,13 @@ MM_HD void search_narrow(int64_t* lo, int64_t* hi, int64_t step, int count) {
   *hi = last < *hi ? last : *hi;
 }
 
+// A block that runs several consecutive tiles (FillOptions::tiles_per_block) searches for its
+// first tile's segment and then steps forward: every segment in the table has a tile, so one
+// tile further is at most one segment further.
+MM_HD int64_t advance_segment(const Segment* segs, int64_t nseg, int64_t lo, int64_t tile) {
+  return (lo + 1 < nseg && segs[lo + 1].launch.tile_begin <= tile) ? lo + 1 : lo;
+}
+
 // ---- unit -> position ---------------------------------------------------------------------
 struct UnitPos {
   uintptr_t row;         // address of local column 0 of the unit's row
@@ -124,11 +157,12 @@ struct UnitPos {
   uint32_t r_lo, r_hi;
 };
 
-template <int kElemSize>
+// kNarrowOnly: the 32-bit division only (the SASS probes' per-unit count, scripts/).
+template <int kElemSize, bool kNarrowOnly = false>
 MM_HD UnitPos unit_pos(const Segment& s, int64_t u) {
   const LaunchInfo& L = s.launch;
   int64_t row, blk;
-  if (!(L.flags & kWideIndex)) {
+  if (kNarrowOnly || !(L.flags & kWideIndex)) {
     const uint32_t uu = static_cast<uint32_t>(u);
     const uint32_t q = div_by_magic(uu, L.div_magic, L.div_shift);
     row = q;

@@ -10,6 +10,8 @@
 #include <thread>
 
 #include "check.h"
+#include "convert_elem.h"
+#include "dtype.h"
 
 namespace metamat {
 namespace io {
@@ -27,6 +29,15 @@ int64_t stage_live_buffers() { return g_live_buffers.load(); }
 int64_t stage_live_threads() { return g_live_threads.load(); }
 void stage_thread_started() { g_live_threads.fetch_add(1); }
 void stage_thread_ended() { g_live_threads.fetch_sub(1); }
+
+ConvertOn convert_on_from_env() {
+  const char* e = std::getenv("METAMAT_CONVERT_ON");
+  if (e == nullptr || *e == '\0' || std::strcmp(e, "host") == 0 || std::strcmp(e, "auto") == 0)
+    return ConvertOn::kHost;
+  if (std::strcmp(e, "device") == 0) return ConvertOn::kDevice;
+  fail(__FILE__, __LINE__,
+       std::string("METAMAT_CONVERT_ON must be host, device or auto, got '") + e + "'");
+}
 
 int64_t dst_row_bytes(const ReadOp& o) {
   const DType s = DType(o.src_dtype), d = DType(o.dst_dtype);
@@ -163,7 +174,19 @@ class HostCopySink final : public CopySink {
       if (delay_us_ > 0) std::this_thread::sleep_for(std::chrono::microseconds(delay_us_));
       const CopyItem& c = j.item;
       auto* dst = reinterpret_cast<unsigned char*>(c.dst);
-      if (c.rows == 1 || c.dst_stride == c.row_bytes) {
+      if (c.convert != 0) {  // the device-side conversion, done here as the kernel does it
+        const int64_t elems = c.row_bytes / 4;
+        for (int64_t r = 0; r < c.rows; ++r) {
+          const unsigned char* src = c.src + r * c.row_bytes;
+          unsigned char* d = dst + r * c.dst_stride;
+          for (int64_t e = 0; e < elems; ++e) {
+            uint32_t u;
+            std::memcpy(&u, src + 4 * e, 4);
+            const uint16_t h = cvt_f32_to_half(u, c.convert);
+            std::memcpy(d + 2 * e, &h, 2);
+          }
+        }
+      } else if (c.rows == 1 || c.dst_stride == c.row_bytes) {
         std::memcpy(dst, c.src, size_t(c.rows * c.row_bytes));
       } else {
         for (int64_t r = 0; r < c.rows; ++r)
@@ -229,8 +252,10 @@ StagePipeline::StagePipeline(int ring, int64_t buffer_bytes, const std::vector<S
     buffers_.push_back(std::move(b));
   }
   // A throw from here unwinds sinks_ (drained, threads joined) then buffers_ (freed).
-  for (const SinkSpec& s : sinks)
+  for (SinkSpec s : sinks) {
+    s.buffer_bytes = buffer_bytes;
     sinks_.push_back(s.kind == SinkSpec::kCuda ? make_cuda_sink(s, ring) : make_host_sink(s, ring));
+  }
 }
 
 StagePipeline::~StagePipeline() { release(); }
@@ -337,15 +362,25 @@ ReadResult StagePipeline::run(const std::vector<std::string>& files, const ReadO
   ReadResult acc;
   StageReport rep;
 
-  // Cut every op to fit a buffer; remember which input op each piece came from.
+  // Cut every op to fit a buffer; remember which input op each piece came from. Converted
+  // on the device side, an op is read raw (fp32 into staging; its rows must fit a buffer).
+  const bool on_device = convert_on_from_env() == ConvertOn::kDevice;
   std::vector<ReadOp> pieces;
   std::vector<int64_t> origin;
+  std::vector<int32_t> convert;  // per piece: the dtype its sink converts to (0: none)
   for (int64_t i = 0; i < n; ++i) {
     MM_CHECK(ops[i].rows >= 0 && ops[i].row_bytes >= 0, "op " + std::to_string(i) + ": negative size");
-    const size_t before = pieces.size();
-    split_op(ops[i], bytes_, &pieces);
+    ReadOp o = ops[i];
+    int32_t conv = 0;
+    if (on_device && DType(o.src_dtype) == DType::kFloat32 &&
+        (DType(o.dst_dtype) == DType::kFloat16 || DType(o.dst_dtype) == DType::kBFloat16) &&
+        o.row_bytes <= bytes_) {
+      conv = int32_t(o.dst_dtype);
+      o.dst_dtype = o.src_dtype;
+    }
+    split_op(o, bytes_, &pieces);
     origin.resize(pieces.size(), i);
-    (void)before;
+    convert.resize(pieces.size(), conv);
   }
   rep.pieces = int64_t(pieces.size());
 
@@ -377,7 +412,8 @@ ReadResult StagePipeline::run(const std::vector<std::string>& files, const ReadO
       s.dst = int64_t(reinterpret_cast<uintptr_t>(buf + used_bytes));
       s.dst_stride = row;
       staged.push_back(s);
-      items.push_back({buf + used_bytes, uintptr_t(p.dst), row, p.rows, p.dst_stride});
+      items.push_back({buf + used_bytes, uintptr_t(p.dst), row, p.rows, p.dst_stride,
+                       convert[at], used_bytes});
       chunk_ops.push_back(int64_t(at));
       used_bytes += (nb + kAlign - 1) & ~(kAlign - 1);
       ++at;

@@ -34,14 +34,26 @@ namespace metamat {
 namespace io {
 
 // One copy out of a staging buffer: `rows` rows of `row_bytes` bytes, contiguous at `src`
-// (host staging memory), row r to `dst + r*dst_stride`.
+// (host staging memory), row r to `dst + r*dst_stride`. With `convert` (a DType: float16 or
+// bfloat16) the staged rows are float32 and the sink converts them after the copy (CUDA: into
+// a device scratch area at `offset`, the item's offset in its staging buffer, then a kernel
+// writes the destination), METAMAT_CONVERT_ON=device.
 struct CopyItem {
   const unsigned char* src;
   uintptr_t dst;
   int64_t row_bytes;
   int64_t rows;
   int64_t dst_stride;
+  int32_t convert = 0;
+  int64_t offset = 0;
 };
+
+// Where fp32 -> fp16/bf16 conversions of staged loads run: in the reader's host copy loop
+// (kHost: half the bytes cross PCIe) or on the destination's side after the copy (kDevice: the
+// readers copy raw bytes). METAMAT_CONVERT_ON=host|device|auto, read at every run(); auto is
+// host until GPU measurements say otherwise (docs/PERFORMANCE.md).
+enum class ConvertOn : int { kHost = 0, kDevice = 1 };
+ConvertOn convert_on_from_env();
 
 // Counters of one sink (tests and reports).
 struct SinkStats {
@@ -82,6 +94,7 @@ struct SinkSpec {
   uintptr_t stream = 0;      // CUDA: the caller's cudaStream_t (0: legacy default stream)
   int64_t delay_us = 0;      // host: sleep this long before each copy (tests: slow copies)
   int64_t fail_copy_at = -1; // host: the n-th copy() call (0-based) throws (tests)
+  int64_t buffer_bytes = 0;  // set by the pipeline: bytes of each staging buffer
 };
 
 std::unique_ptr<CopySink> make_host_sink(const SinkSpec& spec, int ring);

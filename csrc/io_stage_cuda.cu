@@ -8,7 +8,10 @@
 #include <string>
 #include <vector>
 
+#include <algorithm>
+
 #include "check.h"
+#include "convert_elem.h"
 #include "cuda_check.h"
 #include "io_stage.h"
 
@@ -61,10 +64,38 @@ EventPtr new_event() {
 // Largest pitch cudaMemcpy2DAsync takes; wider strides are copied row by row.
 constexpr int64_t kMaxPitch = (int64_t(1) << 31) - 1;
 
+// METAMAT_CONVERT_ON=device: fp32 rows (contiguous in the device scratch area) to fp16/bf16
+// destination rows of `dst_stride` bytes, element by element with convert_elem.h (the host
+// conversion's operations). `row_elems` even and pointers 4-byte aligned: two per thread.
+__global__ void convert_rows_kernel(const uint32_t* __restrict__ src, int64_t row_elems,
+                                    int64_t rows, unsigned char* __restrict__ dst,
+                                    int64_t dst_stride, int dtype) {
+  const int64_t n = row_elems * rows;
+  const int64_t step = int64_t(gridDim.x) * blockDim.x;
+  const bool contiguous = rows == 1 || dst_stride == 2 * row_elems;
+  const bool pairs = (row_elems % 2) == 0 && (reinterpret_cast<uintptr_t>(dst) % 4) == 0 &&
+                     (dst_stride % 4) == 0;
+  if (pairs) {
+    for (int64_t i = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) * 2; i < n; i += 2 * step) {
+      const int64_t r = contiguous ? 0 : i / row_elems, c = contiguous ? i : i - r * row_elems;
+      const uint2 v = *reinterpret_cast<const uint2*>(src + i);
+      const uint32_t out = uint32_t(cvt_f32_to_half(v.x, dtype)) |
+                           (uint32_t(cvt_f32_to_half(v.y, dtype)) << 16);
+      *reinterpret_cast<uint32_t*>(dst + r * dst_stride + 2 * c) = out;
+    }
+  } else {
+    for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += step) {
+      const int64_t r = contiguous ? 0 : i / row_elems, c = contiguous ? i : i - r * row_elems;
+      *reinterpret_cast<uint16_t*>(dst + r * dst_stride + 2 * c) = cvt_f32_to_half(src[i], dtype);
+    }
+  }
+}
+
 class CudaCopySink final : public CopySink {
  public:
   CudaCopySink(const SinkSpec& spec, int ring)
       : dev_(spec.device), caller_(reinterpret_cast<cudaStream_t>(spec.stream)),
+        buffer_bytes_(spec.buffer_bytes), scratch_(size_t(ring), nullptr),
         recorded_(size_t(ring), false) {
     DeviceGuard g(dev_);
     cudaStream_t s = nullptr;
@@ -80,12 +111,34 @@ class CudaCopySink final : public CopySink {
   }
   ~CudaCopySink() override {
     drain();
+    for (void* p : scratch_)
+      if (p != nullptr) cudaFree(p);  // after drain: no kernel reads them any more
     // members: events then the stream are destroyed (any device may be current)
   }
 
-  void copy(const CopyItem& c, int /*buffer*/) override {
+  void copy(const CopyItem& c, int buffer) override {
     DeviceGuard g(dev_);
     auto* dst = reinterpret_cast<void*>(c.dst);
+    if (c.convert != 0) {
+      // fp32 rows into the buffer's device scratch area (its layout mirrors the staging
+      // buffer's, so items of one chunk never overlap), then converted into the destination;
+      // stream order keeps the next chunk's copy into this area behind the kernel.
+      void*& area = scratch_[size_t(buffer)];
+      if (area == nullptr) MM_CUDA_CHECK(cudaMalloc(&area, size_t(buffer_bytes_)));
+      MM_CHECK(c.offset + c.rows * c.row_bytes <= buffer_bytes_, "conversion item past its buffer");
+      auto* s = static_cast<unsigned char*>(area) + c.offset;
+      MM_CUDA_CHECK(cudaMemcpyAsync(s, c.src, size_t(c.rows * c.row_bytes),
+                                    cudaMemcpyHostToDevice, stream_.get()));
+      const int64_t elems = c.row_bytes / 4 * c.rows;
+      const int64_t blocks = std::min<int64_t>((elems + 511) / 512, 4096);
+      convert_rows_kernel<<<unsigned(std::max<int64_t>(blocks, 1)), 256, 0, stream_.get()>>>(
+          reinterpret_cast<const uint32_t*>(s), c.row_bytes / 4, c.rows,
+          reinterpret_cast<unsigned char*>(dst), c.dst_stride, c.convert);
+      MM_CUDA_CHECK(cudaGetLastError());
+      ++stats_.copies;
+      stats_.bytes += c.rows * c.row_bytes;
+      return;
+    }
     if (c.rows == 1 || c.dst_stride == c.row_bytes) {
       MM_CUDA_CHECK(cudaMemcpyAsync(dst, c.src, size_t(c.rows * c.row_bytes),
                                     cudaMemcpyHostToDevice, stream_.get()));
@@ -136,6 +189,8 @@ class CudaCopySink final : public CopySink {
  private:
   int dev_;
   cudaStream_t caller_;
+  int64_t buffer_bytes_;
+  std::vector<void*> scratch_;  // per ring buffer: device fp32 rows awaiting conversion
   // Declared before the events: destroyed after them.
   StreamPtr stream_;
   std::vector<EventPtr> events_;

@@ -188,6 +188,100 @@ MM_HD float mm_erfinvf(float x) {
   return p * x;
 }
 
+// ---- Variant math (fill_variant.h `math`, CUDA kernel variants only) ------------------------
+// The float operations above in the same order, with fewer instructions around them; each
+// function equals its plain counterpart bit for bit on the inputs named (checked exhaustively
+// over all 2^24 inputs through _C.fill_variant_math_check, tests/test_fill_cuda_variants.py).
+
+// mm_logf(uniform01_open0(w)) for every w. x = n 2^-24 with n = (w >> 8) + 1 in [1, 2^24] has
+// the mantissa of float(n) (exact) and its exponent less 24, so: no multiply by 2^-24, the
+// exponent is an integer until its one conversion (e - 1 for a small mantissa is exact either
+// way), the mantissa in [sqrt(1/2), sqrt(2)) is chosen by its bits (m < 0.70710677f exactly
+// when the bits are below 0x3504f3; 2m is m with the exponent raised, so (m + m) - 1 ==
+// bits(mant | 0x3f800000) - 1), and x >= 2^-24 needs no check for x < FLT_MIN.
+MM_HD float mm_log_open0(uint32_t w) {
+  const uint32_t n = (w >> 8) + 1u;
+  const uint32_t b = float_to_bits(static_cast<float>(n));
+  const uint32_t mant = b & 0x007fffffu;
+  const bool small = mant < 0x003504f3u;  // 0.707106781186547524f == bits 0x3f3504f3
+  const float e = static_cast<float>(static_cast<int32_t>(b >> 23) - (24 + 126) - (small ? 1 : 0));
+  const float m = bits_to_float(mant | (small ? 0x3f800000u : 0x3f000000u)) - 1.0f;
+  float z = m * m;
+  float y = 7.0376836292e-2f;
+  y = y * m + -1.1514610310e-1f;
+  y = y * m + 1.1676998740e-1f;
+  y = y * m + -1.2420140846e-1f;
+  y = y * m + 1.4249322787e-1f;
+  y = y * m + -1.6668057665e-1f;
+  y = y * m + 2.0000714765e-1f;
+  y = y * m + -2.4999993993e-1f;
+  y = y * m + 3.3333331174e-1f;
+  y = y * m;
+  y = y * z;
+  y = y + e * -2.12194440e-4f;
+  y = y + z * -0.5f;
+  float r = m + y;
+  r = r + e * 0.693359375f;
+  return r;
+}
+
+// mm_sincos_turns with the quadrant applied as one select per output and a sign bit: q = 0..3
+// gives (s, c), (c, -s), (-s, -c), (-c, s); negation is the sign bit in IEEE arithmetic.
+MM_HD void mm_sincos_turns_sel(uint32_t k, float* s_out, float* c_out) {
+  uint32_t q = (k + (1u << 21)) >> 22;
+  int32_t t_int = static_cast<int32_t>(k) - static_cast<int32_t>(q << 22);
+  float phi = static_cast<float>(t_int) * 2.384185791015625e-7f;
+  phi = phi * 1.57079637050628662109375f;
+  float z = phi * phi;
+  float s = -1.9515295891e-4f;
+  s = s * z + 8.3321608736e-3f;
+  s = s * z + -1.6666654611e-1f;
+  s = s * z;
+  s = s * phi + phi;
+  float c = 2.443315711809948e-5f;
+  c = c * z + -1.388731625493765e-3f;
+  c = c * z + 4.166664568298827e-2f;
+  c = c * z;
+  c = c * z;
+  c = c + z * -0.5f;
+  c = c + 1.0f;
+  const bool odd = (q & 1u) != 0u;
+  const uint32_t sin_sign = (q & 2u) << 30;          // q = 2, 3
+  const uint32_t cos_sign = ((q + 1u) & 2u) << 30;   // q = 1, 2
+  *s_out = bits_to_float(float_to_bits(odd ? c : s) ^ sin_sign);
+  *c_out = bits_to_float(float_to_bits(odd ? s : c) ^ cos_sign);
+}
+
+// box_muller through the two functions above.
+MM_HD void box_muller_sel(uint32_t w0, uint32_t w1, float* z0, float* z1) {
+  float r = -2.0f * mm_log_open0(w0);
+#if defined(__CUDA_ARCH__)
+  r = __fsqrt_rn(r);
+#else
+  r = __builtin_sqrtf(r);
+#endif
+  float s, c;
+  mm_sincos_turns_sel(w1 >> 8, &s, &c);
+  *z0 = r * c;
+  *z1 = r * s;
+}
+
+// mm_erfinvf where w < 5 is known (kErfinvCentral, fill_units.h): the first polynomial only.
+MM_HD float mm_erfinvf_central(float x) {
+  float w = -mm_logf((1.0f - x) * (1.0f + x));
+  float w1 = w - 2.5f;
+  float p1 = 2.81022636e-08f;
+  p1 = 3.43273939e-07f + p1 * w1;
+  p1 = -3.5233877e-06f + p1 * w1;
+  p1 = -4.39150654e-06f + p1 * w1;
+  p1 = 0.00021858087f + p1 * w1;
+  p1 = -0.00125372503f + p1 * w1;
+  p1 = -0.00417768164f + p1 * w1;
+  p1 = 0.246640727f + p1 * w1;
+  p1 = 1.50140941f + p1 * w1;
+  return p1 * x;
+}
+
 // Distribution parameters as the kernels take them (prepared on the host, see fill.h).
 // uniform: p0 = a, p1 = b - a | normal: p0 = mean, p1 = std | constant: p0 = value |
 // trunc normal: p0 = mean, p1 = std*sqrt(2), p2 = lo, p3 = hi - lo (lo, hi = 2*Phi(.) - 1),

@@ -4,7 +4,8 @@
 # first EXIT, which includes the unit's index arithmetic and both branches of the (block-
 # uniform) 32/64-bit division test, so it slightly over-counts. The interior path is straight
 # line (the count is what runs per unit); the edge path loops over its two 4-lane halves, so
-# its count is one half plus the shared code. Needs nvcc and cuobjdump.
+# its count is one half plus the shared code. Needs nvcc and cuobjdump. The kernel's staged
+# store path, the variants and the pieces of the transforms: scripts/sass_kernel_mix.py.
 # Usage: bash scripts/sass_unit_counts.sh [ARCH]   (default 90)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,7 +16,7 @@ trap 'rm -rf "$tmp"' EXIT
 "$nvcc" -std=c++17 -O3 --fmad=false -arch="sm_$arch" -cubin -Icsrc -o "$tmp/p.cubin" scripts/sass_probe.cu
 printf "%-10s %-12s %-6s %7s %7s %9s %5s\n" path dist dtype instr bytes "instr/16B" regs
 cuobjdump -res-usage "$tmp/p.cubin" | awk '/Function/ {f=$2} /REG:/ {sub(":", "", f); split($1, r, ":"); print f, r[2]}' > "$tmp/regs"
-for f in $(cuobjdump -sass "$tmp/p.cubin" | awk '/Function :/ {print $3}'); do
+for f in $(cuobjdump -sass "$tmp/p.cubin" | awk '/Function :/ {print $3}' | grep -E "interior_probe|edge_probe"); do
   n=$(cuobjdump -sass -fun "$f" "$tmp/p.cubin" | awk '
     /^        \/\*[0-9a-f]+\*\// { n++; op = $2; if (op ~ /^@/) next; if (op ~ /^EXIT/) { print n; exit } }')
   path=${f#_ZN7metamat}; path=${path#[0-9][0-9]}; path=${path%%_probe*}; path=${path#[0-9]}

@@ -1,0 +1,125 @@
+// pybind11 bindings of the GPU speed work's hidden entry points: the init kernel's variants
+// (csrc/fill_variant.h) for A/B benches and the tests that run every variant through the
+// emulation, and the device-side conversion's per-element check (csrc/convert_elem.h).
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "fill.h"
+#include "fill_variant.h"
+
+namespace py = pybind11;
+
+namespace metamat {
+struct ConvertElemCheck {
+  int64_t checked = 0, mismatches = 0;
+  uint32_t first_input = 0;
+};
+ConvertElemCheck convert_elem_check(int dst_dtype, uint32_t stride);  // convert_elem_check.cpp
+}  // namespace metamat
+
+namespace {
+
+const metamat::Segment* as_segs(uintptr_t addr) {
+  return reinterpret_cast<const metamat::Segment*>(addr);
+}
+
+}  // namespace
+
+void metamat_bind_fill_variant(py::module_& m) {
+  m.def(
+      "fill_variants",
+      [] {
+        py::list out;
+        for (const auto& v : metamat::fill_variants()) {
+          py::dict d;
+          d["id"] = v.id;
+          d["name"] = v.name;
+          d["diagnostic"] = v.diagnostic;
+          d["specialized"] = v.specialized;
+          d["what"] = v.what;
+          out.append(d);
+        }
+        return out;
+      },
+      "The CUDA init kernel's variants (id, name, diagnostic, specialized, what).");
+  m.def("fill_variants_built", &metamat::fill_variants_built,
+        "Whether this build has the variants' device kernels (METAMAT_FILL_VARIANTS=1).");
+  m.def(
+      "fill_options",
+      [](int variant, int tiles_per_block) {
+        const auto o = metamat::resolve_fill_options({variant, tiles_per_block});
+        return py::make_tuple(o.variant, o.tiles_per_block);
+      },
+      py::arg("variant") = -1, py::arg("tiles_per_block") = -1,
+      "(variant, tiles_per_block) a fill would use: negative fields from METAMAT_FILL_VARIANT /\n"
+      "METAMAT_FILL_TILES; raises CoreError for unknown ones.");
+  m.def(
+      "fill_cuda_variant",
+      [](uintptr_t segs, int64_t n, uintptr_t staging, uintptr_t dev_scratch, uintptr_t stream,
+         int variant, int tiles_per_block) {
+        py::gil_scoped_release nogil;
+        metamat::fill_cuda(as_segs(segs), n, reinterpret_cast<metamat::Segment*>(staging),
+                           reinterpret_cast<void*>(dev_scratch), reinterpret_cast<void*>(stream),
+                           {variant, tiles_per_block});
+      },
+      py::arg("segments_addr"), py::arg("count"), py::arg("staging"), py::arg("dev_scratch"),
+      py::arg("stream"), py::arg("variant") = -1, py::arg("tiles_per_block") = -1,
+      "fill_cuda with a kernel variant and tiles per block (negative: the environment's).");
+  m.def(
+      "fill_cuda_emulated_variant",
+      [](uintptr_t segs, int64_t n, bool force_wide, int variant, int tiles_per_block) {
+        metamat::EmulationStats st;
+        {
+          py::gil_scoped_release nogil;
+          st = metamat::fill_cuda_emulated(as_segs(segs), n, force_wide,
+                                           {variant, tiles_per_block});
+        }
+        py::dict d;
+        d["tiles"] = st.tiles;
+        d["segments"] = st.segments;
+        d["philox_calls"] = st.philox_calls;
+        d["vector_stores"] = st.vector_stores;
+        d["vector_bytes"] = st.vector_bytes;
+        d["scalar_stores"] = st.scalar_stores;
+        return d;
+      },
+      py::arg("segments_addr"), py::arg("count"), py::arg("force_wide") = false,
+      py::arg("variant") = -1, py::arg("tiles_per_block") = -1,
+      "fill_cuda_emulated with a kernel variant and tiles per block.");
+  m.def(
+      "fill_variant_math_check",
+      [](const std::string& fn, float param) {
+        metamat::VariantMathCheck r;
+        {
+          py::gil_scoped_release nogil;
+          r = metamat::fill_variant_math_check(fn, param);
+        }
+        py::dict d;
+        d["checked"] = r.checked;
+        d["mismatches"] = r.mismatches;
+        d["first_input"] = r.first_input;
+        d["want_bits"] = r.want_bits;
+        d["got_bits"] = r.got_bits;
+        d["folded"] = r.folded;
+        return d;
+      },
+      py::arg("fn"), py::arg("param") = 0.0f,
+      "Test hook: a variant's math against the plain math over every input.");
+  m.def(
+      "convert_elem_check",
+      [](int dst_dtype, uint32_t stride) {
+        metamat::ConvertElemCheck r;
+        {
+          py::gil_scoped_release nogil;
+          r = metamat::convert_elem_check(dst_dtype, stride);
+        }
+        py::dict d;
+        d["checked"] = r.checked;
+        d["mismatches"] = r.mismatches;
+        d["first_input"] = r.first_input;
+        return d;
+      },
+      py::arg("dst_dtype"), py::arg("stride") = 1,
+      "Test hook: the device conversion's per-element function against the host conversion\n"
+      "over every `stride`-th fp32 bit pattern (dst_dtype: DTYPE_CODES float16/bfloat16).");
+}

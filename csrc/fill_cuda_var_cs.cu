@@ -1,0 +1,17 @@
+// Init kernel variants (fill_variant.h) built with METAMAT_FILL_VARIANTS=1: st.global.cs stores (`streamstore`)
+// (one or two kernels per file: the files compile in parallel).
+#include "fill_kernel.cuh"
+
+namespace metamat {
+
+bool launch_variant_cs(int variant, const VariantLaunch& l) {
+  switch (variant) {
+    case kVarStreamStore:
+      launch_fill_v<CfgStreamStore, AnyPair, 2>(l.dsegs, l.nseg, l.tiles, l.per, l.stream);
+      return true;
+    default:
+      return false;
+  }
+}
+
+}  // namespace metamat
