@@ -32,7 +32,7 @@ from ..plan import Target
 
 __all__ = ["KINDS", "INT_KINDS", "QuantizedCheckpointError", "refuse_quantized", "unpadded_row_bytes",
            "padded_row_bytes", "quantize_reference", "QuantOut", "QuantJob", "QuantReads",
-           "quantize_into", "plan_quant_reads", "rows_per_piece", "scratch_bytes_for", "SCRATCH_MAX", "PIECE_BYTES"]
+           "quantize_into", "DeviceSink", "plan_quant_reads", "rows_per_piece", "scratch_bytes_for", "SCRATCH_MAX", "PIECE_BYTES"]
 
 #: fbgemm ``SparseType`` value -> the core's kind code (the bit width).
 KINDS = {"int8": 8, "int4": 4, "int2": 2, "fp16": 16, "fp32": 32}
@@ -169,6 +169,7 @@ class QuantOut:
     stride: int
     sb_last: bool = False
     base: Optional[torch.Tensor] = field(default=None, repr=False)
+    device_memory: bool = False  # base is device memory: rows go through a host bounce
 
 
 @dataclass
@@ -200,14 +201,57 @@ class QuantJob:
         return sum(self.rows * unpadded_row_bytes(o.kind, o.cols) for o in self.outs)
 
 
+class DeviceSink:
+    """Quantized rows for device memory: written on the host into one of two bounce buffers
+    (page-locked when CUDA is there), then copied to the device, ordered on the current
+    stream; a buffer is reused only after its last copy finished. The rows of one piece are
+    contiguous in the TBE's storage (``rows * stride`` bytes), so each piece is one copy."""
+
+    def __init__(self) -> None:
+        self.bufs: List[torch.Tensor] = []
+        self.events: List[object] = [None, None]
+        self.k = 0
+
+    def buffer(self, nbytes: int) -> torch.Tensor:
+        k = self.k = 1 - self.k
+        ev = self.events[k]
+        if ev is not None:
+            ev.synchronize()  # its previous copy is done: the buffer may be overwritten
+            self.events[k] = None
+        while len(self.bufs) <= k:
+            self.bufs.append(torch.empty(0, dtype=torch.uint8))
+        if self.bufs[k].numel() < nbytes:
+            pin = torch.cuda.is_available()
+            self.bufs[k] = torch.empty(max(nbytes, 1 << 20), dtype=torch.uint8, pin_memory=pin)
+        b = self.bufs[k][:nbytes]
+        b.zero_()  # row padding is zero, as fbgemm's storage
+        return b
+
+    def send(self, host: torch.Tensor, dst: torch.Tensor) -> None:
+        if dst.device.type == "cuda":
+            dst.copy_(host, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record()
+            self.events[self.k] = ev
+        else:  # the emulated device: device memory is host memory
+            dst.copy_(host)
+
+    def finish(self) -> None:
+        for ev in self.events:
+            if ev is not None:
+                ev.synchronize()
+        self.events = [None, None]
+
+
 def quantize_into(src: torch.Tensor, job: QuantJob, row: int, *, threads: int = 1,
-                  isa: str = "") -> None:
+                  isa: str = "", sink: Optional[DeviceSink] = None) -> None:
     """Write ``src`` (float32 (n, cols), row stride ``src.stride(0)``), rows ``row`` ..
-    ``row + n`` of ``job``, into every bound destination of ``job``.
+    ``row + n`` of ``job``, into every bound destination of ``job`` (destinations in device
+    memory through ``sink``'s bounce buffers).
 
     Raises:
         ValueError: ``src`` is not float32 CPU rows of ``job.cols`` with unit inner stride,
-            or a destination is not bound.
+            a destination is not bound, or device memory without a ``sink``.
     """
     from .._ext import core
 
@@ -217,17 +261,35 @@ def quantize_into(src: torch.Tensor, job: QuantJob, row: int, *, threads: int = 
         raise ValueError(f"{job.fqn}: quantize source must be CPU float32 (n, {job.cols})")
     if row < 0 or row + n > job.rows:
         raise ValueError(f"{job.fqn}: rows {row}..{row + n} outside the job's {job.rows}")
+    if n == 0:
+        return
     arr = np.empty((len(job.outs), 6), dtype=np.int64)
+    sends = []
     for i, o in enumerate(job.outs):
         if o.base is None:
             raise ValueError(f"{job.fqn}: destination not bound")
+        start = o.offset + row * o.stride
         end = o.offset + (row + n - 1) * o.stride + unpadded_row_bytes(o.kind, o.cols)
-        if n and end > o.base.numel():
+        if end > o.base.numel():
             raise ValueError(f"{job.fqn}: destination rows past the end of their storage")
-        arr[i] = (o.col0, o.cols, o.base.data_ptr() + o.offset + row * o.stride, o.stride,
-                  o.kind, int(o.sb_last))
-    core().quantize_rows(src.data_ptr(), n, job.cols, src.stride(0) if n > 1 else job.cols,
-                         arr.ctypes.data, len(arr), threads, isa)
+        if o.device_memory:
+            if sink is None:
+                raise ValueError(f"{job.fqn}: device memory needs a DeviceSink")
+            host = sink.buffer(n * o.stride)
+            sends.append((host, o.base[start:start + n * o.stride]))
+            addr = host.data_ptr()
+        else:
+            addr = o.base.data_ptr() + start
+        arr[i] = (o.col0, o.cols, addr, o.stride, o.kind, int(o.sb_last))
+        if o.device_memory:  # one bounce buffer per device destination at a time
+            core().quantize_rows(src.data_ptr(), n, job.cols, src.stride(0) if n > 1 else job.cols,
+                                 arr[i:i + 1].ctypes.data, 1, threads, isa)
+            sink.send(*sends.pop())
+    host_rows = [i for i, o in enumerate(job.outs) if not o.device_memory]
+    if host_rows:
+        a = np.ascontiguousarray(arr[host_rows])
+        core().quantize_rows(src.data_ptr(), n, job.cols, src.stride(0) if n > 1 else job.cols,
+                             a.ctypes.data, len(a), threads, isa)
 
 
 def _piece_rows(cols: int, piece_bytes: int) -> int:
@@ -282,6 +344,7 @@ class QuantReads:
         scratch_bytes = scratch_bytes_for(staging_bytes, self.widest)
         scratch = torch.empty(scratch_bytes // 4, dtype=torch.float32)
         reader_bytes = max(int(staging_bytes) - scratch_bytes, threads * (64 << 10))
+        sink = DeviceSink()
         index = {id(t): i for i, t in enumerate(self.pieces)}
         order = [index[id(t)] for t in self.plan.targets]  # plan target k is piece order[k]
         total, done = self.plan.src_bytes, 0
@@ -315,8 +378,9 @@ class QuantReads:
                 t = self.plan.targets[k]
                 i = order[k]
                 quantize_into(t.tensor, self.jobs[self.owner[i]], self.start[i],
-                              threads=threads)
+                              threads=threads, sink=sink)
                 t.tensor = None
+        sink.finish()  # the scratch may be reused: every copy out of the bounce buffers done
         return out
 
 

@@ -10,7 +10,11 @@ checkpoint (:mod:`.quant_keys`), fill what no checkpoint gives, register.
   way;
 * metadata: the TBE laid out for the CPU by fbgemm itself (:func:`.quant.host_twin`): its
   buffers and layout attributes replace the meta ones at register time; meta devices
-  (TBEs, modules, shard placements) become the CPU.
+  (TBEs, modules, shard placements) become the CPU;
+* on a GPU (``device="cuda"``, or the emulated device): unsharded collections built on meta
+  are laid out for a GPU already (DEVICE placement, ``weights_dev``); their rows are
+  quantized on the host and copied to the device through two bounce buffers
+  (:class:`~metamat.load.quantize.DeviceSink`), their metadata moved there.
 """
 from __future__ import annotations
 
@@ -21,7 +25,8 @@ from torch import nn
 
 from ...allocate import Allocation
 from ...errors import MissingValueError, UnsupportedError
-from ...load.quantize import QuantJob, QuantOut, plan_quant_reads, quantize_into, rows_per_piece
+from ...load.quantize import (DeviceSink, QuantJob, QuantOut, plan_quant_reads, quantize_into,
+                              rows_per_piece)
 from ...plan import StorageGroup, Target, storage_key
 from ...rules import default_table_dist, dist_from_init_fn, match_init
 from ...spec import Dist
@@ -33,7 +38,6 @@ from .quant_keys import QuantMatch, match_quant
 
 __all__ = ["QuantPart"]
 
-_CPU = torch.device("cpu")
 
 
 class QuantPart:
@@ -43,13 +47,19 @@ class QuantPart:
 
     def __init__(self, model: nn.Module, device: torch.device, init, *, modules: list,
                  loading: bool, emulated: bool = False) -> None:
-        if device.type != "cpu" or emulated:
-            raise UnsupportedError(
-                "quantized TorchRec modules are materialized on the CPU for now (device='cpu'); "
-                "CUDA inference TBEs are not supported yet (docs/QUANT.md)")
         check_versions()
         self.modules = modules
+        self.device = device
+        self.cuda = device.type == "cuda" or emulated  # CUDA inference TBEs (or emulated)
         self.tbes: List[QuantTBE] = [t for name, m in modules for t in find_tbes(name, m)]
+        if self.cuda:
+            host = [t.owner for t in self.tbes if t.storage is not t.module.weights_dev]
+            if host:
+                raise UnsupportedError(
+                    f"{host[0] or '<root>'}: its inference TBEs are laid out for the CPU (HOST "
+                    "placement: TorchRec's quant sharding on meta does that); materialize it "
+                    "with device='cpu'. Into CUDA inference TBEs metamat loads the unsharded "
+                    "quantized collections built on meta (docs/QUANT.md)")
         self.tables = [tb for t in self.tbes for tb in t.tables]
         self.twins = {id(t.module): host_twin(t.module) for t in self.tbes}
         self.graph = scan(*[m for _, m in modules])
@@ -155,6 +165,7 @@ class QuantPart:
         for job in jobs:
             for o in job.outs:
                 o.base = alloc.full(o.storage)
+                o.device_memory = self.cuda  # quantized on the host, copied to the device
         for tg in self.targets:
             if tg.tensor.is_meta:
                 tg.tensor = alloc.view(tg.tensor)
@@ -167,6 +178,7 @@ class QuantPart:
 
         written = fill_support(self.storages, [], alloc)
         threads = default_io_threads()
+        sink = DeviceSink()
         for job in self.init_jobs:
             per = rows_per_piece(job.cols)
             scratch = torch.empty((min(per, job.rows), job.cols), dtype=torch.float32)
@@ -175,8 +187,9 @@ class QuantPart:
                 piece = Target(job.fqn, job.key, job.global_shape, (job.row0 + r, 0),
                                (n, job.cols), torch.float32, job.dist, scratch[:n])
                 fill_targets([piece], seed)
-                quantize_into(scratch[:n], job, r, threads=threads)
+                quantize_into(scratch[:n], job, r, threads=threads, sink=sink)
             written += job.nbytes
+        sink.finish()
         if self.match is not None:
             written += sum(j.nbytes for j in self.match.jobs)
         return written
@@ -192,11 +205,15 @@ class QuantPart:
             for slot in self.graph.slots.get(old_id, []):
                 slot.set(new)
                 n += 1
+        dev = alloc.device
         for t in self.tbes:
             tbe, twin = t.module, self.twins[id(t.module)]
             weights = twins.get(id(t.storage))
             if weights is None:
                 weights = alloc.view(t.storage)
+            if self.cuda:
+                _device_layout(tbe, twin, weights, dev)
+                continue
             for a in TBE_HOST_ATTRS:
                 setattr(tbe, a, getattr(twin, a))
             for name, buf in twin._buffers.items():
@@ -211,7 +228,24 @@ class QuantPart:
             d = holder.__dict__
             v = d.get(key)
             if isinstance(v, torch.device) and v.type == "meta":
-                d[key] = _CPU
+                d[key] = dev
             elif isinstance(v, str) and v == "meta":
-                d[key] = "cpu"
+                d[key] = str(dev)
         return n
+
+
+def _device_layout(tbe, twin, weights: torch.Tensor, dev: torch.device) -> None:
+    """A TBE built on meta for a GPU (DEVICE placement) as fbgemm builds it on ``dev``: the
+    weights in ``weights_dev``, the metadata the host twin computed (the layout is the same:
+    offsets and sizes do not depend on the placement), placements DEVICE."""
+    for name, buf in twin._buffers.items():
+        tbe._buffers[name] = buf.to(dev)
+    tbe.weights_offsets = twin.weights_offsets.to(dev)
+    tbe.weights_placements = torch.tensor(
+        [tbe.weights_physical_placements[t] for t in tbe.feature_table_map],
+        dtype=torch.int32, device=dev)
+    tbe.current_device = dev
+    tbe.use_cpu = False
+    tbe.weights_dev = weights
+    tbe.weights_host = torch.zeros(0, dtype=torch.uint8, device=dev)
+    tbe.weights_uvm = torch.empty(0, dtype=torch.uint8, device=dev)
