@@ -16,6 +16,11 @@ after the imports), so it is that method's memory alone. The page cache is warm 
 checkpoint is read once before the runs): both methods read the same cached bytes.
 
     python bench/bench_quant.py --size-gib 2 --reps 3      # or: bench/materialize.py --mode quant
+    python bench/bench_quant.py --device cuda              # into CUDA inference TBEs (a GPU)
+
+With ``--device cuda`` both build the quantized EBC on the GPU (TorchRec: the float EBC on the
+GPU, ``dcp.load`` into it, fbgemm's CUDA quantization; metamat: rows quantized on the host and
+copied to the device) and the GPU's peak allocation is reported too.
 """
 from __future__ import annotations
 
@@ -72,12 +77,12 @@ def _digest(qmodel) -> str:
     for k, v in sorted(qmodel.state_dict().items()):
         v = v.elem if hasattr(v, "elem") else v
         h.update(k.encode())
-        h.update(v.contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(v.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()[:16]
 
 
 def child(method: int, ckpt: str, size: int, n_tables: int, dim: int, qdtype: str,
-          threads: int) -> dict:
+          threads: int, device: str = "cpu") -> dict:
     """One run in this (fresh) process: JSON-able seconds, peak growth, digest."""
     from _quiet import quiet
 
@@ -90,23 +95,30 @@ def child(method: int, ckpt: str, size: int, n_tables: int, dim: int, qdtype: st
     import metamat
 
     tables = _tables(size, n_tables, dim)
+    dev = torch.device(device)
+    cuda = dev.type == "cuda"
+    if cuda:
+        torch.zeros(1, device=dev)  # the CUDA context is not the method's
     resettable = _reset_peak()
     before = _status("VmRSS:")
     t0 = time.perf_counter()
     if method == 0:
-        m = torch.nn.Sequential(EmbeddingBagCollection(tables=tables, device=torch.device("cpu")))
+        m = torch.nn.Sequential(EmbeddingBagCollection(tables=tables, device=dev))
         sd = m.state_dict()
         dcp.load(sd, checkpoint_id=ckpt)
         q = quantize_embeddings(m, dtype=QDTYPES[qdtype], inplace=True)
     else:
         m = torch.nn.Sequential(EmbeddingBagCollection(tables=tables, device=torch.device("meta")))
         q = quantize_embeddings(m, dtype=QDTYPES[qdtype], inplace=True)
-        metamat.materialize(q, ckpt, io_threads=threads)
+        metamat.materialize(q, ckpt, io_threads=threads, device=dev)
+    if cuda:
+        torch.cuda.synchronize(dev)
     seconds = time.perf_counter() - t0
     peak = _status("VmHWM:") if resettable else 0
-    qbytes = sum(t.weights_host.numel() for t in q[0]._emb_modules)
+    qbytes = sum((t.weights_dev if cuda else t.weights_host).numel() for t in q[0]._emb_modules)
     return {"seconds": seconds, "grew": peak - before if resettable else -1,
-            "qbytes": qbytes, "digest": _digest(q)}
+            "qbytes": qbytes, "digest": _digest(q),
+            "device_peak": torch.cuda.max_memory_allocated(dev) if cuda else 0}
 
 
 def _write_checkpoint(root: str, size: int, n_tables: int, dim: int) -> str:
@@ -129,9 +141,6 @@ def _write_checkpoint(root: str, size: int, n_tables: int, dim: int) -> str:
 
 
 def run_quant(a, device: torch.device) -> List[Row]:
-    if device.type != "cpu":
-        print("\n== quant: CPU only for now (CUDA inference TBEs: docs/QUANT.md)")
-        return []
     size = int(a.size_gib * 2**30)
     threads = max(1, min(16, os.cpu_count() or 1))
     qdtype = getattr(a, "qdtype", "int8")
@@ -148,7 +157,7 @@ def run_quant(a, device: torch.device) -> List[Row]:
                 out = subprocess.run(
                     [sys.executable, os.path.abspath(__file__), "--child", str(i), "--ckpt",
                      ckpt, "--size", str(size), "--tables", str(a.tables), "--dim", str(a.dim),
-                     "--qdtype", qdtype, "--threads", str(threads)],
+                     "--qdtype", qdtype, "--threads", str(threads), "--device", device.type],
                     capture_output=True, text=True, timeout=3600)
                 if out.returncode != 0:
                     raise RuntimeError(f"{name} failed:\n{out.stderr[-4000:]}")
@@ -158,20 +167,26 @@ def run_quant(a, device: torch.device) -> List[Row]:
             rs = results[i]
             grew = statistics.median(r["grew"] for r in rs)
             q = rs[0]["qbytes"]
+            gpu = (f"; GPU peak {max(r['device_peak'] for r in rs) / 2**30:.3f} GiB"
+                   if device.type == "cuda" else "")
             rows.append(Row("quant", name, nbytes, statistics.median(r["seconds"] for r in rs),
                             len(rs), peak_rss_gib=grew / 2**30,
-                            extra=f"{qdtype}; quantized {q / 2**30:.3f} GiB; peak/quantized "
-                                  f"{grew / q:.2f}; same bytes: {len(digests) == 1}"))
+                            extra=f"{qdtype} on {device.type}; quantized {q / 2**30:.3f} GiB; "
+                                  f"host peak/quantized {grew / q:.2f}{gpu}; same bytes: "
+                                  f"{len(digests) == 1}"))
         finish(rows, METHODS[0], METHODS[0])
-        print_table(f"quant ({qdtype}, {a.tables} tables x dim {a.dim}, float checkpoint "
+        print_table(f"quant ({qdtype} on {device.type}, {a.tables} tables x dim {a.dim}, float checkpoint "
                     f"{nbytes / 2**30:.2f} GiB DCP, page cache warm, {threads} threads; peak = "
                     "VmHWM growth per process)", rows, METHODS[0], METHODS[0])
         base, mm = rows
         print(f"metamat: {base.seconds / mm.seconds:.1f}x faster, peak memory "
               f"{mm.peak_rss_gib / base.peak_rss_gib:.2f}x TorchRec's "
               f"(goal: >= 5x faster, <= 0.3x memory at INT8)")
-        if len(digests) != 1:
+        if len(digests) != 1 and device.type == "cpu":
             raise RuntimeError("the two methods gave different quantized bytes")
+        if len(digests) != 1:  # fbgemm's CUDA quantization op against the host one's bytes
+            print("NOTE: TorchRec's GPU conversion and metamat's host conversion differ in "
+                  "bytes (fbgemm's CUDA op is not the CPU op bit for bit)")
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return rows
@@ -190,17 +205,19 @@ def main(argv=None) -> int:
     p.add_argument("--ckpt", help=argparse.SUPPRESS)
     p.add_argument("--size", type=int, help=argparse.SUPPRESS)
     p.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--device", default="cpu", help="cpu, or cuda: into CUDA inference TBEs")
     a = p.parse_args(argv)
     if a.child is not None:
-        print(json.dumps(child(a.child, a.ckpt, a.size, a.tables, a.dim, a.qdtype, a.threads)))
+        print(json.dumps(child(a.child, a.ckpt, a.size, a.tables, a.dim, a.qdtype, a.threads,
+                               a.device)))
         return 0
     if a.quick:
         a.size_gib, a.reps = min(a.size_gib, 1 / 16), min(a.reps, 1)
     from _quiet import quiet
 
     quiet()
-    print(env_header(torch.device("cpu")))
-    run_quant(a, torch.device("cpu"))
+    print(env_header(torch.device(a.device)))
+    run_quant(a, torch.device(a.device))
     return 0
 
 
