@@ -295,3 +295,28 @@ def test_dcp_of_a_training_dmp(tmp_path):
     ref.load_state_dict(qref.state_dict())
     check(ref, got, tables, "dcp cw")
     assert os.path.isdir(path) and state_bytes(got)
+
+
+def test_verify_checks_the_quantized_reads(tmp_path):
+    """verify=True: the float rows read into the scratch buffer are checked against the
+    checkpoint's checksum sidecar like any read; a flipped byte fails the load before
+    anything is registered."""
+    from metamat.checkpoint.checksum import write_manifest
+
+    tables = ebc_tables()
+    f = float_model(tables)
+    path = save(f, str(tmp_path / "f.pt"))
+    write_manifest(path, block_bytes=4096)
+    q = meta_quant(tables, "int4", True)
+    r = metamat.materialize(q, path, verify=True)
+    assert r.bytes_verified >= sum(v.numel() * 4 for v in f.state_dict().values())
+    check(quantize(f, "int4", True), q, tables, "verified")
+    with open(path, "r+b") as fh:  # a byte of the last table's rows
+        fh.seek(os.path.getsize(path) - 4096)
+        b = fh.read(1)
+        fh.seek(-1, 1)
+        fh.write(bytes([b[0] ^ 0x40]))
+    q = meta_quant(tables, "int4", True)
+    with pytest.raises(metamat.CheckpointError, match="the manifest says"):
+        metamat.materialize(q, path, verify=True)
+    assert not no_meta(q)
