@@ -8,7 +8,7 @@
 # Steps (cap in seconds; a step never runs past what is left of the budget, less RESERVE_S):
 #   build   110  metamat._C with its CUDA backend AND the init kernel's variants
 #                (METAMAT_FILL_VARIANTS=1, csrc/fill_cuda_var_*.cu) for this GPU's architecture
-#   check    20  every variant, GPU == CPU bit for bit (fp32/fp16/bf16 x the distributions,
+#   check    25  every variant, GPU == CPU bit for bit (fp32/fp16/bf16 x the distributions,
 #                aligned, narrow, unaligned and many-table launches, 1 and 4 tiles per block)
 #   init     45  bench/bench_init_variants.py: fp32/bf16 x Uniform/Normal/TruncatedNormal (and
 #                fp16 Uniform) per variant against the same dtype's fill_; Constant (the store
@@ -84,7 +84,7 @@ arch=${METAMAT_CUDA_ARCHS:-$("$py" -c "import torch; c = torch.cuda.get_device_c
 
 step build 110 build.log env METAMAT_CUDA=ON METAMAT_CUDA_ARCHS="$arch" METAMAT_FILL_VARIANTS=1 \
   METAMAT_BUILD_DIR="${METAMAT_BUILD_DIR:-build/speed}" "$py" scripts/build_ext.py
-step check 20 check.log "$py" scripts/gpu_speed_check.py
+step check 25 check.log "$py" scripts/gpu_speed_check.py
 step init 45 init.log "$py" bench/bench_init_variants.py --size-gib "${INIT_GIB:-4}" \
   --rounds "${ROUNDS:-7}" --tables "${TABLES:-10240}" --json "$work/init.json"
 step stage 50 stage.log "$py" bench/bench_stage.py --device cuda --size-gib "${STAGE_GIB:-1}" \

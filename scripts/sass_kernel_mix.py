@@ -130,7 +130,8 @@ def mix(ops) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", default="90")
     ap.add_argument("--json", help="also write the numbers here")
     ap.add_argument("--nvcc")
@@ -140,9 +141,9 @@ def main() -> int:
     nvcc, cuobjdump = tool("nvcc", a.nvcc), tool("cuobjdump", a.cuobjdump)
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(a.keep or tmp) / "sass_probe.cubin"
-        subprocess.run([nvcc, "-std=c++17", "-O3", "--fmad=false", f"-arch=sm_{a.arch}", "-cubin",
-                        f"-I{ROOT / 'csrc'}", "-o", str(cubin), str(ROOT / "scripts/sass_probe.cu")],
-                       check=True)
+        subprocess.run([nvcc, "-std=c++17", "-O3", "--fmad=false", f"-arch=sm_{a.arch}",
+                        "-cubin", f"-I{ROOT / 'csrc'}", "-o", str(cubin),
+                        str(ROOT / "scripts/sass_probe.cu")], check=True)
         funcs, regs = functions(cuobjdump, cubin), registers(cuobjdump, cubin)
     staged, pieces = {}, {}
     for name, ops in funcs.items():
@@ -165,7 +166,13 @@ def main() -> int:
     print(f"{'variant':<11} {'dist':<12} {'dtype':<5} {'instr':>6} {'/B':>6} {'regs':>4}  "
           + " ".join(f"{c:>9}" for c in CLASSES))
     rows = []
-    for (cfg, kind, dtype), r in sorted(staged.items(), key=lambda kv: (list(CFGS.values()).index(kv[0][0]) if kv[0][0] in CFGS.values() else 9, kv[0][2], kv[0][1])):
+    order = list(CFGS.values())
+
+    def rank(kv):
+        (cfg, kind, dtype), _ = kv
+        return (order.index(cfg) if cfg in order else 9, dtype, kind)
+
+    for (cfg, kind, dtype), r in sorted(staged.items(), key=rank):
         print(f"{cfg:<11} {kind:<12} {dtype:<5} {r['instr']:>6} {r['instr'] / r['bytes']:>6.2f} "
               f"{r['regs'] or 0:>4}  " + " ".join(f"{r['mix'][c]:>9}" for c in CLASSES))
         rows.append({"variant": cfg, "dist": kind, "dtype": dtype, "instr": r["instr"],

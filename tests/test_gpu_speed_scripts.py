@@ -57,6 +57,17 @@ def test_stage_bench_ceiling_conversion_and_sweep(tmp_path):
     assert all(r["x_read"] > 0 and r["first_gbps"] > 0 for r in sweep)
 
 
+def test_gpu_check_through_the_emulation():
+    # the GPU run's correctness step, its GPU replaced by the kernel's host emulation and the
+    # host copy sink: every variant x tiles, and device vs host conversion
+    text = _run([sys.executable, "scripts/gpu_speed_check.py", "--emulate"])
+    assert "FAIL" not in text and text.strip().endswith("check: PASS")
+    assert text.count("PASS variant") == 2 * sum(
+        not v["diagnostic"] for v in __import__("metamat._ext", fromlist=["core"]).core()
+        .fill_variants())
+    assert text.count("device conversion == host") == 2
+
+
 def test_gpu_speed_dry_run_and_summary(tmp_path):
     out = tmp_path / "out"
     text = _run(["bash", "scripts/gpu_speed.sh", str(out)], env={"GPU_SPEED_DRY": "1"})
