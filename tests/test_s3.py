@@ -470,3 +470,33 @@ def test_an_object_without_etag_but_with_versions_reads_the_version_opened(s3, t
     finally:
         client.put_bucket_versioning(Bucket=s3.bucket,
                                      VersioningConfiguration={"Status": "Suspended"})
+
+
+def test_a_forked_child_fails_at_the_deadline_instead_of_hanging(s3, tmp_path):
+    """obstore's runtime does not survive fork(): a child forked after the parent used the
+    store hung forever on its first call. Now it raises a ReadError at the deadline (and the
+    child's own store calls use a loop of its own: the parent's thread is not in the child)."""
+    import multiprocessing as mp
+    import time
+    sd = _state(18)
+    url = upload_dir(s3, _save_st(tmp_path, sd), "fork/m.safetensors")
+    open_checkpoint(url, storage_options=_opts(s3))  # the parent's runtime and loop run
+    ctx = mp.get_context("fork")
+    q = ctx.Queue()
+    t0 = time.monotonic()
+    p = ctx.Process(target=_fork_child, args=(url, _opts(s3, deadline=4), q))
+    p.start()
+    p.join(60)
+    assert p.exitcode == 0, p.exitcode
+    got = q.get(timeout=5)
+    assert got == "ok" or ("ReadError" in got and "deadline of 4 s" in got), got
+    assert time.monotonic() - t0 < 30
+
+
+def _fork_child(url, opts, q):
+    try:
+        net = Net()
+        metamat.materialize(net, url, device="cpu", storage_options=opts)
+        q.put("ok")
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
+        q.put(f"{type(e).__name__}: {e}")

@@ -134,6 +134,16 @@ def _loop() -> asyncio.AbstractEventLoop:
         return _LOOP
 
 
+def _after_fork_in_child() -> None:
+    """A forked child has the loop object but not its thread: it makes its own."""
+    global _LOOP, _LOOP_LOCK
+    _LOOP, _LOOP_LOCK = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def run(make: Callable[[], Any], dl: Deadline, what: str):
     """``await make()`` on the store loop, waited for until ``dl``; cancelled after it.
 
@@ -149,7 +159,7 @@ def run(make: Callable[[], Any], dl: Deadline, what: str):
         return await make()
     fut = asyncio.run_coroutine_threadsafe(call(), _loop())
     try:
-        return fut.result(timeout=left)
+        return fut.result(timeout=min(left, threading.TIMEOUT_MAX))
     except concurrent.futures.TimeoutError:
         fut.cancel()
         raise dl.exceeded(what) from None
