@@ -9,7 +9,9 @@ steps.tsv: one line per step: name, status (PASS/FAIL/SKIPPED/TIMEOUT), exit cod
 cap in seconds, kind (cmd / pytest), note (tab-separated). A pytest step has WORK/<name>.xml (JUnit) and
 WORK/<name>.log (-v -rA output): a step whose tests all skipped is SKIPPED (with the reason);
 a failing one names every failing test (from the XML; from the log when the step was stopped
-before pytest wrote it, with the test that was running then).
+before pytest wrote it, with the test that was running then). overall: FAIL (a step FAILed,
+or TIMEd OUT and is not optional), INCOMPLETE (a step that is not optional was SKIPPED,
+except "not selected"), else PASS; RUNNING until the final call.
 """
 from __future__ import annotations
 
@@ -195,8 +197,9 @@ def write(work: str, out: str, final: bool) -> dict:
     counts = {}
     for st in steps:
         counts[st["status"]] = counts.get(st["status"], 0) + 1
-    bad = [st["name"] for st in steps if st["status"] in ("FAIL", "TIMEOUT")]
     optional = set(meta.get("optional_steps", []))
+    bad = [st["name"] for st in steps if st["status"] == "FAIL"
+           or (st["status"] == "TIMEOUT" and st["name"] not in optional)]
     missing = [st["name"] for st in steps if st["status"] == "SKIPPED"
                and st["name"] not in optional and not st["note"].startswith("not selected")]
     overall = "FAIL" if bad else "INCOMPLETE" if missing else "PASS"

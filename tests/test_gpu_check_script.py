@@ -163,19 +163,26 @@ def test_summary_of_a_pytest_step_stopped_before_its_xml(tmp_path):
     (work / "torchrec_gpu.log").write_text(  # pytest-xdist's -v lines
         "[gw1] [ 50%] PASSED tests/test_t.py::test_a[device] \n"
         "[gw0] [100%] FAILED tests/test_t.py::test_a[mixed-dmp] \n")
-    (work / "steps.tsv").write_text("cuda\tTIMEOUT\t124\t150\t150\tpytest\tstopped\n"
+    (work / "meta.json").write_text(json.dumps({
+        "budget_s": 540, "order": ["torchrec_gpu", "cuda", "bench_dmp", "memcheck"],
+        "optional_steps": ["memcheck"]}))
+    (work / "steps.tsv").write_text("memcheck\tTIMEOUT\t124\t20\t20\tcmd\t\n"
+                                    "cuda\tTIMEOUT\t124\t150\t150\tpytest\tstopped\n"
                                     "torchrec_gpu\tFAIL\t1\t9\t150\tpytest\t\n"
                                     "bench_dmp\tPASS\t0\t3\t100\tcmd\t\n")
     (work / "bench_dmp").mkdir()
     (work / "bench_dmp" / "results.csv").write_text("method,seconds\neager,1.5\nmetamat,0.5\n")
     s = S.write(str(work), str(out), final=True)
-    cuda = s["steps"][0]
+    # in the script's order; an optional step's TIMEOUT (time ran out) is no failure
+    assert [x["name"] for x in s["steps"]] == ["torchrec_gpu", "cuda", "bench_dmp", "memcheck"]
+    assert s["failed_steps"] == ["torchrec_gpu", "cuda"]
+    cuda = s["steps"][1]
     assert cuda["status"] == "TIMEOUT"
     assert cuda["failing_tests"] == ["tests/test_a.py::test_bad[x-1]", "tests/test_b.py::test_hangs"]
     assert cuda["failures"][1]["kind"] == "stopped"
     assert cuda["tests"]["passed"] == 1 and cuda["tests"]["skipped"] == 1
-    assert s["steps"][1]["failing_tests"] == ["tests/test_t.py::test_a[mixed-dmp]"]
-    assert s["steps"][1]["tests"]["passed"] == 1
+    assert s["steps"][0]["failing_tests"] == ["tests/test_t.py::test_a[mixed-dmp]"]
+    assert s["steps"][0]["tests"]["passed"] == 1
     assert s["overall"] == "FAIL"
     # the benches' rows in one CSV, the step first
     rows = (out / "benches.csv").read_text().splitlines()
