@@ -212,7 +212,11 @@ def main(argv) -> int:
     ap.add_argument("paths", nargs="+")
     a = ap.parse_args(argv[1:])
     drop = re.compile(a.drop) if a.drop else None
-    empties = empty_cubins(a.empty_dir, (80, a.sm, 100))
+    archs = {DROPPED_AS}
+    for p in a.paths:  # every architecture present gets its empty cubin
+        with open(p, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            archs.update(arch for _, _, _, _, arch, _ in entries(m))
+    empties = empty_cubins(a.empty_dir, archs)
     if not empties:
         print("no nvcc: other architectures' payloads are zeroed, not emptied", file=sys.stderr)
     total = emptied_all = kept_all = 0

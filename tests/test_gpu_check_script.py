@@ -18,6 +18,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -199,3 +200,58 @@ def test_summary_of_a_pytest_step_stopped_before_its_xml(tmp_path):
                                     "gpu_torchrec_install.sh"])
 def test_scripts_parse(script):
     subprocess.run(["bash", "-n", os.path.join(ROOT, "scripts", script)], check=True)
+
+
+def _keep_arch_module():
+    spec = importlib.util.spec_from_file_location(
+        "fatbin_keep_arch", os.path.join(ROOT, "scripts", "fatbin_keep_arch.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _cubins(K, path):
+    """[(arch, kernel names, payload bytes)] of a library's fatbin entries."""
+    import mmap
+
+    out = []
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        for e, kind, eh, payload, arch, flags in K.entries(m):
+            data = K._payload(m, e, eh, payload, flags)
+            out.append((arch, K.base_names(K.cubin_kernels(data)), data))
+    return out
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+def test_fatbin_keep_arch_on_a_built_library(tmp_path):
+    """scripts/fatbin_keep_arch.py on a library nvcc builds for sm_80 and sm_90a: the sm_90a
+    cubin of a kept kernel is untouched, a dropped kernel's has no code for sm_90 any more,
+    every other entry is a valid empty cubin, the file keeps its size and still loads."""
+    import ctypes
+
+    (tmp_path / "a.cu").write_text("__global__ void keep_me(float *x) { x[threadIdx.x] += 1.f; }\n")
+    (tmp_path / "b.cu").write_text("__global__ void drop_me_vbe(float *x) { x[threadIdx.x] *= 2.f; }\n")
+    lib = tmp_path / "lib.so"
+    subprocess.run(["nvcc", "-shared", "-Xcompiler", "-fPIC", "-gencode",
+                    "arch=compute_80,code=sm_80", "-gencode", "arch=compute_90a,code=sm_90a",
+                    "a.cu", "b.cu", "-o", str(lib)], cwd=tmp_path, check=True, timeout=300)
+    K = _keep_arch_module()
+    before, size = _cubins(K, lib), lib.stat().st_size
+    assert {a for a, _, _ in before} == {80, 90}
+    report = tmp_path / "dropped.tsv"
+    subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "fatbin_keep_arch.py"),
+                    "--drop", "_vbe$", "--empty-dir", str(tmp_path / "empty"), "--report",
+                    str(report), "90", str(lib)], check=True, timeout=300)
+    after = _cubins(K, lib)
+    assert lib.stat().st_size == size and len(after) == len(before)
+    for (a0, k0, d0), (a1, k1, d1) in zip(before, after):
+        if a0 == 90 and "keep_me" in k0:
+            assert (a1, k1, d1) == (a0, k0, d0)  # untouched
+        elif a0 == 90 and "drop_me_vbe" in k0:
+            assert a1 == 80 and k1 == [] and d1[:4] == b"\x7fELF"  # no sm_90 code left
+        else:
+            assert a1 == a0 and k1 == [] and (d1[:4] == b"\x7fELF" or not d1.strip(b"\0"))
+    assert any(a == 90 and "keep_me" in k for a, k, _ in after)
+    assert not any(a == 90 and "drop_me_vbe" in k for a, k, _ in after)
+    assert "drop_me_vbe" in report.read_text()
+    ctypes.CDLL(str(lib))  # loads (static cudart registers the fatbin at load)
