@@ -71,7 +71,8 @@ void launch_variant(const FillOptions& o, const Segment* table, const Segment* d
   if (launch_variant_a(o.variant, l) || launch_variant_bits(o.variant, l) ||
       launch_variant_b(o.variant, l) || launch_variant_hsplit(o.variant, l) ||
       launch_variant_c(o.variant, l) || launch_variant_cs(o.variant, l) ||
-      launch_variant_spec(o.variant, l) || launch_variant_spec2(o.variant, l))
+      launch_variant_spec(o.variant, l) || launch_variant_spec2(o.variant, l) ||
+      launch_variant_spec2b(o.variant, l))
     return;
   fail(__FILE__, __LINE__, "init kernel variant " + std::to_string(o.variant) + " has no launcher");
 }

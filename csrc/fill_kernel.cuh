@@ -93,10 +93,10 @@ struct VariantLaunch {
 #endif
 constexpr int kSpecMinBlocks = METAMAT_FILL_SPEC_MIN_BLOCKS;
 
-template <class Cfg>
+template <class Cfg, int kMinBlocks = kSpecMinBlocks>
 bool launch_pair(const VariantLaunch& l) {
   auto go = [&](auto pair) {
-    launch_fill_v<Cfg, decltype(pair), kSpecMinBlocks>(l.dsegs, l.nseg, l.tiles, l.per, l.stream);
+    launch_fill_v<Cfg, decltype(pair), kMinBlocks>(l.dsegs, l.nseg, l.tiles, l.per, l.stream);
     return true;
   };
   const auto U = DistKind::kUniform, N = DistKind::kNormal, TN = DistKind::kTruncNormal;
@@ -131,5 +131,6 @@ bool launch_variant_c(int variant, const VariantLaunch& l);       // plainstore
 bool launch_variant_cs(int variant, const VariantLaunch& l);      // streamstore
 bool launch_variant_spec(int variant, const VariantLaunch& l);    // spec
 bool launch_variant_spec2(int variant, const VariantLaunch& l);   // specsplit
+bool launch_variant_spec2b(int variant, const VariantLaunch& l);  // spec2b
 
 }  // namespace metamat

@@ -25,6 +25,8 @@ const std::vector<FillVariantInfo>& fill_variants() {
       {kVarSpecialized, "spec", false, true,
        "math, one kernel per (dtype, distribution) at 3 blocks per SM when a launch has one pair"},
       {kVarSpecSplit, "specsplit", false, true, "spec + split"},
+      {kVarSpec2Blocks, "spec2b", false, true,
+       "math, one kernel per (dtype, distribution) at 2 blocks per SM (no register spills)"},
       {kVarPhiloxBits, "philoxbits", true, false,
        "DIAGNOSTIC (values differ): Uniform stores the raw Philox word: Philox + stores only"},
   };

@@ -50,6 +50,7 @@ enum FillVariantId : int {
   kVarStreamStore = 5,   // math + store 2
   kVarSpecialized = 6,   // math, one kernel per (dtype, distribution) at 3 blocks per SM
   kVarSpecSplit = 7,     // math + split 1, specialized at 3 blocks per SM
+  kVarSpec2Blocks = 8,   // math, specialized at 2 blocks per SM (no spills)
   kVarPhiloxBits = 100,  // diagnostic: bits (Uniform segments only)
 };
 
@@ -99,7 +100,7 @@ template <class F>
 void with_kernel_cfg(int variant, F&& f) {
   switch (variant) {
     case kVarBase: return f(CfgBase{});
-    case kVarMath: case kVarSpecialized: return f(CfgMath{});
+    case kVarMath: case kVarSpecialized: case kVarSpec2Blocks: return f(CfgMath{});
     case kVarSplit: case kVarSpecSplit: return f(CfgSplit{});
     case kVarHalfSplit: return f(CfgHalfSplit{});
     case kVarPlainStore: return f(CfgPlainStore{});
