@@ -9,6 +9,7 @@ are rebuilt, and DMP's deferred dense DDP wrap runs.
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any, Dict
 
 import torch
@@ -120,4 +121,10 @@ def register(model: Any, plan: Plan, alloc: Allocation) -> None:
     _rebuild_ddps(plan)
     if getattr(model, "_metamat_defer_ddp", False) and hasattr(model, "init_data_parallel"):
         model._metamat_defer_ddp = False
-        model.init_data_parallel()
+        with warnings.catch_warnings():
+            # TorchRec's dense DDP wrap passes broadcast_buffers=False (no init-time buffer
+            # sync, which forward_sync_buffers cannot say): its FutureWarning is TorchRec's,
+            # not the caller's to act on; the same call, the same behaviour.
+            warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated",
+                                    category=FutureWarning)
+            model.init_data_parallel()

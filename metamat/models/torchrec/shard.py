@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -50,9 +51,26 @@ class MetaDDP(DistributedDataParallel):
     def __init__(self, module: nn.Module, *args: Any, **kwargs: Any) -> None:
         if args:
             raise TypeError("MetaDDP takes keyword arguments only after module")
+        _modern_buffer_sync(kwargs)
         self.metamat_kwargs = dict(kwargs)
         kwargs["init_sync"] = False
         super().__init__(module, **kwargs)
+
+
+def _modern_buffer_sync(kwargs: Dict[str, Any]) -> None:
+    """TorchRec passes ``broadcast_buffers``, which torch >= 2.13 deprecates (a FutureWarning
+    per DDP) for ``forward_sync_buffers``. Every DDP metamat builds has ``init_sync=False``, so
+    the init-time buffer sync (the one difference between the two) never runs: the same
+    behaviour under the new name, where this torch has it."""
+    if "broadcast_buffers" in kwargs and _DDP_HAS_FORWARD_SYNC \
+            and kwargs.get("forward_sync_buffers") is None:
+        value = kwargs.pop("broadcast_buffers")
+        if value is not None:
+            kwargs["forward_sync_buffers"] = bool(value)
+
+
+_DDP_HAS_FORWARD_SYNC = "forward_sync_buffers" in inspect.signature(
+    DistributedDataParallel.__init__).parameters
 
 
 # TorchRec modules that wrap DATA_PARALLEL lookups in DDP at construction.
