@@ -16,7 +16,7 @@ from .materialize import materialize
 from .report import Report
 from .spec import Constant, Dist, Normal, TruncatedNormal, Uniform, Zeros
 
-__version__ = "0.1.0"
+__version__ = "0.3.0"
 
 __all__ = [
     "Dist", "Uniform", "Normal", "TruncatedNormal", "Constant", "Zeros",
