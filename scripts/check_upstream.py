@@ -1,0 +1,295 @@
+"""Check metamat's declared upstream internals on the installed torch / torchrec / fbgemm.
+
+Every private name metamat uses is declared in :mod:`metamat.models.torch_upstream` and
+:mod:`metamat.models.torchrec.upstream` with the versions it was checked on. This script is
+how a version gets into those ``checked`` tuples: it runs every group's check (modules,
+classes, methods, patch sites) and builds small models on meta the way metamat's users do
+(``shard_on_meta`` of an EBC with TW/RW/CW/TWRW/DP tables, FUSED and DENSE kernels, CPU and
+CUDA layouts; an EC; quantized EBC/EC, unsharded and sharded; FSDP2 and a DTensor; a
+ShardedTensor), then checks the declared instance attributes on every object the adapters
+would read. Nothing is materialized: no compiled core is needed, nothing big is allocated.
+
+    python scripts/check_upstream.py            # exit status 1 if a name is missing
+    python scripts/check_upstream.py --json     # the result per declaration
+
+A declaration no instance reached is listed as "not reached" (an optional name, or a kind of
+model the script does not build); the exit status only reflects missing ones.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import warnings
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+
+def _tables(n=5, dim=8, rows=40):
+    from torchrec import EmbeddingBagConfig
+
+    return [EmbeddingBagConfig(name=f"t{i}", embedding_dim=dim, num_embeddings=rows + 3 * i,
+                               feature_names=[f"f{i}"]) for i in range(n)]
+
+
+def _ec_tables(n=3, dim=8, rows=40):
+    from torchrec import EmbeddingConfig
+
+    return [EmbeddingConfig(name=f"t{i}", embedding_dim=dim, num_embeddings=rows + 3 * i,
+                            feature_names=[f"f{i}"]) for i in range(n)]
+
+
+def _plan(module, kinds, kernel, sharder):
+    from torchrec.distributed import sharding_plan as sp
+    from torchrec.distributed.types import ShardingPlan
+
+    gen = {"tw": lambda: sp.table_wise(rank=0), "rw": sp.row_wise,
+           "cw": lambda: sp.column_wise(ranks=[0, 0]),
+           "twrw": lambda: sp.table_row_wise(host_index=0), "dp": sp.data_parallel,
+           "grid": lambda: sp.grid_shard(host_indexes=[0])}
+    mp = sp.construct_module_sharding_plan(module, {t: gen[k]() for t, k in kinds.items()},
+                                           local_size=1, world_size=1, device_type="cpu",
+                                           sharder=sharder)
+    for _, ps in mp.items():
+        if ps.sharding_type != "data_parallel":
+            ps.compute_kernel = kernel
+    return ShardingPlan({"": mp})
+
+
+def _fused():
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+
+    return {"optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.05}
+
+
+def build_training(env, seen):
+    """shard_on_meta models; their objects checked as the adapter checks them."""
+    import metamat
+    from metamat.models.torchrec import upstream as tr
+    from metamat.models.torchrec.sharded import sharded_modules
+    from torchrec import EmbeddingBagCollection, EmbeddingCollection
+    from torchrec.distributed.embedding import EmbeddingCollectionSharder
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+
+    kinds = {"t0": "tw", "t1": "rw", "t2": "cw", "t3": "twrw", "t4": "dp", "t5": "grid"}
+    for kernel, device in (("fused", None), ("dense", None), ("fused", "cuda")):
+        ebc = EmbeddingBagCollection(tables=_tables(6), device="meta")
+        sh = EmbeddingBagCollectionSharder(fused_params=_fused())
+        k = dict(kinds) if device is None else {"t0": "tw", "t1": "rw", "t2": "cw"}
+        ebc_k = ebc if device is None else EmbeddingBagCollection(tables=_tables(3),
+                                                                   device="meta")
+        dmp = metamat.shard_on_meta(ebc_k, env, plan=_plan(ebc_k, k, kernel, sh),
+                                    sharders=[sh], compute_device=device)
+        tr.check_dmp(dmp)
+        sharded = sharded_modules(dmp.module)
+        tr.check_sharded(sharded)
+        seen.update(_objects(dmp))
+    ec = EmbeddingCollection(tables=_ec_tables(), device="meta")
+    sh = EmbeddingCollectionSharder(fused_params=_fused())
+    dmp = metamat.shard_on_meta(ec, env, plan=_plan(ec, {"t0": "tw", "t1": "rw", "t2": "cw"},
+                                                    "fused", sh), sharders=[sh])
+    tr.check_sharded(sharded_modules(dmp.module))
+    seen.update(_objects(dmp))
+    # a ShardedTensor (the state_dict of a sharded table)
+    for v in dmp.module.state_dict().values():
+        if hasattr(v, "local_shards"):
+            seen.add(v)
+            for s in v.local_shards():
+                seen.add(s.metadata.placement)
+            break
+
+
+def build_quant(seen):
+    from metamat.models.torchrec import upstream as tr
+    from metamat.models.torchrec.quant import quant_modules
+    from torchrec import EmbeddingBagCollection, EmbeddingCollection
+    from torchrec.distributed.test_utils.infer_utils import quantize
+
+    class M(nn.Module):
+        def __init__(self, coll):
+            super().__init__()
+            self.coll = coll
+
+    for coll in (EmbeddingBagCollection(tables=_tables(3), device="meta"),
+                 EmbeddingCollection(tables=_ec_tables(), device="meta")):
+        q = quantize(M(coll), inplace=False, weight_dtype=torch.qint8,
+                     quant_state_dict_split_scale_bias=False)
+        mods = quant_modules(q)
+        tr.check_quant(mods)
+        for _, m in mods:
+            seen.add(m)
+            seen.update(tr.quant_tbes(m))
+    try:
+        from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+        from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+        from torchrec.distributed.test_utils.infer_utils import TestQuantEBCSharder
+        from torchrec.inference.modules import shard_quant_model
+    except ImportError as e:  # pragma: no cover - informational
+        print("sharded quant: not built:", e)
+        return
+    from torchrec.distributed.test_utils.infer_utils import TestQuantECSharder
+
+    kernel = EmbeddingComputeKernel.QUANT.value
+    for coll, sharder in (
+            (EmbeddingBagCollection(tables=_tables(3), device="meta"),
+             TestQuantEBCSharder(sharding_type="table_wise", kernel_type=kernel,
+                                 shardable_params=[f"t{i}" for i in range(3)])),
+            (EmbeddingCollection(tables=_ec_tables(), device="meta"),
+             TestQuantECSharder(sharding_type="table_wise", kernel_type=kernel))):
+        q = quantize(M(coll), inplace=False, weight_dtype=torch.qint8,
+                     quant_state_dict_split_scale_bias=False)
+        plan = EmbeddingShardingPlanner(topology=Topology(world_size=1, compute_device="cpu"),
+                                        batch_size=1).plan(q, [sharder])
+        sq, _ = shard_quant_model(q, world_size=1, compute_device="cpu",
+                                  sharding_device="meta", sharders=[sharder],
+                                  sharding_plan=plan)
+        mods = quant_modules(sq)
+        tr.check_quant(mods)
+        for _, m in mods:
+            seen.add(m)
+            seen.update(tr.quant_tbes(m))
+
+
+def build_dtensor(seen):
+    from metamat.models import torch_upstream as tu
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (1,))
+    m = nn.Sequential(nn.Linear(4, 4, device="meta"), nn.Linear(4, 2, device="meta"))
+    for sub in m:
+        fully_shard(sub, mesh=mesh)
+    fully_shard(m, mesh=mesh)
+    params = tu.fsdp_params(m.modules())
+    for fp in params.values():
+        seen.add(fp)
+        seen.add(fp.sharded_param)
+        tu.local_tensor(fp.sharded_param)
+    for sub in m.modules():
+        if hasattr(sub, "_get_fsdp_state"):
+            state = sub._get_fsdp_state()
+            seen.add(state)
+            seen.update(tu._param_groups(state))
+
+
+def _objects(model):
+    """Every object of a model's graph (modules, TBEs, shardings, ...)."""
+    out, stack, ids = [], [model], set()
+    while stack:
+        o = stack.pop()
+        if id(o) in ids:
+            continue
+        ids.add(id(o))
+        out.append(o)
+        if isinstance(o, nn.Module):
+            stack.extend(o.__dict__.get("_modules", {}).values())
+        d = getattr(o, "__dict__", None)
+        if isinstance(d, dict):
+            for v in d.values():
+                if isinstance(v, (list, tuple)):
+                    stack.extend(x for x in v if hasattr(x, "__dict__"))
+                elif isinstance(v, dict):
+                    stack.extend(x for x in v.values() if hasattr(x, "__dict__"))
+                elif hasattr(v, "__dict__") and not isinstance(v, type):
+                    stack.append(v)
+    return [o for o in out if o is not None]
+
+
+class _Seen(dict):
+    """Objects by id (modules and plans are not all hashable)."""
+
+    def add(self, o) -> None:
+        self[id(o)] = o
+
+    def update(self, objs) -> None:  # type: ignore[override]
+        for o in objs:
+            self.add(o)
+
+
+def run() -> dict:
+    from metamat.models import boundary
+    from metamat.models import torch_upstream as tu
+    from metamat.models.torchrec import upstream as tr
+    from metamat.testing import process_group
+    import torch.distributed as dist
+
+    result = {"versions": {"torch": torch.__version__}, "declarations": {}}
+    for b in (tu.BOUNDARY, tr.BOUNDARY):
+        b.forget()
+    static = {p.qualname: what for b in (tu.BOUNDARY, tr.BOUNDARY) for p, what in b.problems()}
+    seen = _Seen()
+    errors = []
+    d = tempfile.mkdtemp(prefix="check-upstream-")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with process_group():
+                from torchrec.distributed.types import ShardingEnv
+                import torchrec
+                import fbgemm_gpu
+
+                result["versions"].update(torchrec=torchrec.__version__,
+                                          fbgemm_gpu=fbgemm_gpu.__version__)
+                env = ShardingEnv.from_process_group(dist.group.WORLD)
+                for name, step in (("training", lambda: build_training(env, seen)),
+                                   ("quant", lambda: build_quant(seen)),
+                                   ("dtensor", lambda: build_dtensor(seen))):
+                    try:
+                        step()
+                    except Exception as e:  # noqa: BLE001 - reported
+                        errors.append(f"{name}: {type(e).__name__}: {e}")
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+    by_type = {}
+    for o in seen.values():
+        by_type.setdefault(type(o), o)
+    for b in (tu.BOUNDARY, tr.BOUNDARY):
+        factories = b._factories
+        for p in b.declared:
+            what = static.get(p.qualname)
+            if what is None and p.kind == "attr" and p.owner not in factories:
+                try:
+                    cls = boundary.resolve(p.owner)
+                except Exception as e:  # noqa: BLE001
+                    what = f"owner missing ({e})"
+                else:
+                    inst = [o for t, o in by_type.items() if issubclass(t, cls)]
+                    if not inst:
+                        what = "not reached" if not p.optional else "optional, not reached"
+                    elif not all(boundary._has(o, p.name) for o in inst):
+                        what = "optional, absent" if p.optional else "missing on an instance"
+            result["declarations"][p.qualname] = what or "ok"
+    result["errors"] = errors
+    return result
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    r = run()
+    bad = {k: v for k, v in r["declarations"].items()
+           if v not in ("ok", "not reached") and not v.startswith("optional")}
+    if args.json:
+        print(json.dumps(r, indent=1, sort_keys=True))
+    else:
+        print(", ".join(f"{k} {v}" for k, v in r["versions"].items()))
+        n = len(r["declarations"])
+        ok = sum(v == "ok" for v in r["declarations"].values())
+        print(f"{n} declarations: {ok} checked present, {len(bad)} missing")
+        for k, v in sorted(r["declarations"].items()):
+            if v != "ok":
+                print(f"  {k}: {v}")
+        for e in r["errors"]:
+            print("  build error:", e)
+    return 1 if bad or r["errors"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
