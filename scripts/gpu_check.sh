@@ -6,7 +6,7 @@
 #   bash scripts/gpu_check.sh "$OUT"
 #
 # with carry [".gpu/stack"]: TorchRec's CUDA stack, made here first by
-# `bash scripts/gpu_torchrec_stack.sh` (49 MiB, git-ignored; with the repo ~51 MiB of the
+# `bash scripts/gpu_torchrec_stack.sh` (47.4 MiB, git-ignored; with the repo ~50 MiB of the
 # 64 MiB a call carries; without it the TorchRec steps are SKIPPED). The exact `run` call and the expected times: docs/TORCHREC_GPU.md.
 #
 # Steps, in this order (cap in seconds; a step never runs past what is left of the budget,
@@ -19,7 +19,7 @@
 #   backend        30  the build has its CUDA backend and sees the GPU
 #   torchrec_gpu  150  pytest tests/test_torchrec_gpu.py (materialize + train vs eager DMP on
 #                      CUDA, per location); pytest-xdist -n XDIST_N (4) when installed
-#   torchrec_layout 60 pytest tests/test_torchrec_cuda_layout.py (-n XDIST_N too)
+#   torchrec_layout 90 pytest tests/test_torchrec_cuda_layout.py (-n XDIST_N too)
 #   torchrec_emulated 100 pytest tests/test_torchrec_gpu_emulated.py (-n XDIST_N; CPU-bound:
 #                      this fbgemm-gpu 1.6.0 against metamat's emulated device)
 #   cuda          150  every other `cuda` test: pytest -m cuda tests/ (less the three above)
@@ -245,11 +245,11 @@ step backend 30 cmd "$py" -c "import metamat._C as C; assert C.cuda_compiled(), 
 trec_files=(tests/test_torchrec_gpu.py tests/test_torchrec_cuda_layout.py tests/test_torchrec_gpu_emulated.py)
 if ((has_torchrec)); then
   pytest_step torchrec_gpu 150 "${xdist_args[@]}" tests/test_torchrec_gpu.py
-  pytest_step torchrec_layout 60 "${xdist_args[@]}" tests/test_torchrec_cuda_layout.py
+  pytest_step torchrec_layout 90 "${xdist_args[@]}" tests/test_torchrec_cuda_layout.py
   pytest_step torchrec_emulated 100 "${xdist_args[@]}" tests/test_torchrec_gpu_emulated.py
 else
   skip torchrec_gpu 150 pytest "$no_trec"
-  skip torchrec_layout 60 pytest "$no_trec"
+  skip torchrec_layout 90 pytest "$no_trec"
   skip torchrec_emulated 100 pytest "$no_trec"
 fi
 ignore=()
