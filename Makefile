@@ -57,6 +57,13 @@ endif
 clean:
 	rm -rf build metamat/_C*.so *.egg-info
 
+# `make docs`: the API reference (Sphinx: docs/api) as HTML in build/docs; warnings are errors.
+.PHONY: docs
+DOCS_PY := $(if $(HAS_CUDA_TORCH),$(PY),$(VPY))
+docs: setup
+	$(DOCS_PY) -m sphinx -W --keep-going -q -b html docs/api build/docs
+	@echo "API reference: build/docs/index.html"
+
 # ---- reliability: sanitizers and fuzzing (fresh machines: they need .venv) --------------------
 .PHONY: fuzz
 # `make sanitize`: builds the C++ core with ASan + UBSan into build/sanitize (CUDA off) and runs

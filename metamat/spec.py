@@ -65,7 +65,7 @@ class Normal(Dist):
 
 @dataclass(frozen=True)
 class TruncatedNormal(Dist):
-    """Normal(mean, std) restricted to [a, b] by inverse CDF (as torch's trunc_normal_)."""
+    """Normal(mean, std) restricted to [a, b] by inverse CDF, as ``torch.nn.init.trunc_normal_``."""
 
     mean: float = 0.0
     std: float = 1.0

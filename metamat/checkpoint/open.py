@@ -51,7 +51,7 @@ def open_checkpoint(path, *, storage_options=None, trust_pickles: bool = False) 
         UnsupportedFormatError: none of the above (e.g. legacy non-zip torch.save).
         UnsafePickleError: a pickle names a global outside the allow-list (without
             ``trust_pickles``), or is a memory bomb.
-        Any other :class:`CheckpointError` the format's parser raises for a damaged file.
+        CheckpointError: any other error of the format's parser, for a damaged file.
     """
     path = os.fspath(path)
     if fs.is_remote(path):
