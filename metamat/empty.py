@@ -30,6 +30,16 @@ def init_empty_weights(include_buffers: bool = False) -> Iterator[None]:
     Each parameter is still constructed (and initialised by its module) where the module
     puts it, then moved to meta as it is registered: this costs the construction time, not
     the memory. Not thread-safe (it patches ``nn.Module.register_parameter``).
+
+    Yields:
+        None; the patch is undone when the context ends.
+
+    Example:
+        >>> import metamat, torch
+        >>> with metamat.init_empty_weights():
+        ...     layer = torch.nn.Linear(4, 2)
+        >>> layer.weight.is_meta
+        True
     """
     old_param = nn.Module.register_parameter
     old_buffer = nn.Module.register_buffer

@@ -51,6 +51,14 @@ def emulated_cuda(free_memory: Optional[int] = None) -> Iterator[Emulation]:
     Args:
         free_memory: bytes the emulated GPU has free (the device-memory check of
             ``materialize``); None: unlimited.
+
+    Yields:
+        The :class:`Emulation` in effect.
+
+    Example:
+        >>> from metamat.emulation import emulated_cuda
+        >>> with emulated_cuda(free_memory=1 << 30):
+        ...     pass  # metamat.materialize(model, device="cuda") runs the GPU path on the CPU
     """
     register_cpu_cache_flush()
     token = _CURRENT.set(Emulation(free_memory))
@@ -61,12 +69,23 @@ def emulated_cuda(free_memory: Optional[int] = None) -> Iterator[Emulation]:
 
 
 def active() -> Optional[Emulation]:
-    """The emulation in effect, or None."""
+    """The emulation in effect in this context, or None.
+
+    Returns:
+        The active :class:`Emulation`, or None outside :func:`emulated_cuda`.
+    """
     return _CURRENT.get()
 
 
 def resolve(device: torch.device) -> Tuple[torch.device, bool]:
-    """(the device tensors go to, emulated): a CUDA device is the CPU while emulating."""
+    """Where tensors aimed at ``device`` go: a CUDA device is the CPU while emulating.
+
+    Args:
+        device: the device asked for.
+
+    Returns:
+        ``(device tensors go to, whether it is emulated)``.
+    """
     if device.type == "cuda" and active() is not None:
         return torch.device("cpu"), True
     return device, False
@@ -74,7 +93,15 @@ def resolve(device: torch.device) -> Tuple[torch.device, bool]:
 
 def free_device_memory(device: torch.device, emulated: bool) -> Optional[int]:
     """Bytes free on ``device`` for new allocations (what torch's caching allocator holds
-    unused counts as free); None when unknown (emulation without a limit, or the CPU)."""
+    unused counts as free).
+
+    Args:
+        device: a CUDA device (any other device: None).
+        emulated: whether ``device`` is the emulated one (:func:`resolve`).
+
+    Returns:
+        The free bytes, or None when unknown (emulation without a limit, or the CPU).
+    """
     if emulated:
         em = active()
         return None if em is None else em.free_memory

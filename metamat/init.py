@@ -283,12 +283,32 @@ def fill_(tensor: torch.Tensor, dist: Dist, *, seed: int = 0, key: str, row_offs
           col_offset: int = 0) -> torch.Tensor:
     """Fill ``tensor`` in place as the block at (row_offset, col_offset) of table ``key``.
 
-    A 1-D tensor is one row of its table; give its offset as ``row_offset`` or ``col_offset``.
+    The values are a pure function of ``(seed, key, global row, global column)``: the same
+    bits on the CPU and CUDA, whatever the block's size, offsets or thread count, so any
+    sharding of a table filled block by block equals the table filled whole.
+
+    Args:
+        tensor: a 1-D or 2-D tensor with unit column stride (float32, float16, bfloat16 or
+            float64; CPU or CUDA). A 1-D tensor is one row of its table: give its offset as
+            ``row_offset`` or ``col_offset``.
+        dist: the distribution (:class:`metamat.Uniform`, :class:`metamat.Normal`, ...).
+        seed: the run's seed (0 <= seed < 2**64).
+        key: the table's name; different names give independent values.
+        row_offset: the global row of ``tensor``'s first row.
+        col_offset: the global column of its first column.
 
     Returns:
         ``tensor``.
+
     Raises:
         TypeError, ValueError: wrong dtype, non-unit column stride, meta tensor, bad offsets.
+
+    Example:
+        >>> import metamat, torch
+        >>> whole = metamat.fill_(torch.empty(6, 4), metamat.Uniform(-1, 1), key="t")
+        >>> part = metamat.fill_(torch.empty(2, 4), metamat.Uniform(-1, 1), key="t", row_offset=4)
+        >>> torch.equal(whole[4:], part)
+        True
     """
     fill_many_([(tensor, dist, key, row_offset, col_offset)], seed=seed)
     return tensor

@@ -77,6 +77,7 @@ class JobSummary:
 
     @classmethod
     def of(cls, ranks: List[RankSummary]) -> "JobSummary":
+        """The job's summary from every rank's :class:`RankSummary` (any order)."""
         def union(attr: str) -> Dict[str, List[int]]:
             out: Dict[str, List[int]] = {}
             for r in ranks:
@@ -195,6 +196,7 @@ class Report:
 
     @property
     def total_seconds(self) -> float:
+        """Wall seconds of the whole call: the sum of :attr:`seconds` over the phases."""
         return sum(self.seconds.values())
 
     @property
@@ -207,6 +209,7 @@ class Report:
 
     @property
     def fill_gbps(self) -> float:
+        """Bytes written per second of the fill phase, in GB/s (1e9); 0 without a fill."""
         t = self.seconds.get("fill", 0.0)
         return self.bytes_written / t / 1e9 if t > 0 else 0.0
 

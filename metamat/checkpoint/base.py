@@ -64,6 +64,7 @@ class Chunk(NamedTuple):
 
     @property
     def numel(self) -> int:
+        """Elements of the chunk."""
         return numel(self.sizes)
 
 

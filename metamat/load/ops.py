@@ -143,6 +143,9 @@ def default_io_threads() -> int:
     cores) ``preadv`` reads 23-30 GB/s with 8 threads and 39-42 with 16 (bench/bench_stage.py),
     and a 2 GiB staged load to the GPU ran at 17.4 GB/s with 8 reader threads and 29.9 with 16
     in the same run.
+
+    Returns:
+        The number of reader threads, at least 1.
     """
     try:
         cpus = len(os.sched_getaffinity(0))

@@ -49,6 +49,9 @@ def release_staging_memory() -> int:
     ring of another size, beside it). Call this to give the memory back earlier;
     ``METAMAT_STAGING_CACHE=0`` turns the cache off. Safe at any time: a load in progress keeps
     its ring until it ends (then the ring is cached again).
+
+    Returns:
+        The bytes of page-locked (or host) memory given back; 0 when no ring was kept.
     """
     return int(core().stage_free_cached())
 
