@@ -310,7 +310,8 @@ def materialize(
             ``optim.``, ``optimizer.`` or nothing.
         device: target device; default: where an already real model lives, else the DTensor
             mesh's device type, else the current CUDA device if there is one, else the CPU
-            (TorchRec tables: CPU only).
+            (TorchRec tables too: on a GPU host each rank's GPU, ``cuda:LOCAL_RANK`` under
+            torchrun; docs/TORCHREC_GPU.md).
         strict: with ``ckpt``, like ``load_state_dict``: every persistent model tensor must be
             in the checkpoint (else :class:`MissingTensorError` naming them all) and every
             checkpoint tensor must match one (else :class:`UnexpectedTensorError`, unless
