@@ -230,3 +230,34 @@ def test_version_agrees_with_changelog_and_pyproject():
     with open(os.path.join(ROOT, "pyproject.toml"), encoding="utf-8") as f:
         project = re.search(r'^version = "([^"]+)"', f.read(), re.M).group(1)
     assert versions and versions[0] == metamat.__version__ == project, (versions[:1], metamat.__version__, project)
+
+
+def test_documented_api_has_docstrings():
+    """Every public name of the API reference (docs/api) has a docstring, its public methods
+    too, and a function with parameters says what they are (Google style: ``Args:``)."""
+    import inspect
+
+    import metamat
+    import metamat.checkpoint as ck
+    import metamat.emulation as em
+    import metamat.report as rp
+
+    objs = {f"metamat.{n}": getattr(metamat, n) for n in metamat.__all__}
+    objs.update({f"metamat.checkpoint.{n}": getattr(ck, n) for n in ck.__all__})
+    objs.update({f"metamat.emulation.{n}": getattr(em, n) for n in em.__all__})
+    objs.update({"metamat.report.RankSummary": rp.RankSummary,
+                 "metamat.report.JobSummary": rp.JobSummary})
+    bad = []
+    for name, o in objs.items():
+        own = o.__dict__.get("__doc__") if isinstance(o, type) else getattr(o, "__doc__", None)
+        if not own:
+            bad.append(f"{name}: no docstring")
+            continue
+        if inspect.isfunction(o) and [p for p in inspect.signature(o).parameters] and "Args:" not in own:
+            bad.append(f"{name}: no Args section")
+        if isinstance(o, type) and not issubclass(o, BaseException):
+            for m, v in vars(o).items():
+                f = v.fget if isinstance(v, property) else getattr(v, "__func__", v)
+                if not m.startswith("_") and inspect.isfunction(f) and not f.__doc__:
+                    bad.append(f"{name}.{m}: no docstring")
+    assert not bad, bad
