@@ -68,7 +68,7 @@ def main() -> None:
     # 1-2. TorchRec's planner decides the plan; metamat writes each local shard once.
     ebc = EmbeddingBagCollection(tables=tables(a.rows, a.dim), device=torch.device("meta"))
     model = metamat.shard_on_meta(ebc, compute_device="cpu")
-    report = metamat.materialize(model, seed=0)
+    report = metamat.materialize(model, seed=0, device="cpu")
     if rank == 0:
         print(report)
     planned = whole_tables(model)
@@ -82,7 +82,7 @@ def main() -> None:
                                         local_size=world, world_size=world, device_type="cpu",
                                         sharder=sharder)
     model2 = metamat.shard_on_meta(ebc2, plan=ShardingPlan({"": mp}), sharders=[sharder])
-    metamat.materialize(model2, seed=0)
+    metamat.materialize(model2, seed=0, device="cpu")
     column_wise_values = whole_tables(model2)
 
     # ... and one unsharded tensor per table, filled by the init engine directly.

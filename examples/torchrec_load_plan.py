@@ -126,7 +126,8 @@ def main() -> None:
     model = metamat.shard_on_meta(ebc2, plan=other, sharders=[sharder])
     # The data-parallel table has no fused optimizer (DDP trains it), so its saved momentum
     # has no place in this model: say so, or strict loading refuses it as unexpected.
-    report = metamat.materialize(model, a.ckpt, ignore_unexpected=["optim.state.*.ad.momentum1"])
+    report = metamat.materialize(model, a.ckpt, device="cpu",
+                                 ignore_unexpected=["optim.state.*.ad.momentum1"])
     print(f"rank {rank}: read {report.bytes_read:,} bytes for {report.bytes_needed:,} needed "
           f"(amplification {report.read_amplification:.3f}); loaded {len(report.loaded)} tensors")
 
