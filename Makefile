@@ -101,8 +101,9 @@ sanitize: setup
 FUZZ_TIME ?= 300
 FUZZ_DIR  := build/fuzz
 CLANGXX   ?= $(shell command -v clang++ 2>/dev/null)
-# The reader: every io_* source and what it uses (no pybind11).
-FUZZ_IO_SRC = $(wildcard csrc/io_*.cpp csrc/xxh3*.cpp)
+# The reader and the staging pipeline (csrc/io, csrc/stage; no pybind11, CUDA stand-in).
+FUZZ_IO_SRC = $(wildcard csrc/io/*.cpp csrc/stage/*.cpp)
+FUZZ_INC    = -Icsrc/include -Icsrc
 
 fuzz: build
 	mkdir -p $(FUZZ_DIR)/corpus/read_ops
@@ -117,14 +118,14 @@ fuzz: build
 	  -artifact_prefix=$(FUZZ_DIR)/graph- $(FUZZ_DIR)/corpus/graph
 ifneq ($(CLANGXX),)
 	$(CLANGXX) -std=c++17 -g -O1 -fsanitize=fuzzer,address,undefined \
-	  -fno-sanitize-recover=undefined -Icsrc fuzz/fuzz_read_ops.cpp $(FUZZ_IO_SRC) \
+	  -fno-sanitize-recover=undefined $(FUZZ_INC) fuzz/fuzz_read_ops.cpp $(FUZZ_IO_SRC) \
 	  -o $(FUZZ_DIR)/fuzz_read_ops -lpthread
 	$(FUZZ_DIR)/fuzz_read_ops -max_total_time=$(FUZZ_TIME) -print_final_stats=1 \
 	  -artifact_prefix=$(FUZZ_DIR)/read_ops- $(FUZZ_DIR)/corpus/read_ops
 else
 	@echo "clang++ not found: running the C++ reader harness unguided (g++, ASan+UBSan)"
 	g++ -std=c++17 -g -O1 -DMETAMAT_FUZZ_STANDALONE -fsanitize=address,undefined \
-	  -fno-sanitize-recover=undefined -Icsrc fuzz/fuzz_read_ops.cpp $(FUZZ_IO_SRC) \
+	  -fno-sanitize-recover=undefined $(FUZZ_INC) fuzz/fuzz_read_ops.cpp $(FUZZ_IO_SRC) \
 	  -o $(FUZZ_DIR)/fuzz_read_ops -lpthread
 	$(FUZZ_DIR)/fuzz_read_ops $$(( $(FUZZ_TIME) * 2000 ))
 endif

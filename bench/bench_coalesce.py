@@ -7,7 +7,7 @@ For each (width w, gap g): a strided op of w-byte rows every w+g bytes over a wa
 read with coalesce_gap=-1 (one pread per row) and with coalescing forced (spans of up to the
 256 KiB bounce window), one thread; prints ns per row for both and, per width, the largest gap
 at which coalescing is still faster (the crossover) and a linear fit gap*(w) = a + b*w that
-csrc/io_piece.cpp's coalesce rule uses.
+csrc/io/io_piece.cpp's coalesce rule uses.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
-"""A/B of the CUDA init kernel's variants (csrc/fill_variant.h) against torch's fill_, in one
-process: for fp32 / bf16 (and fp16 Uniform) x Uniform / Normal / TruncatedNormal, every variant
-this build has (``METAMAT_FILL_VARIANTS=1`` builds them all; otherwise only ``base``), the
-diagnostic rows (Constant through the kernel: its store path; ``philoxbits``: Philox + stores),
+"""A/B of the CUDA init kernel's variants (csrc/include/metamat/fill_variant.h) against torch's
+fill_, in one process: for fp32 / bf16 (and fp16 Uniform) x Uniform / Normal / TruncatedNormal,
+every variant this build has (``METAMAT_FILL_VARIANTS=1`` builds them all; otherwise only ``base``),
+the diagnostic rows (Constant through the kernel: its store path; ``philoxbits``: Philox + stores),
 and 10,240 tables of 1 MiB against one table of the same bytes, per variant and tiles per block.
 
 Rounds interleave the rows (fill_, then each variant, ...) so clock and thermal drift hit all of

@@ -1,4 +1,4 @@
-// libFuzzer harness for the C++ reader's op validation and execution (csrc/io_reader.cpp).
+// libFuzzer harness for the C++ reader's op validation and execution (csrc/io/io_reader.cpp).
 //
 // The reader trusts the Python layer for destinations (it cannot see them) but must validate
 // everything about the files: indices, offsets, sizes, strides, int64 overflow, dtypes. The
@@ -10,8 +10,9 @@
 //   * ok, raw copy   =>  destination rows equal the file bytes the op names;
 //   * verified reads with the true digests never report a mismatch.
 //
-//   clang++ -g -O1 -fsanitize=fuzzer,address,undefined -Icsrc fuzz/fuzz_read_ops.cpp \
-//       csrc/io_*.cpp csrc/xxh3*.cpp -o build/fuzz_read_ops && build/fuzz_read_ops -runs=100000
+//   clang++ -g -O1 -fsanitize=fuzzer,address,undefined -Icsrc/include -Icsrc \
+//       fuzz/fuzz_read_ops.cpp csrc/io/*.cpp csrc/stage/*.cpp -o build/fuzz_read_ops
+//   build/fuzz_read_ops -runs=100000
 // Without clang: add -DMETAMAT_FUZZ_STANDALONE (g++), which runs N pseudo-random inputs.
 #include <unistd.h>
 
@@ -23,8 +24,8 @@
 #include <string>
 #include <vector>
 
-#include "io_reader.h"
-#include "xxh3.h"
+#include "metamat/io_reader.h"
+#include "metamat/xxh3.h"
 
 namespace mio = metamat::io;
 

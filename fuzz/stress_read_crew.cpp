@@ -1,12 +1,13 @@
-// Thread-sanitizer stress of the reader crew (csrc/io_reader.h ReadCrew): many calls on one
+// Thread-sanitizer stress of the reader crew (metamat/io_reader.h ReadCrew): many calls on one
 // crew (thread count, task size and I/O mode per crew; op shapes, verified reads and injected
 // read failures per call), every result checked against the file's bytes; then staging
 // pipelines on two threads at once (the shared staging-buffer cache). Built and run
 // by tests/test_reader_tasks.py with g++ -fsanitize=thread (data races, lock-order problems,
 // a helper joining a finished call) and by hand:
 //
-//   g++ -std=c++17 -g -O1 -fsanitize=thread -Icsrc fuzz/stress_read_crew.cpp csrc/io_*.cpp \
-//       csrc/xxh3*.cpp -o build/stress_read_crew -lpthread && build/stress_read_crew 300
+//   g++ -std=c++17 -g -O1 -fsanitize=thread -Icsrc/include -Icsrc fuzz/stress_read_crew.cpp \
+//       csrc/io/*.cpp csrc/stage/*.cpp -o build/stress_read_crew -lpthread
+//   build/stress_read_crew 300
 #include <unistd.h>
 
 #include <cstdint>
@@ -20,9 +21,9 @@
 #include <string>
 #include <vector>
 
-#include "io_reader.h"
-#include "io_stage.h"
-#include "xxh3.h"
+#include "metamat/io_reader.h"
+#include "metamat/stage.h"
+#include "metamat/xxh3.h"
 
 namespace mio = metamat::io;
 
@@ -102,7 +103,7 @@ int main(int argc, char** argv) {
     }
   }
   // Staging pipelines on two threads at once: rings taken from and given back to the shared
-  // staging-buffer cache (io_stage_pool.h) concurrently, host sinks, bytes checked.
+  // staging-buffer cache (stage_pool.h) concurrently, host sinks, bytes checked.
   std::atomic<int> bad{0};
   const int64_t started0 = mio::reader_threads_started();
   auto pipelines = [&](int seed) {

@@ -1,4 +1,4 @@
-"""Element-type codes shared with the C++ core (csrc/dtype.h, ``enum class DType``).
+"""Element-type codes shared with the C++ core (csrc/include/metamat/dtype.h, ``enum class DType``).
 
 One table for the init engine's segments and the reader's ops; ``tests/test_dtypes.py``
 checks it against the compiled ``_C.DTYPE_CODES``.

@@ -22,8 +22,8 @@ from .spec import Dist
 
 __all__ = ["fill_", "fill_many_", "SEGMENT_DTYPE"]
 
-# Mirrors csrc/fill.h `struct Segment` (128 bytes). `launch` (LaunchInfo) belongs to the core's
-# CUDA launch and stays zero here.
+# Mirrors csrc/include/metamat/fill.h `struct Segment` (128 bytes). `launch` (LaunchInfo) belongs to
+# the core's CUDA launch and stays zero here.
 SEGMENT_DTYPE = np.dtype(
     [
         ("ptr", "<u8"), ("rows", "<i8"), ("cols", "<i8"), ("row_stride", "<i8"),
@@ -114,9 +114,9 @@ assert [_DTYPE_CODES[d] for d in _DTYPES_BY_CODE] == list(range(1, len(_DTYPES_B
 def _pack_columns(items: Sequence[Item], seed: int) -> Tuple[np.ndarray, np.ndarray]:
     """Segments of ``items`` and each item's device (-1: CPU, else the CUDA index).
 
-    The compiled packer (``_C.pack_segments``, csrc/bindings_pack.cpp) takes plain items in
-    C: tensors read through the same attributes, keys derived in C (csrc/keys.h). It hands
-    any item it does not take back to `_pack_item` here, which checks it the Python way and
+    The compiled packer (``_C.pack_segments``, csrc/python/bindings_pack.cpp) takes plain items in
+    C: tensors read through the same attributes, keys derived in C (csrc/python/keys.h). It hands
+    any item it does not take back to `pack_item` here, which checks it the Python way and
     raises the error with its message; items are checked in order, and nothing is written
     to a tensor before all passed.
     """

@@ -1,8 +1,8 @@
 """Pure-NumPy reference of the init engine: slow, obviously right, bit-exact with the core.
 
-It follows csrc/philox.h operation by operation in float32 (NumPy rounds each float32
-operation and never fuses multiply-add), so the C++ and CUDA outputs must equal it bit for bit.
-Used by the tests; never on a hot path.
+It follows csrc/include/metamat/philox.h operation by operation in float32 (NumPy rounds each
+float32 operation and never fuses multiply-add), so the C++ and CUDA outputs must equal it bit for
+bit. Used by the tests; never on a hot path.
 """
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 __all__ = ["Dist", "Uniform", "Normal", "TruncatedNormal", "Constant", "Zeros"]
 
-# Codes shared with csrc/fill.h (enum class DistKind). Keep in sync.
+# Codes shared with csrc/include/metamat/fill.h (enum class DistKind). Keep in sync.
 _UNIFORM, _NORMAL, _TRUNC_NORMAL, _CONSTANT = 0, 1, 2, 3
 
 

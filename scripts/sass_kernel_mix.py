@@ -34,7 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 KINDS = {0: "Uniform", 1: "Normal", 2: "TruncNormal", 3: "Constant"}
 SIZES = {"F32": 4, "F16": 2, "BF16": 2, "F64": 8}
-# KernelCfg<math, split, store, bits> -> variant name (csrc/fill_variant.h)
+# KernelCfg<math, split, store, bits> -> variant name (csrc/include/metamat/fill_variant.h)
 CFGS = {("0", "0", "0", "0"): "base", ("1", "0", "0", "0"): "math",
         ("1", "1", "0", "0"): "split", ("1", "0", "0", "1"): "philoxbits"}
 PIECES = ["kNothing", "kPhilox1", "kPhilox1Split", "kUniform", "kUniformFold", "kLog",
@@ -142,7 +142,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(a.keep or tmp) / "sass_probe.cubin"
         subprocess.run([nvcc, "-std=c++17", "-O3", "--fmad=false", f"-arch=sm_{a.arch}",
-                        "-cubin", f"-I{ROOT / 'csrc'}", "-o", str(cubin),
+                        "-cubin", f"-I{ROOT / 'csrc' / 'include'}", f"-I{ROOT / 'csrc'}",
+                        "-o", str(cubin),
                         str(ROOT / "scripts/sass_probe.cu")], check=True)
         funcs, regs = functions(cuobjdump, cubin), registers(cuobjdump, cubin)
     staged, pieces = {}, {}

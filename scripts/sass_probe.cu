@@ -7,7 +7,7 @@
 //                                lane's share of the warp's write-out; per kernel variant
 //   fn_probe<F>                  one call of a transform piece on a loaded word (its cost is
 //                                the probe's count less that of fn_probe<kNothing>)
-#include "fill_sink_cuda.cuh"
+#include "fill/fill_sink_cuda.cuh"
 
 namespace metamat {
 

@@ -13,7 +13,7 @@ arch=${1:-90}
 nvcc=${NVCC:-$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)}
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-"$nvcc" -std=c++17 -O3 --fmad=false -arch="sm_$arch" -cubin -Icsrc -o "$tmp/p.cubin" scripts/sass_probe.cu
+"$nvcc" -std=c++17 -O3 --fmad=false -arch="sm_$arch" -cubin -Icsrc/include -Icsrc -o "$tmp/p.cubin" scripts/sass_probe.cu
 printf "%-10s %-12s %-6s %7s %7s %9s %5s\n" path dist dtype instr bytes "instr/16B" regs
 cuobjdump -res-usage "$tmp/p.cubin" | awk '/Function/ {f=$2} /REG:/ {sub(":", "", f); split($1, r, ":"); print f, r[2]}' > "$tmp/regs"
 for f in $(cuobjdump -sass "$tmp/p.cubin" | awk '/Function :/ {print $3}' | grep -E "interior_probe|edge_probe"); do

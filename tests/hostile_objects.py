@@ -1,5 +1,5 @@
 """Hostile objects for the object-graph walk (metamat/models/torchrec/graph.py, its C walk in
-csrc/bindings_graph.cpp): objects that run code while the walk reads them, the way a model's
+csrc/python/graph_walk.h): objects that run code while the walk reads them, the way a model's
 own classes can. Each case builds a fresh model (the code it runs changes the model) and the
 contract is: no crash, and the C walk gives what its Python specification gives (the same
 graph, or the same exception).

@@ -1,4 +1,4 @@
-"""The Python dtype codes are the C++ core's (csrc/dtype.h)."""
+"""The Python dtype codes are the C++ core's (csrc/include/metamat/dtype.h)."""
 import torch
 
 from metamat import dtypes

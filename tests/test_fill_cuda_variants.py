@@ -1,5 +1,5 @@
-"""Every variant of the CUDA init kernel (csrc/fill_variant.h: the A/B builds a GPU run times
-against fill_) writes what the CPU engine writes, bit for bit, through the kernel's host
+"""Every variant of the CUDA init kernel (csrc/include/metamat/fill_variant.h: the A/B builds a GPU
+run times against fill_) writes what the CPU engine writes, bit for bit, through the kernel's host
 emulation (the same unit/warp templates and tile walk as the kernel), with one or several tiles
 per thread block; the variant math equals the plain math over every input; the diagnostic
 variant stores raw Philox words; the environment picks variants and is validated."""

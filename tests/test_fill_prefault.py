@@ -1,4 +1,4 @@
-"""Prefaulting fresh destinations (csrc/fill_cpu_prefault.h): never changes a value, never maps
+"""Prefaulting fresh destinations (csrc/fill/fill_cpu_prefault.h): never changes a value, never maps
 a page outside the bytes the fill writes, and never leaves a thread behind."""
 import ctypes
 import mmap

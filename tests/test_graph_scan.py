@@ -1,4 +1,4 @@
-"""The object-graph walk in C (graph.scan, csrc/bindings_graph.cpp) equals its Python
+"""The object-graph walk in C (graph.scan, csrc/python/graph_walk.h) equals its Python
 specification (graph.scan_reference): same objects, slots in the same order (an object's
 first slot is where it was first reached), same paths, same tensors in the same order."""
 from __future__ import annotations

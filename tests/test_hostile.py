@@ -91,8 +91,8 @@ def test_fuzz_read_ops_short_run(tmp_path):
     """The libFuzzer harness of the C++ reader (clang), else its g++ standalone driver."""
     import glob
     src = [os.path.join(ROOT, "fuzz", "fuzz_read_ops.cpp")] + sorted(
-        glob.glob(os.path.join(ROOT, "csrc", "io_*.cpp")) +
-        glob.glob(os.path.join(ROOT, "csrc", "xxh3*.cpp")))  # as the Makefile's FUZZ_IO_SRC
+        glob.glob(os.path.join(ROOT, "csrc", "io", "*.cpp")) +
+        glob.glob(os.path.join(ROOT, "csrc", "stage", "*.cpp")))  # as the Makefile's FUZZ_IO_SRC
     exe = str(tmp_path / "fuzz_read_ops")
     san = ["-fsanitize=address,undefined", "-fno-sanitize-recover=undefined"]
     clang = shutil.which("clang++")
@@ -102,7 +102,8 @@ def test_fuzz_read_ops_short_run(tmp_path):
         cmd = ["g++", "-std=c++17", "-g", "-O1", "-DMETAMAT_FUZZ_STANDALONE"] + san
     else:
         pytest.skip("no C++ compiler")
-    subprocess.run(cmd + ["-I" + os.path.join(ROOT, "csrc")] + src + ["-o", exe, "-lpthread"],
+    inc = ["-I" + os.path.join(ROOT, "csrc", "include"), "-I" + os.path.join(ROOT, "csrc")]
+    subprocess.run(cmd + inc + src + ["-o", exe, "-lpthread"],
                    check=True, timeout=300)
     args = [exe, "-runs=2000", "-seed=1"] if clang else [exe, "2000"]
     env = dict(os.environ, ASAN_OPTIONS="detect_leaks=1")

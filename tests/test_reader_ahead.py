@@ -1,4 +1,4 @@
-"""The reader's pipelined direct path (csrc/io_ahead.h): a helper thread per reader thread reads
+"""The reader's pipelined direct path (csrc/io/io_ahead.h): a helper thread per reader thread reads
 the next aligned window (the next one of the same piece, or the first one of the task the
 thread claimed next) while the reader copies the previous one out. It must give the same bytes
 as buffered reads and as the serial direct path (METAMAT_IO_OVERLAP=0) at every boundary

@@ -3,7 +3,7 @@ thread are cut finer (down to 2 MiB of file span) so every thread gets a share. 
 read by 8 threads used to be 3 tasks of 8 MiB (3 threads busy, 5 idle): on the H100 machine
 staged loads ran at the speed of 2-3 reader threads. Results report the task and thread
 counts, and the bytes are exact whatever the cut. A staging pipeline reads all its chunks, over
-all its run() calls, with one crew of threads (csrc/io_reader.h ReadCrew)."""
+all its run() calls, with one crew of threads (csrc/include/metamat/io_reader.h ReadCrew)."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -173,10 +173,11 @@ def test_crew_under_thread_sanitizer(tmp_path):
         pytest.skip("no csrc/ beside the tests (a copied test tree)")
     exe = str(tmp_path / "stress_read_crew")
     src = [os.path.join(root, "fuzz", "stress_read_crew.cpp")] + sorted(
-        glob.glob(os.path.join(root, "csrc", "io_*.cpp")) +
-        glob.glob(os.path.join(root, "csrc", "xxh3*.cpp")))
-    subprocess.run([gxx, "-std=c++17", "-g", "-O1", "-fsanitize=thread",
-                    "-I" + os.path.join(root, "csrc")] + src + ["-o", exe, "-lpthread"],
+        glob.glob(os.path.join(root, "csrc", "io", "*.cpp")) +
+        glob.glob(os.path.join(root, "csrc", "stage", "*.cpp")))  # the Makefile's FUZZ_IO_SRC
+    inc = ["-I" + os.path.join(root, "csrc", "include"), "-I" + os.path.join(root, "csrc")]
+    subprocess.run([gxx, "-std=c++17", "-g", "-O1", "-fsanitize=thread"] + inc + src
+                   + ["-o", exe, "-lpthread"],
                    check=True, timeout=600)
     r = subprocess.run([exe, "60"], capture_output=True, text=True, timeout=600,
                        env={**{k: v for k, v in os.environ.items()

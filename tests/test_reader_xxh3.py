@@ -1,4 +1,4 @@
-"""The C++ XXH3-64 (csrc/xxh3.cpp) is bit-exact with the xxhash package: every length
+"""The C++ XXH3-64 (csrc/io/xxh3.cpp) is bit-exact with the xxhash package: every length
 0..4096 (all input-length classes: 0, 1-3, 4-8, 9-16, 17-128, 129-240, and the long loop
 around its 64-byte stripes and 1024-byte blocks), random large lengths, and any split of the
 stream into update() pieces; both the AVX2 and the scalar long loop."""

@@ -1,5 +1,6 @@
-"""The CPU kernels' SIMD transforms (csrc/simd_math.h) equal the scalar ones (csrc/philox.h,
-csrc/dtype.h) bit for bit, for every instruction set this CPU runs.
+"""The CPU kernels' SIMD transforms (csrc/fill/simd_math.h) equal the scalar ones
+(csrc/include/metamat/philox.h, csrc/include/metamat/dtype.h) bit for bit, for every instruction set
+this CPU runs.
 
 `_C.cpu_math(fn, isa, in, out, n)` runs one transform of one kernel, or "scalar" for the
 functions every backend must equal. Box-Muller's two inputs have 2^24 values each (the top 24

@@ -1,6 +1,6 @@
 """Device-side dtype conversion of staged loads (METAMAT_CONVERT_ON=device): the readers stage
 fp32 rows raw and the sink converts them after the copy (CUDA: a kernel on the copy stream; the
-host sink, here, runs the kernel's per-element function, csrc/convert_elem.h). The per-element
+host sink, here, runs the kernel's per-element function, csrc/stage/convert_elem.h). The per-element
 function equals the reader's host conversion on every fp32 bit pattern, and device-converted
 loads equal host-converted ones bit for bit, through rings of every shape."""
 from __future__ import annotations

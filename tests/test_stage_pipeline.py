@@ -1,5 +1,5 @@
-"""The C++ staging pipeline (csrc/io_stage.h, metamat._C.StagePipeline) on CPU: the host
-"fake copy" sink runs the same chunking, ring reuse, event ordering and error paths as the CUDA
+"""The C++ staging pipeline (csrc/include/metamat/stage.h, metamat._C.StagePipeline) on CPU: the
+host "fake copy" sink runs the same chunking, ring reuse, event ordering and error paths as the CUDA
 sink, so they are checked here; the CUDA-only parts (pinned ring, copy streams, device guard,
 stream ordering) are the tests marked ``cuda`` at the end."""
 from __future__ import annotations

@@ -1,8 +1,9 @@
-"""The staging-buffer cache (csrc/io_stage_pool.h): a closed pipeline's ring is kept for the next
-one (page-locking is slow: ~2.4 GiB/s on the H100 machine), at most one ring, buffers of the
-right kind and size only; ``metamat.release_staging_memory()`` and ``METAMAT_STAGING_CACHE=0``
-give the memory back. On CPU the host ring goes through the same cache, so its rules are
-tested here; the CUDA test checks that page-locked and plain buffers are never mixed."""
+"""The staging-buffer cache (csrc/include/metamat/stage_pool.h): a closed pipeline's ring is kept
+for the next one (page-locking is slow: ~2.4 GiB/s on the H100 machine), at most one ring, buffers
+of the right kind and size only; ``metamat.release_staging_memory()`` and
+``METAMAT_STAGING_CACHE=0`` give the memory back. On CPU the host ring goes through the same cache,
+so its rules are tested here; the CUDA test checks that page-locked and plain buffers are never
+mixed."""
 from __future__ import annotations
 
 import numpy as np

@@ -1,4 +1,4 @@
-"""Restricted unpickling (metamat/checkpoint/unpickle.py, csrc/bindings_pickle.cpp): a DCP
+"""Restricted unpickling (metamat/checkpoint/unpickle.py, csrc/python/bindings_pickle.cpp): a DCP
 ``.metadata`` or torch.save ``data.pkl`` never runs what it names, never changes the
 unpickler's own objects, never allocates past its size; real DCP checkpoints of every kind
 still open; ``trust_pickles=True`` is the documented way back to plain pickle."""

@@ -14,10 +14,10 @@
 #include <string>
 #include <vector>
 
-#include "check.h"
+#include "metamat/check.h"
 #include "fill_cpu.h"
 #include "fill_cpu_prefault.h"
-#include "thread_group.h"
+#include "metamat/detail/thread_group.h"
 
 namespace metamat {
 namespace {

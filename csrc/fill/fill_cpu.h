@@ -5,7 +5,7 @@
 #include <string>
 #include <vector>
 
-#include "fill.h"
+#include "metamat/fill.h"
 
 namespace metamat {
 

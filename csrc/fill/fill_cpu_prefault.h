@@ -21,8 +21,8 @@
 #include <thread>
 #include <vector>
 
-#include "fill.h"
-#include "io_prefault.h"  // prefault_enabled, page_mapped, prefault_bytes (shared with the reader)
+#include "metamat/fill.h"
+#include "io/io_prefault.h"  // prefault_enabled, page_mapped, prefault_bytes (the reader's)
 
 namespace metamat {
 

@@ -8,9 +8,9 @@
 #include <algorithm>
 #include <string>
 
-#include "check.h"
-#include "cuda_check.h"
-#include "fill.h"
+#include "metamat/check.h"
+#include "metamat/detail/cuda_check.h"
+#include "metamat/fill.h"
 #include "fill_kernel.cuh"
 #include "fill_sink_cuda.cuh"
 #include "fill_unit_work.h"

@@ -1,6 +1,6 @@
 // Built instead of fill_cuda.cu when the CUDA backend is off (METAMAT_CUDA=0 or no nvcc).
-#include "check.h"
-#include "fill.h"
+#include "metamat/check.h"
+#include "metamat/fill.h"
 
 namespace metamat {
 

@@ -11,12 +11,12 @@
 #include <type_traits>
 #include <vector>
 
-#include "check.h"
-#include "dtype.h"
-#include "fill.h"
+#include "metamat/check.h"
+#include "metamat/dtype.h"
+#include "metamat/fill.h"
 #include "fill_unit_work.h"
 #include "fill_units.h"
-#include "fill_variant.h"
+#include "metamat/fill_variant.h"
 
 namespace metamat {
 namespace {

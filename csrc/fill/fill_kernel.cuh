@@ -9,8 +9,8 @@
 #include <algorithm>
 #include <cstdint>
 
-#include "cuda_check.h"
-#include "fill.h"
+#include "metamat/detail/cuda_check.h"
+#include "metamat/fill.h"
 #include "fill_sink_cuda.cuh"
 #include "fill_unit_work.h"
 #include "fill_units.h"

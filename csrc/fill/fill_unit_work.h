@@ -21,8 +21,8 @@
 #include <type_traits>
 
 #include "fill_units.h"
-#include "fill_variant.h"
-#include "philox.h"
+#include "metamat/fill_variant.h"
+#include "metamat/philox.h"
 
 namespace metamat {
 

@@ -21,8 +21,8 @@
 #include <cstdint>
 #include <string>
 
-#include "check.h"
-#include "fill.h"
+#include "metamat/check.h"
+#include "metamat/fill.h"
 
 namespace metamat {
 

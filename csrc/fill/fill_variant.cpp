@@ -1,12 +1,12 @@
 // The CUDA init kernel's variants by id and name, and the run-time choice (fill_variant.h).
-#include "fill_variant.h"
+#include "metamat/fill_variant.h"
 
 #include <cstdlib>
 #include <string>
 
-#include "check.h"
+#include "metamat/check.h"
 #include "fill_units.h"
-#include "philox.h"
+#include "metamat/philox.h"
 
 namespace metamat {
 

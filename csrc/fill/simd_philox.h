@@ -13,7 +13,7 @@
 //   products are computed once per row on scalars (PhiloxRow), leaving one vector multiply in
 //   each of the first two rounds instead of two.
 #pragma once
-#include "philox.h"
+#include "metamat/philox.h"
 #include "simd_vec.h"
 
 namespace metamat {

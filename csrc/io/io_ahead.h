@@ -20,7 +20,7 @@
 #include <string>
 
 #include "io_fault.h"
-#include "thread_group.h"
+#include "metamat/detail/thread_group.h"
 
 namespace metamat {
 namespace io {

@@ -1,7 +1,7 @@
 // fp32 <-> fp16/bf16 conversion of the reader (dtype.h rules: round to nearest even, as c10).
 #include <cstring>
 
-#include "io_reader.h"
+#include "metamat/io_reader.h"
 
 namespace metamat {
 namespace io {

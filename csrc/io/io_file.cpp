@@ -1,5 +1,5 @@
 // Regular-file opening and identity checks. See io_file.h.
-#include "io_file.h"
+#include "metamat/io_file.h"
 
 #include <errno.h>
 #include <fcntl.h>

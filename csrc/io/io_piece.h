@@ -10,8 +10,8 @@
 
 #include "io_ahead.h"
 #include "io_fault.h"
-#include "io_file.h"
-#include "io_reader.h"
+#include "metamat/io_file.h"
+#include "metamat/io_reader.h"
 
 namespace metamat {
 namespace io {

@@ -1,6 +1,6 @@
 // Thread-pool executor for checkpoint read plans: validate, cut into tasks, run. See
 // io_reader.h; the per-thread read primitive is io_piece.cpp, file handling io_file.cpp.
-#include "io_reader.h"
+#include "metamat/io_reader.h"
 
 #include <algorithm>
 #include <atomic>
@@ -9,10 +9,10 @@
 #include <mutex>
 
 #include "io_fault.h"
-#include "io_file.h"
+#include "metamat/io_file.h"
 #include "io_piece.h"
 #include "io_verify.h"
-#include "thread_group.h"
+#include "metamat/detail/thread_group.h"
 
 namespace metamat {
 namespace io {

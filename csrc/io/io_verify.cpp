@@ -7,7 +7,7 @@
 #include <cstdio>
 #include <cstring>
 
-#include "xxh3.h"
+#include "metamat/xxh3.h"
 
 namespace metamat {
 namespace io {

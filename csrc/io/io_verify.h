@@ -5,9 +5,9 @@
 #include <string>
 #include <vector>
 
-#include "io_file.h"
+#include "metamat/io_file.h"
 #include "io_piece.h"
-#include "io_reader.h"
+#include "metamat/io_reader.h"
 
 namespace metamat {
 namespace io {

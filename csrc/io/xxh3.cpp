@@ -1,7 +1,7 @@
 // XXH3-64, seed 0, default secret. See xxh3.h. Short inputs (0, 1-3, 4-8, 9-16, 17-128,
 // 129-240 bytes) hash in one step; longer ones run the stripe/accumulate/scramble loop over
 // 1024-byte blocks (16 stripes of 64 bytes), then the last stripe and the final merge.
-#include "xxh3.h"
+#include "metamat/xxh3.h"
 
 #include <immintrin.h>
 

@@ -2,9 +2,10 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
-#include "check.h"
-#include "fill.h"
-#include "fill_cpu.h"
+#include "metamat/check.h"
+#include "metamat/fill.h"
+#include "fill/fill_cpu.h"
+#include "dicts.h"
 
 namespace py = pybind11;
 
@@ -88,14 +89,7 @@ PYBIND11_MODULE(_C, m) {
           py::gil_scoped_release nogil;
           st = metamat::fill_cuda_emulated(as_segments(segs), n, force_wide);
         }
-        py::dict d;
-        d["tiles"] = st.tiles;
-        d["segments"] = st.segments;
-        d["philox_calls"] = st.philox_calls;
-        d["vector_stores"] = st.vector_stores;
-        d["vector_bytes"] = st.vector_bytes;
-        d["scalar_stores"] = st.scalar_stores;
-        return d;
+        return metamat_py::emulation_dict(st);
       },
       py::arg("segments_addr"), py::arg("count"), py::arg("force_wide") = false,
       "Run the CUDA launch (segment table, block search, per-thread units, vector/scalar\n"

@@ -1,11 +1,12 @@
 // pybind11 bindings of the GPU speed work's hidden entry points: the init kernel's variants
-// (csrc/fill_variant.h) for A/B benches and the tests that run every variant through the
-// emulation, and the device-side conversion's per-element check (csrc/convert_elem.h).
+// (metamat/fill_variant.h) for A/B benches and the tests that run every variant through the
+// emulation, and the device-side conversion's per-element check (csrc/stage/convert_elem.h).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
-#include "fill.h"
-#include "fill_variant.h"
+#include "metamat/fill.h"
+#include "metamat/fill_variant.h"
+#include "dicts.h"
 
 namespace py = pybind11;
 
@@ -30,15 +31,11 @@ void metamat_bind_fill_variant(py::module_& m) {
       "fill_variants",
       [] {
         py::list out;
-        for (const auto& v : metamat::fill_variants()) {
-          py::dict d;
-          d["id"] = v.id;
-          d["name"] = v.name;
-          d["diagnostic"] = v.diagnostic;
-          d["specialized"] = v.specialized;
-          d["what"] = v.what;
-          out.append(d);
-        }
+        using V = metamat::FillVariantInfo;
+        for (const V& v : metamat::fill_variants())
+          out.append(metamat_py::as_dict(v, MM_FIELD(V, id), MM_FIELD(V, name),
+                                         MM_FIELD(V, diagnostic), MM_FIELD(V, specialized),
+                                         MM_FIELD(V, what)));
         return out;
       },
       "The CUDA init kernel's variants (id, name, diagnostic, specialized, what).");
@@ -74,14 +71,7 @@ void metamat_bind_fill_variant(py::module_& m) {
           st = metamat::fill_cuda_emulated(as_segs(segs), n, force_wide,
                                            {variant, tiles_per_block});
         }
-        py::dict d;
-        d["tiles"] = st.tiles;
-        d["segments"] = st.segments;
-        d["philox_calls"] = st.philox_calls;
-        d["vector_stores"] = st.vector_stores;
-        d["vector_bytes"] = st.vector_bytes;
-        d["scalar_stores"] = st.scalar_stores;
-        return d;
+        return metamat_py::emulation_dict(st);
       },
       py::arg("segments_addr"), py::arg("count"), py::arg("force_wide") = false,
       py::arg("variant") = -1, py::arg("tiles_per_block") = -1,
@@ -94,14 +84,10 @@ void metamat_bind_fill_variant(py::module_& m) {
           py::gil_scoped_release nogil;
           r = metamat::fill_variant_math_check(fn, param);
         }
-        py::dict d;
-        d["checked"] = r.checked;
-        d["mismatches"] = r.mismatches;
-        d["first_input"] = r.first_input;
-        d["want_bits"] = r.want_bits;
-        d["got_bits"] = r.got_bits;
-        d["folded"] = r.folded;
-        return d;
+        using R = metamat::VariantMathCheck;
+        return metamat_py::as_dict(r, MM_FIELD(R, checked), MM_FIELD(R, mismatches),
+                                   MM_FIELD(R, first_input), MM_FIELD(R, want_bits),
+                                   MM_FIELD(R, got_bits), MM_FIELD(R, folded));
       },
       py::arg("fn"), py::arg("param") = 0.0f,
       "Test hook: a variant's math against the plain math over every input.");
@@ -113,11 +99,9 @@ void metamat_bind_fill_variant(py::module_& m) {
           py::gil_scoped_release nogil;
           r = metamat::convert_elem_check(dst_dtype, stride);
         }
-        py::dict d;
-        d["checked"] = r.checked;
-        d["mismatches"] = r.mismatches;
-        d["first_input"] = r.first_input;
-        return d;
+        using R = metamat::ConvertElemCheck;
+        return metamat_py::as_dict(r, MM_FIELD(R, checked), MM_FIELD(R, mismatches),
+                                   MM_FIELD(R, first_input));
       },
       py::arg("dst_dtype"), py::arg("stride") = 1,
       "Test hook: the device conversion's per-element function against the host conversion\n"

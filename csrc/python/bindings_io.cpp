@@ -7,11 +7,12 @@
 #include <optional>
 #include <stdexcept>
 
-#include "io_direct.h"
-#include "io_file.h"
-#include "io_reader.h"
-#include "io_stage.h"
-#include "xxh3.h"
+#include "io/io_direct.h"
+#include "metamat/io_file.h"
+#include "metamat/io_reader.h"
+#include "metamat/stage.h"
+#include "metamat/xxh3.h"
+#include "dicts.h"
 
 #include <unistd.h>
 
@@ -54,28 +55,22 @@ const char* mode_name(const mio::FileReport& f) {
 
 py::dict report(const mio::ReadResult& r) {
   py::list per_file;
-  for (const auto& f : r.files) {
-    py::dict d;
+  using F = mio::FileReport;
+  for (const F& f : r.files) {
+    py::dict d = metamat_py::as_dict(f, MM_FIELD(F, bytes_buffered), MM_FIELD(F, bytes_direct),
+                                     MM_FIELD(F, direct_refused), MM_FIELD(F, refuse_reason));
     d["mode"] = mode_name(f);
-    d["bytes_buffered"] = f.bytes_buffered;
-    d["bytes_direct"] = f.bytes_direct;
-    d["direct_refused"] = f.direct_refused;
-    d["refuse_reason"] = f.refuse_reason;
     per_file.append(d);
   }
-  py::dict out;
-  out["ok"] = r.ok;
-  out["error"] = r.error;
-  out["failed_op"] = r.failed_op;
-  out["wrote"] = r.wrote;
-  out["bytes_read"] = r.bytes_read;
+  using R = mio::ReadResult;
+  py::dict out = metamat_py::as_dict(r, MM_FIELD(R, ok), MM_FIELD(R, error),
+                                     MM_FIELD(R, failed_op), MM_FIELD(R, wrote),
+                                     MM_FIELD(R, bytes_read), MM_FIELD(R, bytes_hashed),
+                                     MM_FIELD(R, bytes_reread), MM_FIELD(R, tasks),
+                                     MM_FIELD(R, threads));
   out["files"] = per_file;
-  out["bytes_hashed"] = r.bytes_hashed;
-  out["bytes_reread"] = r.bytes_reread;
-  out["tasks"] = r.tasks;
-  out["threads"] = r.threads;
   if (r.mismatch) {
-    py::dict mm;
+    py::dict mm;  // named for Python, not as the struct's mismatch_* fields
     mm["file_index"] = r.mismatch_file;
     mm["offset"] = r.mismatch_offset;
     mm["length"] = r.mismatch_length;
@@ -150,7 +145,7 @@ void metamat_bind_io(py::module_& m) {
       "each: file_index, offset, length, xxh3_64 digest bits); mismatch is None or a dict\n"
       "(file_index, offset, length, expected, got) for the first block that differed.");
   py::class_<mio::StagePipeline>(m, "StagePipeline",
-      "The staging pipeline (csrc/io_stage.h): a ring of host buffers (page-locked when a sink\n"
+      "The staging pipeline (metamat/stage.h): a ring of host buffers (page-locked when a sink\n"
       "is CUDA) read into by the reader and copied out by one sink per destination device.\n"
       "Use close() (metamat/load/staged.py does, on every path); the destructor also releases.")
       .def(py::init([](int ring, int64_t buffer_bytes, const std::vector<py::dict>& sinks) {
@@ -222,18 +217,12 @@ void metamat_bind_io(py::module_& m) {
       .def_property_readonly("pinned", &mio::StagePipeline::pinned)
       .def("stats", [](const mio::StagePipeline& self) {
              py::list out;
-             for (const mio::SinkStats& s : self.stats()) {
-               py::dict d;
-               d["copies"] = s.copies;
-               d["bytes"] = s.bytes;
-               d["records"] = s.records;
-               d["waits"] = s.waits;
-               d["reuse_violations"] = s.reuse_violations;
-               d["max_pending"] = s.max_pending;
-               d["began"] = s.began;
-               d["finished"] = s.finished;
-               out.append(d);
-             }
+             using S = mio::SinkStats;
+             for (const S& s : self.stats())
+               out.append(metamat_py::as_dict(
+                   s, MM_FIELD(S, copies), MM_FIELD(S, bytes), MM_FIELD(S, records),
+                   MM_FIELD(S, waits), MM_FIELD(S, reuse_violations), MM_FIELD(S, max_pending),
+                   MM_FIELD(S, began), MM_FIELD(S, finished)));
              return out;
            },
            "Per sink counters: copies, bytes, records, waits, reuse_violations, max_pending,\n"
@@ -241,15 +230,12 @@ void metamat_bind_io(py::module_& m) {
   m.def("stage_live_buffers", &mio::stage_live_buffers,
         "Staging buffers allocated and not yet freed in this process (tests).");
   m.def("stage_pool_stats", [] {
-        const mio::StagePoolStats st = mio::stage_pool_stats();
-        py::dict d;
-        d["cached_buffers"] = st.cached_buffers;
-        d["cached_bytes"] = st.cached_bytes;
-        d["hits"] = st.hits;
-        d["misses"] = st.misses;
-        return d;
+        using S = mio::StagePoolStats;
+        return metamat_py::as_dict(mio::stage_pool_stats(), MM_FIELD(S, cached_buffers),
+                                   MM_FIELD(S, cached_bytes), MM_FIELD(S, hits),
+                                   MM_FIELD(S, misses));
       },
-      "Staging buffers kept for the next pipeline (csrc/io_stage_pool.h): cached_buffers,\n"
+      "Staging buffers kept for the next pipeline (metamat/stage_pool.h): cached_buffers,\n"
       "cached_bytes, and how many buffers were taken from the cache (hits) or allocated.");
   m.def("stage_free_cached", [] {
         py::gil_scoped_release nogil;

@@ -10,7 +10,7 @@
 #include <string>
 #include <unordered_map>
 
-#include "fill.h"
+#include "metamat/fill.h"
 #include "keys.h"
 
 namespace py = pybind11;

@@ -198,5 +198,5 @@ void metamat_bind_pickle(py::module_& m) {
       "Walk the opcodes of the pickle `data` up to its STOP without running it: (why, refused)"
       " with why \"\" if every opcode is known and in bounds and memo indices count up; "
       "refused: the bytes parse but ask for what metamat does not run (see "
-      "csrc/bindings_pickle.cpp). `persistent_ids`: whether PERSID/BINPERSID may occur.");
+      "csrc/python/bindings_pickle.cpp). `persistent_ids`: whether PERSID/BINPERSID may occur.");
 }

@@ -4,7 +4,7 @@
 #include <cstdint>
 #include <string>
 
-#include "quant_rowwise.h"
+#include "metamat/quant_rowwise.h"
 
 namespace py = pybind11;
 

@@ -1,6 +1,6 @@
 // Row-wise quantization into fbgemm's inference TBE rows (see quant_rowwise.h): a scalar
 // kernel and an AVX2 + F16C one, chosen at run time, giving the same bytes.
-#include "quant_rowwise.h"
+#include "metamat/quant_rowwise.h"
 
 #include <algorithm>
 #include <cfloat>
@@ -14,10 +14,10 @@
 #include <immintrin.h>
 #endif
 
-#include "check.h"
-#include "dtype.h"
-#include "io_prefault.h"
-#include "thread_group.h"
+#include "metamat/check.h"
+#include "metamat/dtype.h"
+#include "io/io_prefault.h"
+#include "metamat/detail/thread_group.h"
 
 namespace metamat {
 namespace quant {

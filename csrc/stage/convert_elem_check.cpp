@@ -2,9 +2,9 @@
 // reader's host conversion (dtype.h) over fp32 bit patterns.
 #include <cstdint>
 
-#include "check.h"
+#include "metamat/check.h"
 #include "convert_elem.h"
-#include "dtype.h"
+#include "metamat/dtype.h"
 
 namespace metamat {
 

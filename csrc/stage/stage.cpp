@@ -1,5 +1,5 @@
-// The staging pipeline (io_stage.h): chunking, ring reuse, the host copy sink, buffers.
-#include "io_stage.h"
+// The staging pipeline (stage.h): chunking, ring reuse, the host copy sink, buffers.
+#include "metamat/stage.h"
 
 #include <algorithm>
 #include <chrono>
@@ -9,9 +9,9 @@
 #include <deque>
 #include <thread>
 
-#include "check.h"
+#include "metamat/check.h"
 #include "convert_elem.h"
-#include "dtype.h"
+#include "metamat/dtype.h"
 
 namespace metamat {
 namespace io {

@@ -1,4 +1,4 @@
-// The CUDA copy sink of the staging pipeline (io_stage.h) and page-locked staging memory.
+// The CUDA copy sink of the staging pipeline (stage.h) and page-locked staging memory.
 // Torch-free: the caller's stream arrives as an integer (torch.cuda.current_stream(d).cuda_stream).
 // Every call runs under a device guard (cudaSetDevice to the destination's device, restored
 // after), so a destination on a non-current device is copied on its own device's stream.
@@ -10,10 +10,10 @@
 
 #include <algorithm>
 
-#include "check.h"
+#include "metamat/check.h"
 #include "convert_elem.h"
-#include "cuda_check.h"
-#include "io_stage.h"
+#include "metamat/detail/cuda_check.h"
+#include "metamat/stage.h"
 
 
 namespace metamat {

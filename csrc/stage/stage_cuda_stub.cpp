@@ -1,6 +1,6 @@
-// Built instead of io_stage_cuda.cu when the CUDA backend is off: no CUDA sink, no pinned memory.
-#include "check.h"
-#include "io_stage.h"
+// Built instead of stage_cuda.cu when the CUDA backend is off: no CUDA sink, no pinned memory.
+#include "metamat/check.h"
+#include "metamat/stage.h"
 
 namespace metamat {
 namespace io {

@@ -1,5 +1,5 @@
-// The staging-buffer cache (io_stage_pool.h).
-#include "io_stage_pool.h"
+// The staging-buffer cache (stage_pool.h).
+#include "metamat/stage_pool.h"
 
 #include <cstdlib>
 #include <cstring>
@@ -7,8 +7,8 @@
 #include <string>
 #include <vector>
 
-#include "check.h"
-#include "io_stage.h"
+#include "metamat/check.h"
+#include "metamat/stage.h"
 
 namespace metamat {
 namespace io {

@@ -26,8 +26,8 @@ __all__ = ["Executed", "StageProfile", "execute_plan", "run_reader", "IO_MODES"]
 #: ``io=`` values: ``"auto"`` reads large ranges of files that are not in the page cache
 #: buffered with sequential readahead and drops their pages behind the reader (cold stays
 #: cold, as with O_DIRECT; measured faster than O_DIRECT on this project's virtio disk, see
-#: csrc/io_reader.h; ``METAMAT_IO_AUTO=direct``: O_DIRECT instead), the rest plain buffered;
-#: ``"buffered"`` always uses the page cache and keeps what it read; ``"direct"`` always
+#: csrc/include/metamat/io_reader.h; ``METAMAT_IO_AUTO=direct``: O_DIRECT instead), the rest plain
+#: buffered; ``"buffered"`` always uses the page cache and keeps what it read; ``"direct"`` always
 #: O_DIRECT, pipelined (falling back to buffered per file where the file system refuses it).
 IO_MODES = ("auto", "buffered", "direct")
 #: Work is cut into reader tasks of about this many bytes so threads balance.

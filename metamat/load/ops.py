@@ -4,7 +4,7 @@ The lowest layer of :mod:`metamat.load`: plain data and pure functions, no I/O. 
 (:mod:`.plan`) emits :class:`ReadOp` s; the executors (:mod:`.execute` for CPU destinations,
 :mod:`.staged` for device ones) cut them with :func:`split_ops`, group them with
 :func:`batches` and hand them to the C++ reader as the (n, 9) int64 array of
-:func:`op_array` (``csrc/io_reader.h``, ``struct ReadOp``).
+:func:`op_array` (``csrc/include/metamat/io_reader.h``, ``struct ReadOp``).
 """
 from __future__ import annotations
 

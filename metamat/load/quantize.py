@@ -3,8 +3,8 @@
 A quantized table's row needs its whole float row at once (the scale and bias come from the
 row's minimum and maximum), and the float table must never exist in memory. So its rows are
 read in pieces of a bounded float32 scratch buffer (the reader converts fp16/bf16 to fp32 in
-its copy loop) and the C++ core (``_C.quantize_rows``, csrc/quant_rowwise.h) writes each
-piece's quantized rows, with their scale/bias, straight into the TBE's storage, on the
+its copy loop) and the C++ core (``_C.quantize_rows``, csrc/include/metamat/quant_rowwise.h) writes
+each piece's quantized rows, with their scale/bias, straight into the TBE's storage, on the
 reader's threads' budget. The scratch buffer is part of ``staging_bytes``; host memory stays
 the quantized bytes plus the staging budget.
 

@@ -1,6 +1,6 @@
 """Execute a load plan for device destinations through the C++ staging pipeline.
 
-``metamat._C.StagePipeline`` (``csrc/io_stage.h``) owns ``budget.ring`` host buffers of
+``metamat._C.StagePipeline`` (``csrc/include/metamat/stage.h``) owns ``budget.ring`` host buffers of
 ``budget.ring_bytes`` (page-locked with ``cudaHostAlloc`` when a destination is on CUDA; taken
 from, and given back to, a cache of one ring per process: :func:`release_staging_memory`) and one
 copy sink per destination device. For each chunk of reads it waits for the buffer's previous

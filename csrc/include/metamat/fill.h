@@ -4,9 +4,9 @@
 #include <cstdint>
 #include <string>
 
-#include "dtype.h"
-#include "fill_variant.h"
-#include "philox.h"
+#include "metamat/dtype.h"
+#include "metamat/fill_variant.h"
+#include "metamat/philox.h"
 
 namespace metamat {
 

@@ -6,7 +6,7 @@
 // (files, byte ranges, dtypes) before the first byte is written, so a bad plan writes nothing.
 //
 // Destinations are host memory only. CUDA destinations are filled by the staging pipeline
-// (io_stage.h): it re-targets each chunk's ops at a pinned ring buffer, runs execute_reads on
+// (stage.h): it re-targets each chunk's ops at a pinned ring buffer, runs execute_reads on
 // them, and copies the buffer to the device on its own stream ordered after the caller's.
 // ReadOp keeps a plain destination address so a stage can re-target it.
 #pragma once
@@ -17,8 +17,8 @@
 #include <string>
 #include <vector>
 
-#include "dtype.h"
-#include "io_file.h"
+#include "metamat/dtype.h"
+#include "metamat/io_file.h"
 
 namespace metamat {
 namespace io {

@@ -15,7 +15,7 @@
 // make the caller's stream wait for them in finish(). close() (also the destructor, on every
 // path) drains every sink, calls finish(), joins sink threads and frees the buffers.
 //
-// Sinks: CUDA (io_stage_cuda.cu, CUDA build only: its own non-blocking stream per device,
+// Sinks: CUDA (stage_cuda.cu, CUDA build only: its own non-blocking stream per device,
 // cudaMemcpyAsync / cudaMemcpy2DAsync, an event per buffer, a device guard around every call)
 // and the host "fake copy" sink (memcpy on a separate thread, sequence-number events, same
 // ordering and reuse rules), which destinations in host memory use and the CPU tests drive.
@@ -27,8 +27,8 @@
 #include <string>
 #include <vector>
 
-#include "io_reader.h"
-#include "io_stage_pool.h"
+#include "metamat/io_reader.h"
+#include "metamat/stage_pool.h"
 
 namespace metamat {
 namespace io {
@@ -98,7 +98,7 @@ struct SinkSpec {
 };
 
 std::unique_ptr<CopySink> make_host_sink(const SinkSpec& spec, int ring);
-// io_stage_cuda.cu (io_stage_cuda_stub.cpp throws: built without CUDA).
+// stage_cuda.cu (stage_cuda_stub.cpp throws: built without CUDA).
 std::unique_ptr<CopySink> make_cuda_sink(const SinkSpec& spec, int ring);
 // Page-locked host memory (cudaHostAlloc / cudaFreeHost), allocated with `device` current (so
 // no context is created on another device); the stub throws / does nothing.
@@ -149,7 +149,7 @@ class StagePipeline {
   bool pinned() const { return pinned_; }
 
  private:
-  // A ring buffer, given back to the staging-buffer cache (io_stage_pool.h) when destroyed.
+  // A ring buffer, given back to the staging-buffer cache (stage_pool.h) when destroyed.
   struct Buffer {
     StageMemory m;
     int64_t ring_id = 0;

@@ -134,7 +134,8 @@ _HOOK_ATTRS = frozenset({
 
 def _walked_later() -> Tuple[type, ...]:
     """Types whose objects the walk visits one at a time, once nothing else is queued: TorchRec's
-    sharded modules (each module's objects were made together; see csrc/bindings_graph.cpp)."""
+    sharded modules (each module's objects were made together; see
+    csrc/python/graph_walk.h)."""
     types_ = sys.modules.get("torchrec.distributed.types")  # a model holds none without it
     return (types_.ShardedModule,) if types_ is not None else ()
 
@@ -447,7 +448,7 @@ def scan(root: Any, *extra_roots: Any) -> Graph:
     references per table) and keeps what it finds in a ``_C.GraphRecord``, which the
     graph's ``objects`` and ``slots`` read; :func:`scan_reference` is the same walk in Python,
     its specification. It goes breadth-first, TorchRec's sharded modules one at a time: close
-    to the order the objects were made in (csrc/bindings_graph.cpp says why).
+    to the order the objects were made in (csrc/python/graph_walk.h says why).
 
     Args:
         root: usually the model (a DMP or any ``nn.Module``).

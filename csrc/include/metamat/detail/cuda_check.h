@@ -6,7 +6,7 @@
 
 #include <string>
 
-#include "check.h"
+#include "metamat/check.h"
 
 #define MM_CUDA_CHECK(expr)                                                                \
   do {                                                                                     \
