@@ -33,7 +33,7 @@ from .checkpoint import CheckpointError, open_checkpoint
 from .checkpoint.base import Checkpoint, TensorEntry, itemsize, numel
 from .blocks import row_blocks, view_shape
 from .checkpoint.view import CheckpointView
-from .load import plan_load
+from .load import plan_reads
 from .plan import Target
 
 SHARDINGS = ("table_wise", "row_wise", "column_wise", "data_parallel")
@@ -141,7 +141,7 @@ def plan_info(ckpt: Checkpoint, world: int, sharding: str, ranks: List[int]) -> 
                           {n: e.global_shape for n, e in names.items() if len(e.global_shape) > 2})
     per_rank = {}
     for r in ranks:
-        p = plan_load(rank_targets(ckpt, world, r, sharding), view, check_destinations=False)
+        p = plan_reads(rank_targets(ckpt, world, r, sharding), view, check_destinations=False)
         planned = sum(op.src_bytes for op in p.ops)
         files = sorted({os.path.basename(p.files[op.file_index]) for op in p.ops})
         per_rank[r] = {"tensors": len({t.fqn for t in p.targets}), "bytes_needed": p.bytes_needed,

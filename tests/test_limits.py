@@ -1,13 +1,12 @@
-"""metamat.checkpoint.limits: path containment, JSON, short reprs, the limit variables."""
+"""metamat.checkpoint.limits and .access: path containment, JSON, short reprs, limits."""
 import os
 
 import pytest
 
 from metamat.checkpoint import (InvalidHeaderError, LimitExceededError, ReadError,
                                 UnsafePathError)
-from metamat.checkpoint.limits import (METADATA_BYTES, check, contained_path, limit,
-                                       loads_json, open_regular, read_metadata_file,
-                                       short_repr)
+from metamat.checkpoint.access import contained_path, open_regular, read_metadata_file
+from metamat.checkpoint.limits import METADATA_BYTES, check, limit, loads_json, short_repr
 
 
 @pytest.mark.parametrize("rel", ["a.bin", "sub/a.bin", "sub/../a.bin", "./a.bin"])

@@ -7,7 +7,6 @@ the load planner (``metamat.load``) only ever sees this representation.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Dict, List, NamedTuple, Optional, Tuple
 
@@ -15,9 +14,9 @@ import torch
 
 from ..dtypes import itemsize
 from . import storage as fs
+from .access import open_regular
 from .errors import (InvalidOffsetError, MissingFileError, ReadError, ShapeMismatchError,
                      TruncatedFileError)
-from .limits import open_regular
 
 __all__ = ["Chunk", "TensorEntry", "Checkpoint", "itemsize", "numel", "open_binary"]
 
@@ -148,18 +147,15 @@ class Checkpoint:
         self._identities: Dict[str, Tuple[int, int, int, int]] = {}
         for f in self.files:
             try:
-                if fs.is_remote(f):  # identity is the ETag recorded at open (storage.py)
-                    sizes[f] = fs.getsize(f)
-                    continue
-                st = os.stat(f)
+                st = fs.storage_for(f).stat(f)
             except FileNotFoundError:
                 raise MissingFileError("data file does not exist", file=f) from None
             except (OSError, ValueError) as e:  # not a directory, symlink loop, NUL byte
                 raise ReadError(f"cannot stat data file ({getattr(e, 'strerror', None) or e})",
                                 file=f) from None
-            sizes[f] = st.st_size
-            # what the reader later checks, so a same-size rewrite after open is refused
-            self._identities[f] = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+            sizes[f] = st.size
+            if st.identity is not None:  # None: the storage pins the object itself (S3)
+                self._identities[f] = st.identity
         for e in self._entries.values():
             for ch in e.chunks:
                 end = ch.byte_offset + ch.nbytes

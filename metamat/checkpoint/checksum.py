@@ -24,10 +24,11 @@ import os
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
+from .access import contained_path, read_metadata_file
 from .atomic import atomic_write
 from .base import Checkpoint, open_binary
 from .errors import ChecksumMismatchError, InvalidHeaderError
-from .limits import contained_path, loads_json, read_metadata_file, short_repr
+from .limits import loads_json, short_repr
 
 __all__ = ["ALGORITHM", "DEFAULT_BLOCK_BYTES", "ChunkSum", "Manifest", "VerifyResult",
            "sidecar_path", "build_manifest", "write_manifest", "read_manifest",

@@ -15,20 +15,20 @@ Two serialization formats exist:
 from __future__ import annotations
 
 import io
-import os
 from typing import Dict, List, Optional, Tuple
 
 import torch
 
 from . import storage as fs
 from .._gcpause import gc_paused
+from .access import contained_path, read_metadata_file
 from .base import Checkpoint, Chunk, TensorEntry, open_binary
 from .errors import (CheckpointError, DtypeMismatchError, InvalidHeaderError,
                      InvalidOffsetError, ShapeMismatchError,
                      TruncatedFileError, UnsupportedFormatError)
-from .limits import METADATA_BYTES, contained_path, limit, loads_json, read_metadata_file
+from .limits import METADATA_BYTES, limit, loads_json
 from .safetensors import read_header
-from .torch_save import (TensorRef, TorchSaveArchive, _RestrictedUnpickler, parse_torch_save,
+from .torch_save import (RestrictedUnpickler, TensorRef, TorchSaveArchive, parse_torch_save,
                          tensor_chunk)
 from .unpickle import load_dcp_metadata
 
@@ -37,10 +37,9 @@ __all__ = ["open_dcp", "is_dcp_dir"]
 
 def is_dcp_dir(path: str) -> bool:
     """True if ``path`` is a directory holding a DCP ``.metadata`` file."""
-    if fs.is_remote(path):
-        return fs.isfile(fs.join(path, ".metadata"))
     # lexists: a .metadata that is a FIFO or dangling link is refused by name, not skipped
-    return os.path.isdir(path) and os.path.lexists(os.path.join(path, ".metadata"))
+    # (a file's "/.metadata" exists nowhere)
+    return fs.lexists(fs.join(path, ".metadata"))
 
 
 def _read_metadata(path: str, trust_pickles: bool = False):
@@ -218,7 +217,7 @@ def _unpickled(f: str, data: bytes, pickles: Dict[bytes, object]):
     obj = pickles.get(data)
     if obj is None:
         try:
-            obj = pickles[data] = _RestrictedUnpickler(io.BytesIO(data), f).load()
+            obj = pickles[data] = RestrictedUnpickler(io.BytesIO(data), f).load()
         except Exception:  # noqa: BLE001 - anything odd: the careful parser decides
             return None
     return obj

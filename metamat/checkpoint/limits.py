@@ -18,24 +18,19 @@ entries of one store listing   ``METAMAT_MAX_LIST_ENTRIES``          100,000
 
 Integers in JSON are bounded by Python's own digit limit (``PYTHONINTMAXSTRDIGITS``).
 
-The module also holds the two guards every metadata open and every metadata-named path go
-through: :func:`open_regular` (non-blocking open, regular files only) and
-:func:`contained_path` (a path from a checkpoint's metadata stays inside its directory).
+The guards every metadata open and every metadata-named path go through are in
+:mod:`.access`.
 """
 from __future__ import annotations
 
 import json
 import os
-import stat
-from typing import Any, Optional
+from typing import Any
 
-from . import storage as fs
-from .errors import (InvalidHeaderError, LimitExceededError, MissingFileError, ReadError,
-                     UnsafePathError)
+from .errors import InvalidHeaderError, LimitExceededError
 
 __all__ = ["METADATA_BYTES", "PICKLE_OBJECTS", "PICKLE_DEPTH", "JSON_DEPTH", "LIST_ENTRIES",
-           "limit", "check",
-           "open_regular", "read_metadata_file", "loads_json", "contained_path", "short_repr"]
+           "limit", "check", "loads_json", "short_repr"]
 
 # name -> (environment variable, default)
 METADATA_BYTES = ("metadata bytes", "METAMAT_MAX_METADATA_BYTES", 1 << 30)
@@ -73,61 +68,6 @@ def check(which, value: int, file=None, tensor=None, what: str = "") -> None:
             f"{what or name}: {value} is above the limit of {m} ({name}); raise it with the "
             f"environment variable {env}=N", limit=name, value=value, maximum=m, env=env,
             file=file, tensor=tensor)
-
-
-_KINDS = [(stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
-          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
-          (stat.S_ISSOCK, "a socket")]
-
-
-def open_regular(path: str, what: str = "file", tensor: Optional[str] = None):
-    """Open ``path`` for binary reading, never blocking, and only if it is a regular file
-    (symlinks are followed first).
-
-    ``O_NONBLOCK`` makes opening a FIFO return at once instead of waiting for a writer; the
-    ``fstat`` of the opened descriptor then refuses it (and character devices such as a
-    symlink to ``/dev/zero``, which would read forever).
-
-    Raises:
-        MissingFileError: ``path`` does not exist.
-        ReadError: it is not a regular file, or the OS refuses to open it.
-    """
-    if fs.is_remote(path):  # an object: no special files, just a ranged-read file object
-        try:
-            return fs.open_raw(path)
-        except FileNotFoundError:
-            raise MissingFileError(f"{what} does not exist", file=path, tensor=tensor) from None
-        except OSError as e:
-            raise ReadError(f"cannot open {what} ({e.strerror or e})", file=path,
-                            tensor=tensor) from None
-        except ValueError as e:  # not a usable URL (no bucket)
-            raise ReadError(str(e), file=path, tensor=tensor) from None
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        raise MissingFileError(f"{what} does not exist", file=path, tensor=tensor) from None
-    except ValueError:  # embedded NUL byte
-        raise ReadError(f"{what} path holds a NUL byte", file=repr(path), tensor=tensor) from None
-    except OSError as e:
-        raise ReadError(f"cannot open {what} ({e.strerror or e})", file=path,
-                        tensor=tensor) from None
-    try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            kind = next((k for test, k in _KINDS if test(mode)), "not a regular file")
-            raise ReadError(f"{what} is {kind}, not a regular file", file=path, tensor=tensor)
-        return os.fdopen(fd, "rb")
-    except BaseException:
-        os.close(fd)
-        raise
-
-
-def read_metadata_file(path: str, what: str) -> bytes:
-    """All bytes of a metadata file, refusing special files and files above the size limit
-    before reading (a sparse multi-GiB file fails at ``fstat``)."""
-    with open_regular(path, what) as f:
-        check(METADATA_BYTES, fs.fsize(f), file=path, what=f"{what} size")
-        return f.read(limit(METADATA_BYTES) + 1)
 
 
 def loads_json(raw: bytes, what: str, file: str, object_pairs_hook=None,
@@ -193,41 +133,6 @@ def _deeper(doc: Any, depth: int) -> bool:
             if type(v) is dict or type(v) is list:
                 push((v, d + 1))
     return False
-
-
-def contained_path(root: str, rel: Any, what: str, where: str,
-                   tensor: Optional[str] = None) -> str:
-    """``root/rel`` for a path a checkpoint's own metadata names, kept inside ``root``.
-
-    The check is lexical (after ``normpath``), not on resolved symlinks: a symlink sitting in
-    the directory is followed (HF cache snapshots link into ``../../blobs``), but the
-    metadata cannot name ``../x``, an absolute path or a NUL byte.
-
-    Args:
-        root: the checkpoint directory.
-        rel: the path as the metadata spells it.
-        what: what the path is, for the message (``"weight_map entry"``).
-        where: the metadata file, named by the error.
-
-    Raises:
-        UnsafePathError: ``rel`` is not a non-empty relative string inside ``root``.
-    """
-    if not isinstance(rel, str) or not rel:
-        raise UnsafePathError(f"{what} {short_repr(rel)} is not a file name", file=where,
-                              tensor=tensor)
-    if "\0" in rel:
-        raise UnsafePathError(f"{what} {short_repr(rel)} holds a NUL byte", file=where,
-                              tensor=tensor)
-    if os.path.isabs(rel):
-        raise UnsafePathError(f"{what} {short_repr(rel)} is an absolute path", file=where,
-                              tensor=tensor)
-    sep = "/" if fs.is_remote(root) else os.sep
-    root = fs.normpath(fs.abspath(root))
-    p = fs.normpath(fs.join(root, rel))
-    if not p.startswith(root.rstrip(sep) + sep):
-        raise UnsafePathError(f"{what} {short_repr(rel)} leaves the checkpoint directory",
-                              file=where, tensor=tensor)
-    return p
 
 
 def short_repr(x: Any, n: int = 80) -> str:

@@ -6,7 +6,7 @@ import os
 from . import storage as fs
 from .base import Checkpoint, open_binary
 from .dcp import is_dcp_dir, open_dcp
-from .errors import CheckpointError, MissingFileError, ReadError, UnsupportedFormatError
+from .errors import UnsupportedFormatError
 from .safetensors import (looks_like_safetensors, open_safetensors_dir, open_safetensors_file,
                           open_safetensors_index)
 from .torch_save import open_torch_save
@@ -54,33 +54,16 @@ def open_checkpoint(path, *, storage_options=None, trust_pickles: bool = False) 
         CheckpointError: any other error of the format's parser, for a damaged file.
     """
     path = os.fspath(path)
-    if fs.is_remote(path):
-        with fs.using(storage_options):
-            try:
-                ck = _open(path, trust_pickles)
-            except CheckpointError:
-                raise
-            except (OSError, ValueError) as e:  # unreachable, denied, no bucket (no secrets)
-                raise ReadError(str(e), file=path) from None
-            # what the reads will require (If-Match): this open's ETags, not a later one's
-            ck.remote_meta = {f: fs.remote_meta(f) for f in ck.files}
-        return ck
-    return _open(path, trust_pickles)
+    store = fs.storage_for(path)
+    with store.opening(path, storage_options):  # S3: one deadline, pins, named failures
+        ck = _open(path, store, trust_pickles)
+        ck.remote_meta = store.pins(ck.files)  # what the reads will require of each object
+    return ck
 
 
-def _open(path: str, trust_pickles: bool = False) -> Checkpoint:
-    if fs.is_remote(path):
-        if not fs.exists(path):
-            raise MissingFileError("checkpoint path does not exist", file=path)
-    else:
-        try:
-            os.stat(path)
-        except FileNotFoundError:
-            raise MissingFileError("checkpoint path does not exist", file=path) from None
-        except (OSError, ValueError) as e:  # symlink loop, permission, NUL byte
-            raise ReadError("cannot access checkpoint path "
-                            f"({getattr(e, 'strerror', None) or e})", file=path) from None
-    if fs.isdir(path):
+def _open(path: str, store: fs.Storage, trust_pickles: bool = False) -> Checkpoint:
+    store.require(path)
+    if store.isdir(path):
         if is_dcp_dir(path):
             return open_dcp(path, trust_pickles=trust_pickles)
         return open_safetensors_dir(path)

@@ -16,11 +16,12 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from . import storage as fs
+from .access import contained_path, open_regular, read_metadata_file
 from .base import Checkpoint, Chunk, TensorEntry, itemsize, numel, open_binary
 from .errors import (CheckpointError, DtypeMismatchError, HeaderTooLargeError,
                      InvalidHeaderError, InvalidOffsetError, MissingFileError,
                      MissingTensorError, ReadError, TruncatedFileError, UnsupportedFormatError)
-from .limits import contained_path, loads_json, open_regular, read_metadata_file, short_repr
+from .limits import loads_json, short_repr
 
 __all__ = ["MAX_HEADER_SIZE", "SAFETENSORS_DTYPES", "SafetensorsHeader", "read_header",
            "open_safetensors_file", "open_safetensors_index", "open_safetensors_dir",

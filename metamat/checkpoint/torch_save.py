@@ -30,8 +30,8 @@ from .errors import (CheckpointError, InvalidHeaderError, InvalidOffsetError,
 from .limits import METADATA_BYTES, PICKLE_DEPTH, PICKLE_OBJECTS, check, limit, short_repr
 from .unpickle import Call, refuse, scan
 
-__all__ = ["StorageRef", "TensorRef", "TorchSaveArchive", "parse_torch_save",
-           "open_torch_save", "tensor_chunk"]
+__all__ = ["StorageRef", "TensorRef", "TorchSaveArchive", "RestrictedUnpickler",
+           "parse_torch_save", "open_torch_save", "tensor_chunk"]
 
 # What zipfile / struct raise on damaged archives (beyond BadZipFile).
 _ZIP_ERRORS = (zipfile.BadZipFile, zlib.error, EOFError, OSError, ValueError, struct.error,
@@ -127,7 +127,7 @@ _GLOBALS = {
 }
 
 
-class _RestrictedUnpickler(pickle.Unpickler):
+class RestrictedUnpickler(pickle.Unpickler):
     """The ``data.pkl`` unpickler. ``f`` is a ``BytesIO`` over the pickle: :meth:`load` walks
     its opcodes (:func:`.unpickle.scan`) before running any. ``trust``: globals outside the
     whitelist resolve as plain ``pickle`` does (``trust_pickles=True``, for a trusted file
@@ -163,6 +163,9 @@ class _RestrictedUnpickler(pickle.Unpickler):
                     else short_repr(pid))
             raise UnsafePickleError(f"unsupported persistent id {what}", file=self._where)
         return StorageRef(str(pid[2]), _STORAGE_DTYPES[pid[1].name], int(pid[4]))
+
+
+_RestrictedUnpickler = RestrictedUnpickler  # the former name, as tests import it
 
 
 class _Window(io.RawIOBase):
@@ -293,7 +296,7 @@ def parse_torch_save(path: str, base: int = 0, length: Optional[int] = None,
             data_start(pkl[0], pkl[0].compress_size)
             try:
                 raw = _read_record(zf, pkl[0], path)
-                obj = _RestrictedUnpickler(io.BytesIO(raw), path, trust=trust_pickles).load()
+                obj = RestrictedUnpickler(io.BytesIO(raw), path, trust=trust_pickles).load()
             except CheckpointError as e:  # raised in a pickle callback, without the file
                 if e.file is None and type(e).__init__ is CheckpointError.__init__:
                     raise type(e)(e.detail, file=path, tensor=e.tensor) from None

@@ -3,11 +3,12 @@
 Layers, lowest first (each imports only those before it):
 
 * :mod:`.ops`: ``ReadOp``, packing for the C++ reader, cutting and batching;
-* :mod:`.plan`: :func:`plan_load` matches targets to checkpoint chunks and validates
-  everything before the first byte is read (pure, allocates nothing);
+* :mod:`.plan`: :func:`plan_reads` matches targets to checkpoint chunks and validates
+  everything before the first byte is read (pure, allocates nothing): the :class:`ReadPlan`;
 * :mod:`.verify`: checksum manifests checked while streaming;
-* :mod:`.execute` (host destinations, read in place) and :mod:`.staged` (device
-  destinations, through a ring of pinned staging buffers);
+* :mod:`.execute` (host destinations, read in place), :mod:`.staged` (device destinations,
+  through a ring of pinned staging buffers) and :mod:`.remote` (files of a storage without OS
+  files, e.g. S3: ranged reads);
 * this module: :func:`execute`, the one entry every model kind calls, and
   :func:`load_targets` (plan + execute, for callers holding bare targets).
 """
@@ -23,46 +24,39 @@ from ..budget import StagingBudget
 from ..checkpoint import storage as fs
 from ..checkpoint.base import Checkpoint
 from ..plan import Target
-from .execute import Executed, StageProfile, execute_plan
+from .execute import Executed, execute_plan
 from .ops import ReadOp, default_io_threads
-from .plan import LoadPlan, plan_load, validate_destination
+from .plan import LoadPlan, ReadPlan, plan_load, plan_reads, validate_destination
 from .verify import resolve_manifest
 
-__all__ = ["ReadOp", "LoadPlan", "LoadStats", "plan_load", "execute", "load_targets",
-           "validate_destination", "resolve_manifest", "default_io_threads"]
+__all__ = ["ReadOp", "ReadPlan", "LoadStats", "plan_reads", "execute", "load_targets",
+           "validate_destination", "resolve_manifest", "default_io_threads",
+           "LoadPlan", "plan_load"]
 
 
 @dataclass
-class LoadStats:
-    """What a load did.
+class LoadStats(Executed):
+    """What a load did: the executor's counters (:class:`~metamat.load.execute.Executed`:
+    ``bytes_read`` with the gaps of coalesced strided reads, ``bytes_verified`` against the
+    checksum manifest, ``bytes_reread`` of those read again to complete a block's hash,
+    ``bytes_direct``, ``staging_seconds`` of ``seconds`` spent allocating (for CUDA:
+    page-locking) the staging ring, ``stage``), and:
 
     Attributes:
         bytes_needed: checkpoint bytes the targets need (source dtype).
-        bytes_read: bytes actually read from files (gaps of coalesced strided reads included).
         read_amplification: ``bytes_read / bytes_needed`` (1.0 when nothing was needed).
         seconds: wall time of planning plus reading.
         missing: targets not in the checkpoint (non-strict); the caller initialises them.
         loaded: number of targets filled.
         ops: number of read ops executed.
-        bytes_verified: checkpoint bytes checked against the checksum manifest
-            (``verify=True``: the blocks the reads touched).
-        bytes_reread: of those, bytes read again from the files (block ends beyond what was
-            needed, strided or converted reads).
-        staging_seconds: of ``seconds``, allocating (for CUDA: page-locking) the staging ring.
-        stage: where a staged load's time went (:class:`~metamat.load.execute.StageProfile`).
     """
 
     bytes_needed: int = 0
-    bytes_read: int = 0
     read_amplification: float = 1.0
     seconds: float = 0.0
     missing: List[Target] = field(default_factory=list)
     loaded: int = 0
     ops: int = 0
-    bytes_verified: int = 0
-    bytes_reread: int = 0
-    staging_seconds: float = 0.0
-    stage: StageProfile = field(default_factory=StageProfile)
 
     @property
     def gbps(self) -> float:
@@ -70,17 +64,7 @@ class LoadStats:
         return self.bytes_needed / self.seconds / 1e9 if self.seconds > 0 else 0.0
 
 
-def _subplan(plan: LoadPlan, keep: Sequence[int]) -> LoadPlan:
-    """The part of ``plan`` writing the targets at indices ``keep`` (renumbered)."""
-    index = {old: new for new, old in enumerate(keep)}
-    ops = [ReadOp(o.file_index, o.file_offset, o.row_bytes, o.rows, o.src_stride,
-                  index[o.dst_index], o.dst_offset, o.dst_stride, o.src_dtype, o.dst_dtype)
-           for o in plan.ops if o.dst_index in index]
-    return LoadPlan(plan.files, [plan.targets[i] for i in keep], ops,
-                    identities=plan.identities)
-
-
-def execute(plan: LoadPlan, *, io_threads: Optional[int] = None,
+def execute(plan: ReadPlan, *, io_threads: Optional[int] = None,
             staging_bytes: int = 256 << 20,
             progress: Optional[Callable[[int, int], None]] = None,
             verify=None, staged: Union[bool, Callable[[Target], bool]] = False,
@@ -92,7 +76,7 @@ def execute(plan: LoadPlan, *, io_threads: Optional[int] = None,
     (:class:`metamat.budget.StagingBudget`).
 
     Args:
-        plan: from :func:`plan_load`, with every target's ``tensor`` real.
+        plan: from :func:`plan_reads`, with every target's ``tensor`` real.
         io_threads: reader threads (default :func:`default_io_threads`: this process's CPUs,
             shared by the node's ranks, at most 16).
         staging_bytes: host memory budget for bounce and staging buffers.
@@ -110,7 +94,7 @@ def execute(plan: LoadPlan, *, io_threads: Optional[int] = None,
         ReadError, ChecksumMismatchError: destinations may be partly written.
         ValueError: a bad ``io_threads``/``staging_bytes``.
     """
-    if plan.files and any(fs.is_remote(f) for f in plan.files):
+    if plan.files and not fs.storage_for(plan.files[0]).os_files:  # objects: ranged reads
         from .remote import execute_plan_remote
         return execute_plan_remote(plan, staging_bytes=int(staging_bytes), progress=progress,
                                    verify=verify)
@@ -135,19 +119,14 @@ def execute(plan: LoadPlan, *, io_threads: Optional[int] = None,
     for keep, use_ring in ((on_host, False), (on_device, True)):
         if not keep:
             continue
-        sub = plan if len(keep) == len(plan.targets) else _subplan(plan, keep)
+        sub = plan if len(keep) == len(plan.targets) else plan.subplan(keep)
         budget = StagingBudget.split(int(staging_bytes), threads, staged=use_ring)
         if use_ring:
             from .staged import execute_plan_staged
             r = execute_plan_staged(sub, budget, progress=part(done), verify=verify, io=io)
         else:
             r = execute_plan(sub, budget, progress=part(done), verify=verify, io=io)
-        out.bytes_read += r.bytes_read
-        out.bytes_verified += r.bytes_verified
-        out.bytes_reread += r.bytes_reread
-        out.bytes_direct += r.bytes_direct
-        out.staging_seconds += r.staging_seconds
-        out.stage.merge(r.stage)
+        out.merge(r)
         done += sub.src_bytes
     return out
 
@@ -159,7 +138,7 @@ def load_targets(targets: Sequence[Target], ckpt: Checkpoint, *, strict: bool = 
                  staged: bool = False, verify=False, io: str = "auto") -> LoadStats:
     """Fill each target's ``tensor`` with its block of the checkpoint tensor ``target.fqn``.
 
-    Everything is validated (see :func:`plan_load`) before the first byte is written, so a
+    Everything is validated (see :func:`plan_reads`) before the first byte is written, so a
     failed validation leaves every destination as it was.
 
     Args:
@@ -183,13 +162,12 @@ def load_targets(targets: Sequence[Target], ckpt: Checkpoint, *, strict: bool = 
     """
     t0 = time.perf_counter()
     manifest = resolve_manifest(ckpt, verify)
-    plan = plan_load(targets, ckpt, strict=strict, dtype=dtype)
+    plan = plan_reads(targets, ckpt, strict=strict, dtype=dtype)
     r = execute(plan, io_threads=io_threads, staging_bytes=staging_bytes, progress=progress,
                 verify=manifest, staged=staged, io=io)
-    return LoadStats(bytes_needed=plan.bytes_needed, bytes_read=r.bytes_read,
-                     read_amplification=(r.bytes_read / plan.bytes_needed
-                                         if plan.bytes_needed else 1.0),
-                     seconds=time.perf_counter() - t0, missing=plan.missing,
-                     loaded=len(plan.targets), ops=len(plan.ops),
-                     bytes_verified=r.bytes_verified, bytes_reread=r.bytes_reread,
-                     staging_seconds=r.staging_seconds, stage=r.stage)
+    stats = LoadStats(bytes_needed=plan.bytes_needed, missing=plan.missing,
+                      loaded=len(plan.targets), ops=len(plan.ops))
+    stats.merge(r)
+    stats.read_amplification = r.bytes_read / plan.bytes_needed if plan.bytes_needed else 1.0
+    stats.seconds = time.perf_counter() - t0
+    return stats

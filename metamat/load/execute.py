@@ -1,6 +1,6 @@
 """Execute a load plan: the C++ reader fills host destinations in place, batch by batch.
 
-The ops of a :class:`~metamat.load.plan.LoadPlan` whose destinations are host memory go to
+The ops of a :class:`~metamat.load.plan.ReadPlan` whose destinations are host memory go to
 ``metamat._C.read_plan`` (a thread pool writing straight into the destination memory,
 converting fp32 <-> fp16/bf16 in the copy loop, buffered or ``O_DIRECT`` reads, checking each
 file's identity against what the checkpoint recorded when it was opened) in batches of
@@ -18,7 +18,7 @@ from ..budget import StagingBudget
 from ..checkpoint.errors import ReadError
 from . import ops as _ops
 from .ops import ReadOp, batches, op_array
-from .plan import LoadPlan
+from .plan import ReadPlan
 from .verify import block_index
 
 __all__ = ["Executed", "StageProfile", "execute_plan", "run_reader", "IO_MODES"]
@@ -83,7 +83,18 @@ class Executed:
     stage: StageProfile = field(default_factory=StageProfile)
     warnings: List[str] = field(default_factory=list)
 
+    def merge(self, o: "Executed") -> None:
+        """Add another executor's counters to these (a load run in several parts)."""
+        self.bytes_read += o.bytes_read
+        self.bytes_verified += o.bytes_verified
+        self.bytes_reread += o.bytes_reread
+        self.bytes_direct += o.bytes_direct
+        self.staging_seconds += o.staging_seconds
+        self.stage.merge(o.stage)
+        self.warnings += o.warnings
+
     def add(self, r: dict) -> None:
+        """Add the counters of one C++ reader result (its dict)."""
         self.bytes_read += r["bytes_read"]
         self.bytes_verified += r.get("bytes_hashed", 0)
         self.bytes_reread += r.get("bytes_reread", 0)
@@ -93,7 +104,7 @@ class Executed:
                                       r.get("threads", 0)))
 
 
-def run_reader(plan: LoadPlan, ops: Sequence[ReadOp], ptrs: Sequence[int],
+def run_reader(plan: ReadPlan, ops: Sequence[ReadOp], ptrs: Sequence[int],
                budget: StagingBudget, name_of: Callable[[int], str], *, io: str = "auto",
                coalesce_gap: Optional[int] = None, blocks=None) -> dict:
     """Run ``ops`` on the C++ reader; ``ptrs[op.dst_index]`` is each destination's base
@@ -125,7 +136,7 @@ def run_reader(plan: LoadPlan, ops: Sequence[ReadOp], ptrs: Sequence[int],
     return r
 
 
-def execute_plan(plan: LoadPlan, budget: StagingBudget, *,
+def execute_plan(plan: ReadPlan, budget: StagingBudget, *,
                  progress: Optional[Callable[[int, int], None]] = None,
                  verify=None, io: str = "auto", coalesce_gap: Optional[int] = None) -> Executed:
     """Run ``plan``'s reads into its targets' (host) tensors.

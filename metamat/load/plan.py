@@ -1,6 +1,8 @@
-"""Plan a load: which bytes of which file land where, validated before anything is read.
+"""The read plan of a load: which bytes of which file land where, validated before anything is
+read (not to be confused with :mod:`metamat.plan`, the targets and storages of a call, nor with
+TorchRec's sharding plan).
 
-:func:`plan_load` (pure Python, allocates nothing, reads no tensor data) matches targets to
+:func:`plan_reads` (pure Python, allocates nothing, reads no tensor data) matches targets to
 checkpoint tensors by fqn, validates everything (shapes, dtypes, coverage, byte ranges, file
 sizes and, once allocated, destinations) and intersects each target box with each saved chunk
 box, emitting minimal :class:`~metamat.load.ops.ReadOp` s: one contiguous run when the
@@ -16,8 +18,9 @@ requires every saved tensor to have that dtype.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -30,12 +33,13 @@ from ..dtypes import CONVERTIBLE
 from ..plan import Target
 from .ops import ReadOp
 
-__all__ = ["LoadPlan", "plan_load", "validate_destination", "check_conversion"]
+__all__ = ["ReadPlan", "plan_reads", "validate_destination", "check_conversion",
+           "LoadPlan", "plan_load"]
 
 
 @dataclass
-class LoadPlan:
-    """Everything an executor needs; plain data.
+class ReadPlan:
+    """Everything a read executor needs; plain data.
 
     Attributes:
         files: data files, indexed by ``ReadOp.file_index``.
@@ -45,6 +49,8 @@ class LoadPlan:
         bytes_needed: source bytes of the regions the targets need.
         identities: per file, (st_dev, st_ino, st_size, st_mtime_ns) as recorded when the
             checkpoint was opened (-1: unchecked); the reader refuses a file that changed.
+        pins: for files of a storage that pins its objects itself (S3), what the reads must
+            require of each, recorded at open (``Checkpoint.remote_meta``); else None.
     """
 
     files: List[str]
@@ -53,11 +59,21 @@ class LoadPlan:
     missing: List[Target] = field(default_factory=list)
     bytes_needed: int = 0
     identities: List[Tuple[int, int, int, int]] = field(default_factory=list)
+    pins: Optional[Dict[str, Any]] = None
 
     @property
     def src_bytes(self) -> int:
         """Source bytes the ops read (before coalescing)."""
         return sum(o.src_bytes for o in self.ops)
+
+    def subplan(self, keep: Sequence[int]) -> "ReadPlan":
+        """The part of this plan writing the targets at indices ``keep`` (renumbered)."""
+        index = {old: new for new, old in enumerate(keep)}
+        ops = [ReadOp(o.file_index, o.file_offset, o.row_bytes, o.rows, o.src_stride,
+                      index[o.dst_index], o.dst_offset, o.dst_stride, o.src_dtype, o.dst_dtype)
+               for o in self.ops if o.dst_index in index]
+        return dataclasses.replace(self, targets=[self.targets[i] for i in keep], ops=ops,
+                                   missing=[], bytes_needed=0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -203,15 +219,15 @@ def validate_destination(t: Target) -> None:
         raise DestinationError(f"destination stride {x.stride(0)} != 1", tensor=t.fqn)
 
 
-def plan_load(targets: Sequence[Target], ckpt: Checkpoint, *, strict: bool = True,
-              dtype: Union[None, str, torch.dtype] = None,
-              check_destinations: bool = True) -> LoadPlan:
+def plan_reads(targets: Sequence[Target], ckpt: Checkpoint, *, strict: bool = True,
+               dtype: Union[None, str, torch.dtype] = None,
+               check_destinations: bool = True) -> ReadPlan:
     """Validate the load of ``targets`` from ``ckpt`` and compute the reads.
 
     Args:
         targets: blocks to fill; ``fqn`` is the checkpoint key.
         ckpt: an opened checkpoint.
-        strict: raise if a target's fqn is absent (else report it in ``LoadPlan.missing``).
+        strict: raise if a target's fqn is absent (else report it in ``ReadPlan.missing``).
         dtype: conversion policy, see the module docstring.
         check_destinations: also validate ``target.tensor`` (off to plan before allocating).
 
@@ -309,10 +325,9 @@ def plan_load(targets: Sequence[Target], ckpt: Checkpoint, *, strict: bool = Tru
         needed += area * sisz
 
     _check_files(files, ops)
-    lp = LoadPlan(files, loaded, _merge(ops), missing, needed,
-                  [file_identity(ckpt, f) for f in files])
-    lp.remote = getattr(getattr(ckpt, "ckpt", ckpt), "remote_meta", None)  # s3: size, ETag
-    return lp
+    pins = getattr(getattr(ckpt, "ckpt", ckpt), "remote_meta", None)  # s3: size, ETag
+    return ReadPlan(files, loaded, _merge(ops), missing, needed,
+                    [file_identity(ckpt, f) for f in files], pins)
 
 
 def file_identity(ckpt, path: str) -> Tuple[int, int, int, int]:
@@ -359,3 +374,8 @@ def _merge(ops: List[ReadOp]) -> List[ReadOp]:
                 continue
         out.append(o)
     return out
+
+
+#: The former names (``metamat.load.LoadPlan``, ``metamat.load.plan_load``), kept.
+LoadPlan = ReadPlan
+plan_load = plan_reads

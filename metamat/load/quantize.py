@@ -16,7 +16,7 @@ are the converted data, padded likewise. :func:`quantize_reference` is the slow 
 reference of the core's kernel.
 
 Layers: this module sits beside :mod:`.plan`/:mod:`.execute` (it plans reads with
-:func:`~metamat.load.plan.plan_load` and runs them with :func:`metamat.load.execute`); the
+:func:`~metamat.load.plan.plan_reads` and runs them with :func:`metamat.load.execute`); the
 model adapter (:mod:`metamat.models.torchrec.quant_part`) builds the jobs.
 """
 from __future__ import annotations
@@ -312,7 +312,7 @@ class QuantReads:
     pieces: List[Target]
     owner: List[int]
     start: List[int]
-    plan: object = None  # LoadPlan
+    plan: object = None  # a ReadPlan
     widest: int = 0  # bytes of the widest piece
 
     @property
@@ -333,7 +333,7 @@ class QuantReads:
         Raises:
             ReadError, ChecksumMismatchError: destinations may be partly written.
         """
-        from . import _subplan, execute
+        from . import execute
         from .execute import Executed
         from .ops import default_io_threads
 
@@ -365,14 +365,11 @@ class QuantReads:
                 n = t.local_shape[0] * t.local_shape[1]
                 t.tensor = scratch[pos:pos + n].view(t.local_shape)
                 pos += n
-            sub = _subplan(self.plan, keep)
+            sub = self.plan.subplan(keep)
             cb = None if progress is None else (lambda d, _t, b=done: progress(b + d, total))
             r = execute(sub, io_threads=threads, staging_bytes=reader_bytes, progress=cb,
                         verify=verify, io=io)
-            out.bytes_read += r.bytes_read
-            out.bytes_verified += r.bytes_verified
-            out.bytes_reread += r.bytes_reread
-            out.bytes_direct += r.bytes_direct
+            out.merge(r)
             done += sub.src_bytes
             for k in keep:
                 t = self.plan.targets[k]
@@ -388,12 +385,12 @@ def plan_quant_reads(jobs: Sequence[QuantJob], view, *, dtype=None) -> QuantRead
     """Plan the reads of ``jobs`` from checkpoint ``view`` (keys are the jobs' fqns): pieces
     of whole float rows of about :data:`PIECE_BYTES` (one row at least). Validates everything
     (shapes, dtypes, coverage, files) before anything is read, as
-    :func:`~metamat.load.plan.plan_load`.
+    :func:`~metamat.load.plan.plan_reads`.
 
     Raises:
-        CheckpointError subclasses (:func:`~metamat.load.plan.plan_load`).
+        CheckpointError subclasses (:func:`~metamat.load.plan.plan_reads`).
     """
-    from .plan import plan_load
+    from .plan import plan_reads
 
     pieces, owner, start = [], [], []
     widest = 0
@@ -409,7 +406,7 @@ def plan_quant_reads(jobs: Sequence[QuantJob], view, *, dtype=None) -> QuantRead
     out = QuantReads(list(jobs), pieces, owner, start, widest=widest)
     if pieces:
         policy = dtype if isinstance(dtype, torch.dtype) else None
-        out.plan = plan_load(pieces, view, strict=True, dtype=policy, check_destinations=False)
+        out.plan = plan_reads(pieces, view, strict=True, dtype=policy, check_destinations=False)
     return out
 
 

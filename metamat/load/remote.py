@@ -23,8 +23,6 @@ object and range, on every rank (a slow or stuck store included).
 """
 from __future__ import annotations
 
-import random
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional, Sequence
@@ -33,83 +31,13 @@ import torch
 
 from ..checkpoint import storage as fs
 from ..checkpoint.errors import ReadError
+from ..checkpoint.storage import fetch_range
 from ..dtypes import itemsize
 from .execute import Executed
 from .ops import ReadOp, split_ops
-from .plan import LoadPlan
+from .plan import ReadPlan
 
-__all__ = ["fetch_range", "execute_plan_remote", "plan_requests", "RemoteStats"]
-
-
-def _transient(e: BaseException) -> bool:
-    """Errors worth another attempt (the client already retried statuses it knows)."""
-    name = type(e).__name__
-    if name in ("PreconditionError", "NotFoundError", "PermissionDeniedError",
-                "UnauthenticatedError", "NotSupportedError", "InvalidPathError"):
-        return False
-    if isinstance(e, (FileNotFoundError, PermissionError, ValueError, TypeError)):
-        return False
-    return True
-
-
-def fetch_range(sess, url: str, start: int, end: int, pin: Optional[fs.Pin], *,
-                into: Optional[memoryview] = None, what: str = "object",
-                deadline: Optional[fs.Deadline] = None, size: Optional[int] = None):
-    """Bytes [start, end) of ``url``, retried; with ``into``, written there (returns it).
-
-    Args:
-        pin: what the object was at open (:class:`~metamat.checkpoint.storage.Pin`).
-        deadline: when to give up (default: the open's in progress, else a new one).
-        size: the object's size at open (an answer for another size is refused).
-
-    Raises:
-        ReadError: the object is gone or changed, access is denied, retries ran out
-            (throttled, dropped connections, short bodies), or the deadline passed, naming
-            the object key.
-    """
-    want = end - start
-    dl = deadline or fs.deadline(sess)
-    delay = 0.05
-    last = None
-    for attempt in range(max(1, sess.attempts)):
-        if attempt:
-            time.sleep(max(0.0, min(delay * (1 + random.random()), dl.left())))
-            delay = min(delay * 2, 2.0)
-        try:
-            data = sess.get_range(url, start, end, pin, dl, size)
-        except fs.DeadlineExceeded as e:
-            raise ReadError(str(e), file=url) from None
-        except fs.PinMismatch as e:
-            raise ReadError(f"object changed since the checkpoint was opened ({e})",
-                            file=url) from None
-        except Exception as e:  # noqa: BLE001 - obstore raises its own hierarchy
-            name = type(e).__name__
-            if name == "PreconditionError":
-                raise ReadError(f"object changed since the checkpoint was opened (its "
-                                f"{pin.by if pin else 'ETag'} is no longer "
-                                f"{pin.describe() if pin else '?'})", file=url) from None
-            if isinstance(e, FileNotFoundError) or name == "NotFoundError":
-                raise ReadError(f"{what} no longer exists", file=url) from None
-            if not _transient(e):
-                raise ReadError(f"cannot read bytes [{start}, {end}) ({name})",
-                                file=url) from None
-            last = f"{name}: {_short(e)}"
-            continue
-        n = len(data)
-        if n != want:
-            last = f"short body: {n} of {want} bytes"
-            continue
-        if into is None:
-            return data
-        into[:] = memoryview(data)
-        return into
-    raise ReadError(f"reading bytes [{start}, {end}) failed after {sess.attempts} attempts "
-                    f"({last})", file=url)
-
-
-def _short(e: BaseException) -> str:
-    s = str(e).splitlines()[0] if str(e) else ""
-    return s[:200]
+__all__ = ["execute_plan_remote", "plan_requests", "RemoteStats"]
 
 
 @dataclass
@@ -230,7 +158,7 @@ def _dst(t: torch.Tensor, op: ReadOp, r0: int, rows: int) -> torch.Tensor:
     return flat.as_strided((rows, n), (stride, 1), byte // isz)
 
 
-def execute_plan_remote(plan: LoadPlan, *, staging_bytes: int = 256 << 20,
+def execute_plan_remote(plan: ReadPlan, *, staging_bytes: int = 256 << 20,
                         progress: Optional[Callable[[int, int], None]] = None,
                         verify=None, stats: Optional[RemoteStats] = None) -> Executed:
     """Run ``plan`` (its files are ``s3://`` objects) into its targets' tensors (any device).
@@ -250,7 +178,7 @@ def execute_plan_remote(plan: LoadPlan, *, staging_bytes: int = 256 << 20,
         from ..checkpoint.errors import UnsupportedFormatError
         raise UnsupportedFormatError("verify is not supported for s3:// checkpoints yet",
                                      file=plan.files[0] if plan.files else None)
-    known = getattr(plan, "remote", None) or {}
+    known = plan.pins or {}
     metas = [known.get(f) or fs.remote_meta(f) for f in plan.files]
     sess = metas[0][0] if metas else fs.current()
     dl = fs.Deadline(sess.deadline)  # every read of this load ends by then

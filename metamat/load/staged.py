@@ -33,7 +33,7 @@ from ..checkpoint.errors import ReadError
 from .execute import IO_MODES, TASK_BYTES, Executed
 from . import ops as _ops
 from .ops import batches, op_array
-from .plan import LoadPlan
+from .plan import ReadPlan
 from .verify import block_index
 
 __all__ = ["execute_plan_staged", "release_staging_memory"]
@@ -86,7 +86,7 @@ def ring_shape(budget: StagingBudget, need: int, cuda: bool):
     return (budget.ring if need > ring_bytes else 1), ring_bytes
 
 
-def execute_plan_staged(plan: LoadPlan, budget: StagingBudget, *,
+def execute_plan_staged(plan: ReadPlan, budget: StagingBudget, *,
                         progress: Optional[Callable[[int, int], None]] = None,
                         verify=None, io: str = "auto",
                         _host_sink: Optional[dict] = None) -> Executed:
