@@ -1,7 +1,9 @@
-"""Stable keys: a table's name and a seed become the 64-bit Philox key of its stream."""
+"""Stable keys: a table's name and a seed become the 64-bit Philox key of its stream; a
+tensor's name and a seed become the torch seed its module's own reset runs under."""
 from __future__ import annotations
 
 import hashlib
+import zlib
 
 _MASK = (1 << 64) - 1
 
@@ -27,3 +29,8 @@ def philox_key(seed: int, name: str) -> int:
     if not 0 <= seed <= _MASK:
         raise ValueError(f"seed must be in [0, 2**64), got {seed}")
     return _splitmix64(_splitmix64(seed) ^ table_key(name))
+
+
+def module_seed(seed: int, fqn: str) -> int:
+    """The torch seed a module's own reset runs under (stable across runs and ranks)."""
+    return (seed * 1_000_003 + zlib.crc32(fqn.encode())) & 0x7FFF_FFFF_FFFF_FFFF

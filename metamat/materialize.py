@@ -1,8 +1,10 @@
 """``metamat.materialize``: the one orchestration, for every model kind.
 
-    find (adapters: TorchRec sharded modules, ordinary modules with plain/DTensor tensors)
-    -> plan (targets, storages and the read plan, computed once)
-    -> validate (names, shapes, dtypes, coverage, files, a value for every tensor)
+    find (adapters, :mod:`metamat.models`: TorchRec sharded and quantized modules, ordinary
+          modules with plain/DTensor tensors)
+    -> plan (targets and storages, :mod:`metamat.plan`)
+    -> validate (names, shapes, dtypes, coverage, files: :mod:`metamat.matching` and the read
+       plan; a value for every tensor)
     -> agree -> allocate -> fill (init | load) -> agree -> register
 
 Nothing in the model changes before the second agreement; a failure anywhere before it leaves
@@ -11,12 +13,10 @@ shadow copies that the register step copies in (unless ``inplace=True``).
 """
 from __future__ import annotations
 
-import fnmatch
-import itertools
 import logging
 import time
 import warnings as _warnings
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -24,222 +24,28 @@ from torch import nn
 from ._gcpause import gc_paused
 from .allocate import allocate
 from .checkpoint.base import Checkpoint
-from .checkpoint.errors import MissingTensorError, UnexpectedTensorError
-from .checkpoint.view import MODEL_PREFIXES, CheckpointView, Rename, resolve_keys
+from .checkpoint.view import Rename
 from .collective import Agreement, defer_sigint, rank
 from .errors import PartialLoadError
 from .plan import Target
 from .report import Report, make_progress
 from .rules import check_init_map
 
+if TYPE_CHECKING:
+    from .matching import LoadMatch
+    from .models.adapter import Adapter
+
 __all__ = ["materialize"]
 
 _log = logging.getLogger("metamat")
-
-
-def _has_meta(model: nn.Module) -> bool:
-    from .models.modules import local_of
-
-    # stops at the first meta tensor: a sharded model lists its tables lazily
-    return any(local_of(t).device.type == "meta"
-               for t in itertools.chain(model.parameters(), model.buffers()))
-
-
-def _resolve_device(model: nn.Module, device) -> Tuple[torch.device, bool]:
-    """(device, emulated): the explicit device; else the CUDA device a TorchRec model was laid
-    out for; else where an eager model lives; else a DTensor mesh's device type; else the
-    current CUDA device when there is one, else the CPU. ``emulated``: a CUDA device stood
-    in for by the CPU (:mod:`metamat.emulation`)."""
-    from . import emulation
-
-    if device is None:
-        device = getattr(model, "_metamat_compute_device", None)
-    if device is None:
-        # only asked without an explicit device: listing a DMP's parameters goes through
-        # TorchRec's named_parameters (~7 µs per table)
-        if not _has_meta(model):
-            real = next((t for t in list(model.parameters()) + list(model.buffers())), None)
-            if real is not None:
-                from .models.modules import local_of
-                device = local_of(real).device
-        if device is None:
-            from .models.modules import is_dtensor
-            mesh_dev = next((t.device_mesh.device_type for t in model.parameters()
-                             if is_dtensor(t)), None)
-            device = mesh_dev or ("cuda" if torch.cuda.is_available() or emulation.active()
-                                  else "cpu")
-    device = torch.device(device)
-    if device.type == "meta":
-        raise ValueError("materialize: device must be a real device, not meta")
-    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
-        device = torch.device("cuda", torch.cuda.current_device())
-    device, emulated = emulation.resolve(device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        from .errors import UnsupportedError
-
-        raise UnsupportedError(f"materialize: device {device} asked for, and torch sees no "
-                               "CUDA device here (torch.cuda.is_available() is False)")
-    return device, emulated
-
-
-class _Load:
-    """The read plan of one call and what it matched (computed once, before allocation)."""
-
-    def __init__(self) -> None:
-        self.plan = None
-        self.loaded: Set[int] = set()  # ids of targets the checkpoint provides
-        self.unexpected: List[str] = []
-        self.prefixes: Dict[str, Optional[str]] = {}
-        self.means: list = []
-        self.manifest = None
-        self.described: Dict[str, str] = {}  # assembled/renamed by merge rules: how
-        self.warnings: List[str] = []
-        # saved optimizer state of model tables, taken here (bit i of mine) or maybe by
-        # another rank: settled in the validation agreement (_settle_optimizer)
-        self.pending: List[str] = []
-        self.mine = 0
-        self.ignore: Sequence[str] = ()
-        self.strict = True
-        self.path = ""
-        self.quant: list = []  # load.quantize.QuantReads: float rows quantized while read
-
-
-def _optimizer_hint(unexpected: Sequence[str], has_fused: bool, orphans=frozenset()) -> str:
-    lost = [k for k in unexpected if k in orphans]
-    if lost:
-        return (f" {len(lost)} of them are saved optimizer state of tables that have no such "
-                "state in this plan (e.g. data-parallel now, or another optimizer), so nothing "
-                "can load it; accept losing it with ignore_unexpected=[...] naming them")
-    opt = [k for k in unexpected
-           if k.startswith(("optim.", "optimizer.", "state.")) or ".state." in k]
-    if opt and not has_fused:
-        return (f" {len(opt)} of them look like optimizer state, and this model has no fused "
-                "optimizer to load it into; ignore them with ignore_unexpected=['optim.*'] "
-                "(or the prefix your checkpoint uses)")
-    return ""
-
-
-def _plan_load(parts, ck: Checkpoint, *, strict: bool, dtype, rename: Rename,
-               ignore: Sequence[str], merge=None) -> _Load:
-    """Match every target to the checkpoint and plan the reads (no allocation, no writes)."""
-    from .checkpoint.merge import missing_message
-    from .load import plan_load
-
-    out = _Load()
-    keys = ck.tensors()
-    # adapters that match the checkpoint themselves (quantized tables) are left out here
-    model_t = [t for p in parts if not hasattr(p, "match_checkpoint") for t in p.targets
-               if not t.optimizer and t.persistent]
-    names: Dict[str, List[str]] = {}
-    for p in parts:  # global names: a rank without a block of a tensor still knows it
-        names.update(p.names())
-    found, prefix, used = resolve_keys(keys, names, prefixes=MODEL_PREFIXES, rename=rename)
-    out.prefixes["model"] = prefix
-    missing = sorted(n for n in names if n not in found)
-    assembled: Dict[str, Any] = {}
-    notes: Dict[str, str] = {}
-    if missing and merge is not None:  # checkpoint tensors in another layout or name
-        from .checkpoint.merge import resolve_merges
-
-        rules = [r for m in merge for r in ([m] if m != "auto" else
-                                            [x for p in parts if hasattr(p, "merge_rules")
-                                             for x in p.merge_rules()])]
-        shapes_all: Dict[str, tuple] = {}
-        for p in parts:
-            if hasattr(p, "shapes"):
-                shapes_all.update(p.shapes())
-        mr = resolve_merges(rules, missing, keys, used, prefix, shapes_all, ck.path)
-        found.update(mr.renamed)
-        used |= mr.used
-        assembled, out.described = mr.entries, mr.described
-        notes = {n: why for r in rules for n, why in getattr(r, "notes", {}).items()}
-        notes.update(mr.incomplete)
-        missing = [n for n in missing if n not in found and n not in assembled]
-    if missing:
-        msg, looks = missing_message(missing, [k for k in keys if k not in used], notes,
-                                     strict)
-        if strict:
-            raise MissingTensorError(msg, names=missing, file=ck.path)
-        if looks:
-            out.warnings.append(msg)
-    load: List[Target] = [t for t in model_t if t.fqn in found or t.fqn in assembled]
-    view_keys = {n: found[n] for n in found}
-    from .load.quantize import refuse_quantized
-    refuse_quantized(load, keys, view_keys, ck.path)  # quantized tables into a float model
-    for p in parts:  # quantized tables: from float rows (quantized while read) or quantized
-        if hasattr(p, "match_checkpoint"):
-            m = p.match_checkpoint(keys, found, ckpt_path=ck.path)
-            load += m.load
-            view_keys.update(m.keys)
-            used |= m.used
-            out.loaded |= {id(t) for t in p.loaded_targets()}
-    opt_parts = [p for p in parts if hasattr(p, "match_optimizer")]
-    has_fused = any(t.optimizer for p in opt_parts for t in p.targets)
-    cands: Set[str] = set()
-    for p in opt_parts:
-        m = p.match_optimizer(keys, strict=strict, ckpt_path=ck.path)
-        load += m.load
-        view_keys.update(m.keys)
-        used |= m.used
-        out.loaded |= {id(t) for t in m.loaded}
-        out.means += m.means
-        out.prefixes["optim"] = m.prefix
-        cands |= set(m.candidates)
-    out.pending, out.ignore, out.strict, out.path = sorted(cands), tuple(ignore), strict, ck.path
-    out.mine = sum(1 << i for i, k in enumerate(out.pending) if k in used)
-    out.unexpected = sorted(k for k in keys if k not in used and k not in cands
-                            and not any(fnmatch.fnmatchcase(k, pat) for pat in ignore))
-    if out.unexpected and strict:
-        u = out.unexpected
-        raise UnexpectedTensorError(
-            f"{len(u)} checkpoint tensor(s) match nothing in the model: {', '.join(u[:20])}"
-            + (" ..." if len(u) > 20 else "") + "." + _optimizer_hint(u, has_fused)
-            + " Pass ignore_unexpected=[patterns] or strict=False to load anyway.",
-            names=u, file=ck.path)
-    shapes: Dict[str, tuple] = {}
-    for p in parts:
-        if hasattr(p, "nd_shapes"):
-            shapes.update(p.nd_shapes())
-    view = CheckpointView(ck, view_keys, shapes, extra=assembled)
-    out.plan = plan_load(load, view, strict=True, dtype=dtype, check_destinations=False)
-    out.loaded |= {id(t) for t in load}
-    out.quant = [p.plan_reads(view, dtype) for p in parts if hasattr(p, "plan_reads")]
-    out.plan.bytes_needed += sum(q.bytes_needed for q in out.quant)
-    return out
-
-
-def _settle_optimizer(ld: _Load, taken: Sequence[int]) -> None:
-    """Saved optimizer state of a model table that no rank takes (a table that is data-parallel
-    now, state of another optimizer) is unexpected: every rank has the same lists, so every
-    rank raises the same error under ``strict`` (nothing was allocated), else the Report
-    lists it. Never dropped silently.
-
-    Raises:
-        UnexpectedTensorError: ``strict`` and such state that ``ignore_unexpected`` does not
-            name.
-    """
-    bits = 0
-    for t in taken:
-        bits |= t or 0
-    lost = [k for i, k in enumerate(ld.pending) if not bits >> i & 1
-            and not any(fnmatch.fnmatchcase(k, pat) for pat in ld.ignore)]
-    if not lost:
-        return
-    if ld.strict:
-        raise UnexpectedTensorError(
-            f"{len(lost)} checkpoint tensor(s) match nothing in the model: "
-            f"{', '.join(lost[:20])}" + (" ..." if len(lost) > 20 else "") + "."
-            + _optimizer_hint(lost, True, set(lost))
-            + " Pass ignore_unexpected=[patterns] or strict=False to load anyway.",
-            names=lost, file=ld.path)
-    ld.unexpected = sorted(ld.unexpected + lost)
 
 
 def _shadow(x: torch.Tensor) -> torch.Tensor:
     return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=x.device)
 
 
-def _bind_reads(ld: _Load, alloc, inplace: bool) -> List[Tuple[torch.Tensor, torch.Tensor, str]]:
+def _bind_reads(ld: "LoadMatch", alloc,
+                inplace: bool) -> List[Tuple[torch.Tensor, torch.Tensor, str]]:
     """Point the read plan's targets at real memory; tensors of the live model get shadow
     copies (unless ``inplace``). Bytes in unified memory (UVM tables) are written from the
     host, where they live: their targets are host views, and their shadows host memory.
@@ -248,7 +54,7 @@ def _bind_reads(ld: _Load, alloc, inplace: bool) -> List[Tuple[torch.Tensor, tor
     from .load import validate_destination
 
     shadows = []
-    dests = list(ld.plan.targets) + [dst for dst, _ in ld.means]
+    dests = list(ld.reads.targets) + [dst for dst, _ in ld.means]
     for t in dests:
         x = t.tensor
         if x.device.type == "meta":
@@ -264,7 +70,7 @@ def _bind_reads(ld: _Load, alloc, inplace: bool) -> List[Tuple[torch.Tensor, tor
             else:
                 t.tensor = _shadow(live)
                 shadows.append((live, t.tensor, t.fqn))
-    for t in ld.plan.targets:
+    for t in ld.reads.targets:
         validate_destination(t)
     return shadows
 
@@ -382,13 +188,17 @@ def materialize(
     from .load.execute import IO_MODES
     if io not in IO_MODES:
         raise ValueError(f"materialize: io must be one of {IO_MODES}, got {io!r}")
+    from .matching import LoadMatch, match_parts, merge_rules_arg, settle_optimizer
+    from .models import find_parts
+    from .models.device import resolve_device
+
     ranks = Agreement(timeout)  # collective: before any rank-specific work
     loading = ckpt is not None
     report = Report(source="checkpoint" if loading else "init", seconds={})
     sec = report.seconds
     err: Optional[BaseException] = None
-    parts: list = []
-    ld = _Load()
+    parts: List[Adapter] = []
+    ld = LoadMatch()
     dev = torch.device("cpu")
     emulated = False
     t = time.perf_counter()
@@ -404,27 +214,24 @@ def materialize(
             sec["open"] = time.perf_counter() - t
             t = time.perf_counter()
         init_map = check_init_map(init)
-        dev, emulated = _resolve_device(model, device)
+        dev, emulated = resolve_device(model, device)
         report.device = "cuda (emulated on the CPU)" if emulated else str(dev)
-        from .models import find_parts
-
         parts = find_parts(model, dev, init_map, loading=loading, emulated=emulated)
         sec["plan"] = time.perf_counter() - t
         t = time.perf_counter()
         if loading:
             manifest = ld.manifest
-            ld = _plan_load(parts, ck, strict=strict, dtype=dtype, rename=rename,
-                            ignore=tuple(ignore_unexpected), merge=_merge_arg(merge))
+            ld = match_parts(parts, ck, strict=strict, dtype=dtype, rename=rename,
+                             ignore=tuple(ignore_unexpected), merge=merge_rules_arg(merge))
             ld.manifest = manifest
         for p in parts:
-            if hasattr(p, "decide"):
-                p.decide(init_map, ld.loaded, dev)
+            p.decide(init_map, ld.loaded, dev)
         sec["validate"] = time.perf_counter() - t
     except BaseException as e:  # noqa: BLE001 - told to the other ranks, then re-raised
         err = e
     try:  # the bits: which saved optimizer state this rank takes (no rank: unexpected)
         taken = ranks.agree(err, "validation", payload=ld.mine)
-        _settle_optimizer(ld, taken)
+        settle_optimizer(ld, taken)
     except BaseException:
         _undo(parts)
         raise
@@ -441,8 +248,7 @@ def materialize(
         if loading:
             shadows = _bind_reads(ld, alloc, inplace)
             for p in parts:
-                if hasattr(p, "before_read"):
-                    p.before_read()
+                p.before_read()
         sec["allocate"] = time.perf_counter() - t
         t = time.perf_counter()
         report.bytes_written = sum(p.fill(alloc, seed, ld.loaded) for p in parts)
@@ -452,8 +258,7 @@ def materialize(
             reading = True
             executed = _read(ld, io_threads, staging_bytes, progress, io, alloc)
             for p in parts:
-                if hasattr(p, "after_load"):
-                    p.after_load()
+                p.after_load()
             sec["read"] = time.perf_counter() - t
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
@@ -466,7 +271,7 @@ def materialize(
         report.ranks = ranks.agree(err, "fill", payload=mine)
     except BaseException as e:  # noqa: BLE001
         _undo(parts)
-        live = sorted({t.fqn for t in ld.plan.targets if _is_live(t, alloc)}) \
+        live = sorted({t.fqn for t in ld.reads.targets if _is_live(t, alloc)}) \
             if reading and inplace else []
         if live:
             raise PartialLoadError(
@@ -489,36 +294,12 @@ def materialize(
     return report
 
 
-def _merge_arg(merge) -> Optional[list]:
-    """``merge=`` -> a list of rules ("auto" kept as a marker) or None.
-
-    Raises:
-        TypeError: neither "auto", None nor a list of Merge rules and "auto".
-    """
-    from .checkpoint.merge import Merge
-
-    if merge is None:
-        return None
-    if isinstance(merge, str):
-        if merge != "auto":
-            raise TypeError(f"merge must be 'auto', None or a list of metamat.Merge, got {merge!r}")
-        return ["auto"]
-    if isinstance(merge, Merge):
-        return [merge]
-    rules = list(merge)
-    for r in rules:
-        if not (r == "auto" or isinstance(r, Merge) or callable(getattr(r, "match", None))):
-            raise TypeError(f"merge: {r!r} is not a metamat.Merge (nor 'auto')")
-    return rules
-
-
-def _undo(parts) -> None:
+def _undo(parts: Sequence[Adapter]) -> None:
     """Put back what an adapter changed in the model before the call failed (TorchRec
     collections laid out again for the GPU)."""
     for p in parts:
-        undo = getattr(p, "undo", None)
-        if undo is not None:
-            undo()
+        if p.undo is not None:
+            p.undo()
 
 
 def _is_live(t: Target, alloc) -> bool:
@@ -526,7 +307,7 @@ def _is_live(t: Target, alloc) -> bool:
         and alloc.key_of(t.tensor) is None
 
 
-def _read(ld: _Load, io_threads, staging_bytes, progress, io, alloc):
+def _read(ld: "LoadMatch", io_threads, staging_bytes, progress, io, alloc):
     from .allocate import DEVICE
     from .load import execute
 
@@ -537,22 +318,19 @@ def _read(ld: _Load, io_threads, staging_bytes, progress, io, alloc):
     staged = in_device_memory if alloc.emulated else False
     cb = make_progress(progress, rank())
     try:
-        out = execute(ld.plan, io_threads=io_threads, staging_bytes=staging_bytes,
+        out = execute(ld.reads, io_threads=io_threads, staging_bytes=staging_bytes,
                       progress=cb, verify=ld.manifest, io=io, staged=staged)
         for q in ld.quant:  # float rows quantized into place, through a bounded scratch buffer
-            r = q.execute(io_threads=io_threads, staging_bytes=staging_bytes, verify=ld.manifest,
-                          io=io)
-            out.bytes_read += r.bytes_read
-            out.bytes_verified += r.bytes_verified
-            out.bytes_reread += r.bytes_reread
-            out.bytes_direct += r.bytes_direct
+            out.merge(q.execute(io_threads=io_threads, staging_bytes=staging_bytes,
+                                verify=ld.manifest, io=io))
         return out
     finally:
         if hasattr(cb, "close"):
             cb.close()
 
 
-def _fill_report(report: Report, parts, ld: _Load, executed, alloc, shadows) -> None:
+def _fill_report(report: Report, parts: Sequence[Adapter], ld: "LoadMatch", executed, alloc,
+                 shadows) -> None:
     targets = [t for p in parts for t in p.targets]
     report.bytes_allocated = alloc.nbytes
     report.bytes_by_memory = alloc.bytes_by_memory()
@@ -562,16 +340,14 @@ def _fill_report(report: Report, parts, ld: _Load, executed, alloc, shadows) -> 
     report.warnings += list(getattr(executed, "warnings", ()))  # e.g. s3 objects nothing pins
     report.warnings += ld.warnings
     for p in parts:
-        if hasattr(p, "value_sources"):
-            report.buffers.update(p.value_sources())
-        if hasattr(p, "sources"):
-            report.sources.update(p.sources())
+        report.buffers.update(p.value_sources())
+        report.sources.update(p.sources())
     for name, how in ld.described.items():  # assembled or renamed by a merge rule
         if report.sources.get(name) == "checkpoint":
             report.sources[name] = how
-    if ld.plan is None:
+    if ld.reads is None:
         return
-    lp = ld.plan
+    lp = ld.reads
     report.bytes_needed = lp.bytes_needed
     report.bytes_read = executed.bytes_read
     report.bytes_verified = executed.bytes_verified

@@ -4,9 +4,8 @@
   fused-optimizer state, fbgemm/TorchRec metadata);
 * :class:`ModulesPart`: every other module, with plain or DTensor (TP, FSDP2) tensors.
 
-An adapter exposes ``targets`` (checkpointable blocks), ``storages`` (meta storages to
-allocate), ``warnings``, and ``bind`` (after allocation), ``fill`` (what no checkpoint
-provides), ``register`` (after every rank agreed). The orchestration is
+Every adapter is an :class:`~.adapter.Adapter` (``targets``, ``storages``, ``warnings``, and the
+hooks of each stage: match, decide, bind, fill, register). The orchestration is
 :func:`metamat.materialize`; whatever is the same for every kind lives there.
 """
 from __future__ import annotations
@@ -20,16 +19,17 @@ from ..allocate import Allocation
 from ..errors import UnsupportedError
 from ..plan import Target
 from ..support import fill_support
+from .adapter import Adapter
 from .aliases import find_aliases
 from .module_register import bind, register
 from .module_values import Decision, decide, fill_values
 from .modules import (Entry, claimed_storages, find_entries, has_dtensor, storages_of,
                       targets_of)
 
-__all__ = ["ModulesPart", "find_parts", "has_dtensor"]
+__all__ = ["Adapter", "ModulesPart", "find_parts", "has_dtensor"]
 
 
-class ModulesPart:
+class ModulesPart(Adapter):
     """The ordinary modules of a model (outside ``skip``), found."""
 
     kind = "modules"
@@ -108,7 +108,7 @@ class ModulesPart:
 
 
 def find_parts(model: nn.Module, device: torch.device, init: Mapping, *, loading: bool,
-               emulated: bool = False) -> list:
+               emulated: bool = False) -> List[Adapter]:
     """The adapters for ``model``: TorchRec's sharded modules (if any) and ordinary modules.
     ``emulated``: ``device`` is the CPU standing in for a CUDA device (:mod:`metamat.emulation`).
 
@@ -137,7 +137,7 @@ def find_parts(model: nn.Module, device: torch.device, init: Mapping, *, loading
         skip = [n for n, _ in sharded] + [n for n, _ in quant]
         modules = ModulesPart(root_of(model) if skip else model, skip=skip, loading=loading,
                               aliases=not sharded)
-        parts: list = []
+        parts: List[Adapter] = []
         if sharded:
             parts.append(TorchRecPart(model, device, init, claimed=modules.claimed(),
                                       loading=loading, sharded=sharded, emulated=emulated))

@@ -24,7 +24,6 @@ device if needed) unless the checkpoint provides them.
 from __future__ import annotations
 
 import functools
-import zlib
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 import torch
@@ -33,6 +32,7 @@ from torch import nn
 from ..dtypes import FILL_DTYPES
 from ..errors import MissingValueError, UnsupportedError
 from ..init import fill_many_
+from ..keys import module_seed
 from ..rules import (RESET, Default, InitValue, container_init, default_init, fix_zero_row,
                      match_init, reset_method)
 from ..spec import Constant, Dist
@@ -58,11 +58,6 @@ class Decision:
     def source(self) -> str:
         """``kind``, and which rule when known (the Report's ``sources``)."""
         return f"{self.kind}: {self.detail}" if self.detail else self.kind
-
-
-def module_seed(seed: int, fqn: str) -> int:
-    """The torch seed a module's own reset runs under (stable across runs and ranks)."""
-    return (seed * 1_000_003 + zlib.crc32(fqn.encode())) & 0x7FFF_FFFF_FFFF_FFFF
 
 
 def _hf_init_weights(root: nn.Module) -> Optional[Callable[[nn.Module], Any]]:

@@ -47,6 +47,7 @@ import torch
 from torch import nn
 
 from ...errors import MissingValueError
+from ...keys import module_seed
 from ...plan import storage_key
 from ...spec import Constant, Dist, Normal, TruncatedNormal, Uniform, Zeros
 from . import upstream
@@ -369,8 +370,6 @@ class Trace:
         Raises:
             MissingValueError: the calls left (part of) it unset, or raised.
         """
-        from ..module_values import module_seed
-
         temp = torch.empty(tuple(e.global_shape), dtype=e.dtype, device="cpu")
         if temp.is_floating_point():
             temp.fill_(float("nan"))

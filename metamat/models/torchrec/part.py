@@ -13,6 +13,7 @@ from torch import nn
 from ...allocate import Allocation
 from ...plan import Target
 from ...support import fill_support
+from ..adapter import Adapter
 from .optim_keys import OptimMatch, finish_means, match_optimizer
 from .register import register
 from .tables import fill_targets, needs_write
@@ -41,7 +42,7 @@ def _copy_tensor_state(graph_meta: Sequence[torch.Tensor], alloc: Allocation) ->
             object.__setattr__(new, name, twins.get(id(v), v))
 
 
-class TorchRecPart:
+class TorchRecPart(Adapter):
     """The sharded modules of one model, found and planned on ``device``."""
 
     kind = "torchrec"

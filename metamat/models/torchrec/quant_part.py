@@ -31,6 +31,7 @@ from ...plan import StorageGroup, Target, storage_key
 from ...rules import default_table_dist, dist_from_init_fn, match_init
 from ...spec import Dist
 from ...support import fill_support
+from ..adapter import Adapter
 from .compat import check_versions
 from .graph import scan
 from .quant import QuantTBE, TBE_HOST_ATTRS, find_tbes, host_twin
@@ -40,7 +41,7 @@ __all__ = ["QuantPart"]
 
 
 
-class QuantPart:
+class QuantPart(Adapter):
     """The quantized TorchRec modules of one model (``modules``: (name, module)), found."""
 
     kind = "torchrec_quant"
@@ -112,6 +113,9 @@ class QuantPart:
     # -- checkpoint --------------------------------------------------------------------------
 
     def match_checkpoint(self, keys: Mapping[str, object], found: Mapping[str, str], *,
+    def checkpoint_targets(self) -> List[Target]:
+        return []  # the tables are matched by match_checkpoint (float or quantized rows)
+
                          ckpt_path: str) -> QuantMatch:
         """What the checkpoint gives each table (:func:`.quant_keys.match_quant`)."""
         self.match = match_quant(self.tables, keys, found, path=ckpt_path)
