@@ -94,10 +94,12 @@ class Row:
     extra: str = ""
 
 
-def timeit(fn: Callable[[], None], reps: int, device: torch.device,
-           setup: Optional[Callable[[], None]] = None) -> float:
-    """Median seconds of ``reps`` calls (after one warm-up), synchronising CUDA around each."""
-    times = []
+def times(fn: Callable[[], object], reps: int, device: torch.device,
+          setup: Optional[Callable[[], None]] = None) -> List[float]:
+    """Seconds of each of ``reps`` calls of ``fn`` after one warm-up call (page cache,
+    allocator, CUDA context), synchronising CUDA around each; ``setup`` runs before every
+    call, untimed. What ``fn`` returns is dropped at once."""
+    out = []
     for i in range(reps + 1):
         if setup:
             setup()
@@ -108,8 +110,14 @@ def timeit(fn: Callable[[], None], reps: int, device: torch.device,
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         if i:  # the first call warms up
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+            out.append(time.perf_counter() - t0)
+    return out
+
+
+def timeit(fn: Callable[[], object], reps: int, device: torch.device,
+           setup: Optional[Callable[[], None]] = None) -> float:
+    """Median seconds of ``reps`` calls (after one warm-up): :func:`times`."""
+    return statistics.median(times(fn, reps, device, setup))
 
 
 def finish(rows: List[Row], baseline: str, ceiling: str) -> None:

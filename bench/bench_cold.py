@@ -16,9 +16,7 @@ average is printed before and after.
 from __future__ import annotations
 
 import argparse
-import gc
 import os
-import random
 import statistics
 import sys
 import time
@@ -26,7 +24,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
-from bench_load import SETTLE_S, _on_meta, _save, raw_direct  # noqa: E402
+from bench_load import _on_meta, _save, cold_rounds, time_raw  # noqa: E402
 
 
 def parse(cfg: str):
@@ -39,12 +37,10 @@ def parse(cfg: str):
 
 def _rank(rank, world, per_rank, n_tables, dim, reps, root, kernel, configs, seed):
     import torch
-    import torch.distributed as dist
 
     import metamat
     from _quiet import quiet
     from bench_dmp import table_configs
-    from metamat._pagecache import evict
 
     quiet()
     torch.set_num_threads(1)
@@ -52,41 +48,29 @@ def _rank(rank, world, per_rank, n_tables, dim, reps, root, kernel, configs, see
     ckpt = os.path.join(root, "dcp")
     files = [os.path.join(ckpt, n) for n in sorted(os.listdir(ckpt)) if n.endswith(".distcp")]
     out = {c: [] for c in configs}
-    after = []
-    order = list(configs)
-    rng = random.Random(seed)
-    for _ in range(reps):
-        rng.shuffle(order)
-        for c in order:
-            io, t, req, env = parse(c)
-            model = None
-            gc.collect()
-            if rank == 0:
-                after.append(evict(ckpt).after)
-                time.sleep(SETTLE_S)
-            dist.barrier()
-            if io == "raw":
-                if rank == 0:
-                    t0 = time.perf_counter()
-                    n = raw_direct(files, t, req)
-                    sec = time.perf_counter() - t0
-                    out[c].append((sec, n))
-                dist.barrier()
-                continue
-            old = {k: os.environ.get(k) for k, _ in env}
-            os.environ.update(dict(env))
-            try:
-                model = _on_meta(world, cfgs, kernel)
-                rep = metamat.materialize(model, ckpt, device="cpu", progress=False, io=io,
-                                          io_threads=t)
-            finally:
-                for k, v in old.items():
-                    if v is None:
-                        os.environ.pop(k, None)
-                    else:
-                        os.environ[k] = v
-            out[c].append((rep.seconds["read"], rep.bytes_read, rep.bytes_direct))
-    return {"out": out, "after": after}
+    evictions = []
+    for c in cold_rounds(configs, reps, seed, rank, ckpt, evictions):
+        io, t, req, env = parse(c)
+        if io == "raw":
+            r = time_raw(rank, files, t, req)
+            if r is not None:
+                out[c].append(r)
+            continue
+        old = {k: os.environ.get(k) for k, _ in env}
+        os.environ.update(dict(env))
+        try:
+            model = _on_meta(world, cfgs, kernel)
+            rep = metamat.materialize(model, ckpt, device="cpu", progress=False, io=io,
+                                      io_threads=t)
+        finally:
+            for k, v in old.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        out[c].append((rep.seconds["read"], rep.bytes_read, rep.bytes_direct))
+        model = rep = None
+    return {"out": out, "after": [e.after for e in evictions]}
 
 
 def main() -> None:

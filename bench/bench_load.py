@@ -239,6 +239,40 @@ def raw_direct(files: List[str], threads: int, req: int) -> int:
     return sum(done)
 
 
+def cold_rounds(configs, reps: int, seed: int, rank: int, ckpt: str, evictions: list):
+    """Each of ``configs`` ``reps`` times, in shuffled rounds (the same order on every rank),
+    each after rank 0 evicted the checkpoint from the page cache (appended to ``evictions``)
+    and the disk settled; the ranks leave together. Drop the previous model before asking for
+    the next config: it goes before eviction and timing."""
+    import torch.distributed as dist
+
+    order = list(configs)
+    rng = random.Random(seed)
+    for _ in range(reps):
+        rng.shuffle(order)
+        for c in order:
+            gc.collect()
+            if rank == 0:
+                evictions.append(evict(ckpt))
+                time.sleep(SETTLE_S)
+            dist.barrier()
+            yield c
+
+
+def time_raw(rank: int, files: List[str], threads: int, request: int):
+    """The disk's ceiling: rank 0 reads ``files`` with O_DIRECT (:func:`raw_direct`) while the
+    others wait; (seconds, bytes) on rank 0, None elsewhere."""
+    import torch.distributed as dist
+
+    r = None
+    if rank == 0:
+        t0 = time.perf_counter()
+        n = raw_direct(files, threads, request)
+        r = (time.perf_counter() - t0, n)
+    dist.barrier()
+    return r
+
+
 def cold_configs():
     return ([("raw", t, req) for req in REQUESTS for t in IO_THREADS] +
             [(io, t, 0) for io in ("buffered", "direct", "auto") for t in IO_THREADS])
@@ -248,8 +282,6 @@ def _cold_rank(rank: int, world: int, per_rank: int, n_tables: int, dim: int, re
                dtype_name: str, threads: int, root: str, kernel: str):
     """Every cold configuration, interleaved in shuffled rounds; per config and round:
     (seconds, read-phase seconds, bytes read) of this rank, and rank 0's eviction check."""
-    import torch.distributed as dist
-
     import metamat
 
     quiet()
@@ -260,32 +292,20 @@ def _cold_rank(rank: int, world: int, per_rank: int, n_tables: int, dim: int, re
     configs = cold_configs()
     out = {c: [] for c in configs}
     evictions = []
-    order = list(configs)
-    rng = random.Random(0)  # the same order on every rank
-    for _ in range(reps):
-        rng.shuffle(order)
-        for c in order:
-            io, t, req = c
-            model = None
-            gc.collect()  # the previous model goes before eviction and timing
-            if rank == 0:
-                evictions.append(evict(ckpt))
-                time.sleep(SETTLE_S)
-            dist.barrier()
-            if io == "raw":
-                if rank == 0:
-                    t0 = time.perf_counter()
-                    n = raw_direct(files, t, req)
-                    sec = time.perf_counter() - t0
-                    out[c].append((sec, sec, n, n))
-                dist.barrier()
-                continue
-            t0 = time.perf_counter()
-            model = _on_meta(world, cfgs, kernel)
-            rep = metamat.materialize(model, ckpt, device="cpu", progress=False, io=io,
-                                      io_threads=t)
-            sec = time.perf_counter() - t0
-            out[c].append((sec, rep.seconds["read"], rep.bytes_read, rep.bytes_direct))
+    for c in cold_rounds(configs, reps, 0, rank, ckpt, evictions):
+        io, t, req = c
+        if io == "raw":
+            r = time_raw(rank, files, t, req)
+            if r is not None:
+                out[c].append((r[0], r[0], r[1], r[1]))
+            continue
+        t0 = time.perf_counter()
+        model = _on_meta(world, cfgs, kernel)
+        rep = metamat.materialize(model, ckpt, device="cpu", progress=False, io=io,
+                                  io_threads=t)
+        sec = time.perf_counter() - t0
+        out[c].append((sec, rep.seconds["read"], rep.bytes_read, rep.bytes_direct))
+        model = rep = None
     ev = {"before": [e.before for e in evictions], "after": [e.after for e in evictions],
           "files": evictions[0].files if evictions else 0}
     return {"out": out, "evict": ev if rank == 0 else None}

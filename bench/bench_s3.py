@@ -27,27 +27,17 @@ from __future__ import annotations
 
 import os
 import shutil
-import statistics
 import sys
 import tempfile
-import time
 from typing import List
 
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
-from _common import Row, print_table  # noqa: E402
+from _common import Row, print_table, timeit  # noqa: E402
 
-
-def _median(fn, reps: int) -> float:
-    ts = []
-    for i in range(reps + 1):
-        t0 = time.perf_counter()
-        fn()
-        if i:
-            ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+CPU = torch.device("cpu")  # the timed calls read into host memory
 
 
 def run_s3(a, device: torch.device) -> List[Row]:
@@ -86,7 +76,7 @@ def run_s3(a, device: torch.device) -> List[Row]:
                 key = f[len(f"s3://{srv.bucket}/"):]
                 obstore.get(srv.store, key).bytes()
         obj_bytes = sum(ck.file_sizes[f] for f in data)
-        t_whole = _median(whole, reps)
+        t_whole = timeit(whole, reps, CPU)
         out.append(Row("load-s3", "single-stream GET (whole object)", obj_bytes, t_whole, reps,
                        extra="ceiling"))
 
@@ -110,7 +100,7 @@ def run_s3(a, device: torch.device) -> List[Row]:
                         t.tensor = torch.empty(t.local_shape, dtype=t.dtype)
                     plan = plan_load(ts, ck)
                     execute_plan_remote(plan, stats=st)
-            t_m = _median(meta_load, reps)
+            t_m = timeit(meta_load, reps, CPU)
             for r, ts in enumerate(per_rank):  # bit-exact check
                 for t in ts:
                     sl = tuple(slice(o, o + n) for o, n in zip(t.offsets, t.local_shape))
@@ -127,7 +117,7 @@ def run_s3(a, device: torch.device) -> List[Row]:
                             url, key="testing", secret="testing",
                             client_kwargs={"endpoint_url": srv.direct_url,
                                            "region_name": "us-east-1"}))
-                t_d = _median(dcp_load, reps)
+                t_d = timeit(dcp_load, reps, CPU)
                 out.append(Row("load-s3", f"dcp.load fsspec {sharding}", needed, t_d, reps,
                                extra=f"metamat {t_d / t_m:.2f}x faster"))
     finally:

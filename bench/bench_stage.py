@@ -31,10 +31,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
-import time
 
 import torch
 
@@ -45,35 +43,12 @@ from metamat.load import default_io_threads, load_targets  # noqa: E402
 from metamat.load.staged import release_staging_memory  # noqa: E402
 from metamat.plan import Target  # noqa: E402
 
-
-def _sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
-def _time(fn, reps: int, dev: torch.device) -> float:
-    fn()  # warm: page cache, allocator, CUDA context
-    _sync(dev)
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        _sync(dev)
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+from _common import timeit, times  # noqa: E402
 
 
 def _best(fn, reps: int, dev: torch.device) -> float:
     """Best of ``reps`` timed calls after a warm one (a ceiling: the machine's best)."""
-    fn()
-    _sync(dev)
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        _sync(dev)
-        ts.append(time.perf_counter() - t0)
-    return min(ts)
+    return min(times(fn, reps, dev))
 
 
 class Ceilings:
@@ -112,7 +87,7 @@ class Ceilings:
 
 def _staged(tg, ck, staging, threads, reps, dev, stats):
     release_staging_memory()  # the first call allocates (page-locks) its ring
-    return _time(lambda: stats.append(load_targets(
+    return timeit(lambda: stats.append(load_targets(
         tg, ck, staging_bytes=staging, staged=True, io="buffered", io_threads=threads)),
         reps, dev)
 
@@ -244,7 +219,7 @@ def main(argv=None) -> int:
             ceil.read(threads), threads=threads)
     if not a.only_sweep:
         row("safetensors load_file(device=...)",
-            _time(lambda: load_file(path, device=str(dev)), a.reps, dev))
+            timeit(lambda: load_file(path, device=str(dev)), a.reps, dev))
         for name, dtype, cs, staging, threads, conv, use16 in (
                 ("metamat staged fp32", torch.float32, None, a.staging_mib << 20, None, None, 0),
                 ("metamat staged fp32 -> bf16, host conversion", torch.bfloat16, None,

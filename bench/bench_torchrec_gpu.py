@@ -29,7 +29,6 @@ import contextlib
 import gc
 import os
 import shutil
-import statistics
 import tempfile
 import threading
 import time
@@ -37,7 +36,7 @@ from typing import Callable, List
 
 import torch
 
-from _common import Row, finish, print_table, progress
+from _common import Row, finish, print_table, progress, timeit
 
 SMALL_ROWS, SMALL_DIM = 1000, 64
 
@@ -57,17 +56,9 @@ def _free(device: torch.device) -> None:
 def _timed(fn: Callable[[], object], reps: int, device: torch.device) -> float:
     """Median seconds of ``reps`` calls after one warm-up; what ``fn`` returns is freed
     between calls (models do not accumulate in GPU memory)."""
-    times = []
-    for i in range(reps + 1):
-        _free(device)
-        t0 = time.perf_counter()
-        out = fn()
-        _sync(device)
-        if i:
-            times.append(time.perf_counter() - t0)
-        del out
+    t = timeit(fn, reps, device, setup=lambda: _free(device))
     _free(device)
-    return statistics.median(times)
+    return t
 
 
 def _tables(n: int, rows: int, dim: int, prefix: str = "t"):

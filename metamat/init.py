@@ -20,7 +20,7 @@ from .dtypes import CODES as _DTYPE_CODES
 from .keys import philox_key
 from .spec import Dist
 
-__all__ = ["fill_", "fill_many_", "SEGMENT_DTYPE"]
+__all__ = ["fill_", "fill_many_", "SEGMENT_DTYPE", "pack_item"]
 
 # Mirrors csrc/include/metamat/fill.h `struct Segment` (128 bytes). `launch` (LaunchInfo) belongs to
 # the core's CUDA launch and stays zero here.
@@ -137,7 +137,7 @@ def _pack_columns(items: Sequence[Item], seed: int) -> Tuple[np.ndarray, np.ndar
                                 _DTYPES_BY_CODE, dists, seed)
             if i == n:
                 break
-        _pack_item(items, i, seed, segs, devs)
+        pack_item(items, i, seed, segs, devs)
         i += 1
     return segs, devs
 
@@ -156,15 +156,17 @@ def _distinct_dists(items: Sequence[Item], seed: int):
         if isinstance(d, Dist):
             try:
                 kind, p, clamp = dist_params(d)
-            except Exception:  # raised again, in item order, by _pack_item
+            except Exception:  # raised again, in item order, by pack_item
                 continue
             out[k] = (kind, *p, *clamp)
     return out
 
 
-def _pack_item(items: Sequence[Item], i: int, seed: int, segs: np.ndarray,
+def pack_item(items: Sequence[Item], i: int, seed: int, segs: np.ndarray,
                devs: np.ndarray) -> None:
-    """Check item i and pack it into segs[i], devs[i] (raises TypeError/ValueError)."""
+    """Check item i and pack it into segs[i], devs[i] (raises TypeError/ValueError): the packer
+    in Python, one item at a time, which the compiled one (``_C.pack_segments``) equals byte
+    for byte and error for error; it packs what the compiled one hands back."""
     item = items[i]
     if not isinstance(item, (tuple, list)) or len(item) != 5:
         raise TypeError(f"item {i}: expected (tensor, dist, key, row_offset, col_offset)")

@@ -1,5 +1,5 @@
-"""The vectorised segment packer (init._pack_columns) equals the per-item packer it
-replaced, byte for byte and error for error (type and message, first bad item first)."""
+"""The compiled segment packer (init._pack_columns) equals the per-item Python packer
+(init.pack_item), byte for byte and error for error (type and message, first bad item first)."""
 import numpy as np
 import pytest
 import torch
@@ -9,38 +9,17 @@ from hypothesis import strategies as st
 import metamat
 from metamat import init as fill_init
 from metamat.dtypes import CODES
-from metamat.init import SEGMENT_DTYPE, _block_geometry, _check_offset, _pack, dist_params
+from metamat.init import SEGMENT_DTYPE, _pack, pack_item
 from metamat.keys import philox_key
-from metamat.spec import Dist
 
 
 def reference_pack(items, seed):
-    """The per-item packer as it was (one item at a time, NumPy row assignment)."""
+    """The per-item packer (``init.pack_item``, the Python reference the compiled one falls
+    back to), one item at a time."""
     segs = np.zeros(len(items), dtype=SEGMENT_DTYPE)
-    for i, item in enumerate(items):
-        if not isinstance(item, (tuple, list)) or len(item) != 5:
-            raise TypeError(f"item {i}: expected (tensor, dist, key, row_offset, col_offset)")
-        t, dist, key, ro, co = item
-        where = f"item {i} (key {key!r})"
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{where}: expected a torch.Tensor, got {type(t).__name__}")
-        if not isinstance(dist, Dist):
-            raise TypeError(f"{where}: dist must be a metamat distribution, got {type(dist).__name__}")
-        if t.dtype not in CODES:
-            raise TypeError(f"{where}: dtype {t.dtype} is not supported "
-                            "(float32, float16, bfloat16, float64)")
-        if t.device.type == "meta":
-            raise ValueError(f"{where}: tensor is on the meta device; allocate it first")
-        if t.device.type not in ("cpu", "cuda"):
-            raise ValueError(f"{where}: device {t.device} is not supported (cpu, cuda)")
-        ro, co = _check_offset("row_offset", ro), _check_offset("col_offset", co)
-        rows, cols, stride, gr, gc = _block_geometry(t, ro, co, where)
-        kind, p, clamp = dist_params(dist)
-        s = segs[i]
-        s["ptr"], s["rows"], s["cols"], s["row_stride"] = t.data_ptr(), rows, cols, stride
-        s["row_offset"], s["col_offset"] = gr, gc
-        s["key"], s["dtype"], s["kind"] = philox_key(seed, key), CODES[t.dtype], kind
-        s["p"], s["clamp"] = p, clamp
+    devs = np.full(len(items), -1, dtype=np.int64)
+    for i in range(len(items)):
+        pack_item(items, i, seed, segs, devs)
     return segs
 
 
