@@ -25,7 +25,6 @@ waiting for a core; the tests use it).
 """
 from __future__ import annotations
 
-import contextlib
 import csv
 import gc
 import os
@@ -41,6 +40,13 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+# shared with the tests: metamat/testing.py, metamat/models/torchrec/testing.py
+from metamat.testing import ManyTensors as _Many, OneTensor as _One  # noqa: E402
+from metamat.testing import process_group, save_chunked, save_many  # noqa: E402,F401
+from metamat.models.torchrec.testing import ebc as _ebc  # noqa: E402
+from metamat.models.torchrec.testing import sharder_and_plan as _sharder_and_plan  # noqa: E402
+from metamat.models.torchrec.testing import towers  # noqa: E402
+
 
 TABLE_COUNTS = (10, 100, 1000, 10000)
 CHUNK_COUNTS = (100, 1000, 10000, 100000)
@@ -54,21 +60,8 @@ QUICK_RANK_COUNTS = (16, 64, 256)
 RANK_TABLES = 20
 
 
-@contextlib.contextmanager
-def process_group():
-    """A world-size-1 gloo group for TorchRec and DCP (kept if one exists already)."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        yield
-        return
-    d = tempfile.mkdtemp(prefix="metamat-scale-pg-")
-    dist.init_process_group("gloo", init_method=f"file://{d}/store", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
-        shutil.rmtree(d, ignore_errors=True)
+def _towers(m: int, tables: int = MODULE_TABLES) -> nn.Module:
+    return towers(m, tables)
 
 
 def clock() -> float:
@@ -91,35 +84,6 @@ def _median(fn: Callable[[], None], reps: int, setup: Optional[Callable[[], obje
 
 # ---------------------------------------------------------------------------------------------
 # tables
-
-
-def _ebc(n: int, rows: int = 100, dim: int = 16):
-    from torchrec.modules.embedding_configs import EmbeddingBagConfig
-    from torchrec.modules.embedding_modules import EmbeddingBagCollection
-
-    cfgs = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=dim, num_embeddings=rows,
-                               feature_names=[f"f{i}"]) for i in range(n)]
-    return EmbeddingBagCollection(tables=cfgs, device=torch.device("meta"))
-
-
-def _sharder_and_plan(ebc, world_size: int = 1, row_wise: bool = False):
-    """The sharder (FUSED, row-wise Adagrad) and plan of ``ebc``: every table on rank 0, or
-    with ``row_wise`` every table split over all ``world_size`` ranks (8 per host)."""
-    from fbgemm_gpu.split_embedding_configs import EmbOptimType
-    from torchrec.distributed import sharding_plan as sp
-    from torchrec.distributed.types import ShardingPlan
-    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
-
-    sharder = EmbeddingBagCollectionSharder(fused_params={
-        "optimizer": EmbOptimType.EXACT_ROWWISE_ADAGRAD, "learning_rate": 0.05})
-    mp = sp.construct_module_sharding_plan(
-        ebc, {c.name: sp.row_wise() if row_wise else sp.table_wise(rank=0)
-              for c in ebc.embedding_bag_configs()},
-        local_size=min(8, world_size), world_size=world_size, device_type="cpu",
-        sharder=sharder)
-    for _, ps in mp.items():
-        ps.compute_kernel = "fused"
-    return sharder, ShardingPlan({"": mp})
 
 
 def run_tables(counts: Sequence[int], reps: int, log=print) -> List[dict]:
@@ -214,23 +178,6 @@ def plan_parts(n: int, reps: int = 5) -> Dict[str, float]:
 
 # ---------------------------------------------------------------------------------------------
 # modules
-
-
-def _towers(m: int, tables: int = MODULE_TABLES) -> nn.Module:
-    """``m`` EmbeddingBagCollections of ``tables`` tiny tables each, on meta."""
-    from torchrec.modules.embedding_configs import EmbeddingBagConfig
-    from torchrec.modules.embedding_modules import EmbeddingBagCollection
-
-    class Towers(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.towers = nn.ModuleDict({
-                f"m{j}": EmbeddingBagCollection(tables=[
-                    EmbeddingBagConfig(name=f"m{j}t{i}", embedding_dim=16, num_embeddings=100,
-                                       feature_names=[f"m{j}f{i}"]) for i in range(tables)],
-                    device=torch.device("meta")) for j in range(m)})
-
-    return Towers()
 
 
 def run_modules(counts: Sequence[int], reps: int, log=print) -> List[dict]:
@@ -331,46 +278,6 @@ def run_ranks(counts: Sequence[int], log=print) -> List[dict]:
 
 # ---------------------------------------------------------------------------------------------
 # chunks and tensors
-
-
-def save_chunked(path: str, n: int, layout: str, width: int = 16) -> torch.Size:
-    """One tensor "w" saved by DCP as ``n`` row chunks (n x width) or column chunks
-    (4 x n)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed._shard.metadata import ShardMetadata
-    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
-
-    if layout == "rows":
-        shape = torch.Size([n, width])
-        boxes = [([i, 0], [1, width]) for i in range(n)]
-    else:
-        shape = torch.Size([4, n])
-        boxes = [([0, i], [4, 1]) for i in range(n)]
-    full = torch.arange(shape.numel(), dtype=torch.float32).reshape(shape)
-    shards = [Shard(full[o[0]:o[0] + s[0], o[1]:o[1] + s[1]].contiguous(),
-                    ShardMetadata(o, s, "rank:0/cpu")) for o, s in boxes]
-    st = ShardedTensor._init_from_local_shards(shards, shape)
-    dcp.save({"w": st}, checkpoint_id=path)
-    return shape
-
-
-def save_many(path: str, n: int, numel: int = 16) -> None:
-    import torch.distributed.checkpoint as dcp
-
-    dcp.save({f"p{i}": torch.full((numel,), float(i)) for i in range(n)}, checkpoint_id=path)
-
-
-class _Many(nn.Module):
-    def __init__(self, n: int, numel: int = 16):
-        super().__init__()
-        for i in range(n):
-            self.register_parameter(f"p{i}", nn.Parameter(torch.empty(numel, device="meta")))
-
-
-class _One(nn.Module):
-    def __init__(self, shape):
-        super().__init__()
-        self.w = nn.Parameter(torch.empty(shape, device="meta"))
 
 
 def _dcp_metadata(path: str) -> None:

@@ -39,16 +39,12 @@ def world1_env():
     """A world-size-1 gloo group and TorchRec ShardingEnv for one test module, destroyed after
     it (later modules must not inherit a default group: DCP, for one, behaves differently)."""
     pytest.importorskip("torchrec")
-    import os
-    import sys
-
     import torch.distributed as dist
     from torchrec.distributed.types import ShardingEnv
 
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
-    import bench_scale
+    from metamat.testing import process_group
 
-    with bench_scale.process_group():
+    with process_group():
         yield ShardingEnv.from_process_group(dist.group.WORLD)
 
 

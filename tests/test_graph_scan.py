@@ -14,7 +14,6 @@ from torch import nn
 
 from metamat.models.torchrec.graph import Slot, scan, scan_reference
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
 
 
 def _summary(g):
@@ -115,10 +114,10 @@ def test_errors_in_the_walk_propagate():
 def test_c_walk_equals_python_on_a_sharded_model(world1_env):
     import metamat
 
-    import bench_scale as bs
+    from metamat.models.torchrec import testing as bs
 
-    sharder, plan = bs._sharder_and_plan(bs._ebc(20))
-    dmp = metamat.shard_on_meta(bs._ebc(20), env=world1_env, plan=plan, sharders=[sharder])
+    sharder, plan = bs.sharder_and_plan(bs.ebc(20))
+    dmp = metamat.shard_on_meta(bs.ebc(20), env=world1_env, plan=plan, sharders=[sharder])
     g = _same(dmp, dmp.fused_optimizer)
     assert len(g.meta_tensors()) >= 20
 
@@ -127,13 +126,13 @@ def test_c_walk_equals_python_on_several_sharded_modules(world1_env):
     import metamat
     from torchrec.distributed.types import ShardedModule, ShardingPlan
 
-    import bench_scale as bs
+    from metamat.models.torchrec import testing as bs
 
-    proto, plans = bs._towers(3, tables=2), {}
+    proto, plans = bs.towers(3, tables=2), {}
     for j in range(3):
-        sharder, tower_plan = bs._sharder_and_plan(proto.towers[f"m{j}"])
+        sharder, tower_plan = bs.sharder_and_plan(proto.towers[f"m{j}"])
         plans[f"towers.m{j}"] = tower_plan.plan[""]
-    dmp = metamat.shard_on_meta(bs._towers(3, tables=2), env=world1_env,
+    dmp = metamat.shard_on_meta(bs.towers(3, tables=2), env=world1_env,
                                 plan=ShardingPlan(plans), sharders=[sharder])
     g = _same(dmp, dmp.fused_optimizer)
     modules = [o for o in g.objects.values() if isinstance(o, ShardedModule)]
@@ -373,10 +372,10 @@ def test_a_sharded_models_meta_tensor_in_a_tuple_is_refused_before_allocation(wo
     import metamat
     from metamat.errors import UnsupportedError
 
-    import bench_scale as bs
+    from metamat.models.torchrec import testing as bs
 
-    sharder, plan = bs._sharder_and_plan(bs._ebc(3))
-    dmp = metamat.shard_on_meta(bs._ebc(3), env=world1_env, plan=plan, sharders=[sharder])
+    sharder, plan = bs.sharder_and_plan(bs.ebc(3))
+    dmp = metamat.shard_on_meta(bs.ebc(3), env=world1_env, plan=plan, sharders=[sharder])
     weights = [t for t in scan(dmp).meta_tensors() if t.dim() == 1 and t.is_floating_point()]
     dmp.frozen = (weights[0],)
     with pytest.raises(UnsupportedError, match=r"frozen\[0\] is held in an immutable container"):
@@ -392,10 +391,10 @@ def test_a_materialized_model_is_freed(world1_env):
 
     import metamat
 
-    import bench_scale as bs
+    from metamat.models.torchrec import testing as bs
 
-    sharder, plan = bs._sharder_and_plan(bs._ebc(3))
-    dmp = metamat.shard_on_meta(bs._ebc(3), env=world1_env, plan=plan, sharders=[sharder])
+    sharder, plan = bs.sharder_and_plan(bs.ebc(3))
+    dmp = metamat.shard_on_meta(bs.ebc(3), env=world1_env, plan=plan, sharders=[sharder])
     metamat.materialize(dmp, device="cpu")
     ref = weakref.ref(dmp)
     del dmp

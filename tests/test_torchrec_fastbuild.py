@@ -2,15 +2,10 @@
 (metamat/models/torchrec/fastbuild.py): what it builds must equal TorchRec's own."""
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
 
 pytest.importorskip("torchrec")
-
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
 
 
 def _model_and_plan(optimizer):

@@ -4,7 +4,6 @@ errors, is torch's again afterwards, and a row-wise table over many ranks no lon
 scan of every rank per shard."""
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
@@ -57,13 +56,11 @@ _MANY_RANKS = textwrap.dedent("""
     from torch.testing._internal.distributed.fake_pg import FakeStore
     world = int(sys.argv[1])
     dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
-    sys.path.insert(0, sys.argv[2])
-    import bench_scale
     import metamat
+    from metamat.models.torchrec.testing import ebc, sharder_and_plan
     from torchrec.distributed.types import ShardingEnv
 
-    sharder, plan = bench_scale._sharder_and_plan(bench_scale._ebc(2, rows=4 * world), world,
-                                                  row_wise=True)
+    sharder, plan = sharder_and_plan(ebc(2, rows=4 * world), world, row_wise=True)
     calls = [0]
     real = c10d.get_process_group_ranks
 
@@ -72,7 +69,7 @@ _MANY_RANKS = textwrap.dedent("""
         return real(group)
 
     c10d.get_process_group_ranks = counted
-    dmp = metamat.shard_on_meta(bench_scale._ebc(2, rows=4 * world),
+    dmp = metamat.shard_on_meta(ebc(2, rows=4 * world),
                                 env=ShardingEnv.from_process_group(dist.group.WORLD),
                                 plan=plan, sharders=[sharder])
     # (TorchRec builds no module state on a "fake" group: the fused optimizer's is built)
@@ -87,8 +84,7 @@ def test_a_row_wise_table_over_many_ranks_lists_the_ranks_once(tmp_path):
     pytest.importorskip("torch.testing._internal.distributed.fake_pg")
     script = tmp_path / "many_ranks.py"
     script.write_text(_MANY_RANKS)
-    bench = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench")
-    out = subprocess.run([sys.executable, str(script), "512", bench], capture_output=True,
+    out = subprocess.run([sys.executable, str(script), "512"], capture_output=True,
                          text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     calls, shards = map(int, out.stdout.split()[-2:])
