@@ -361,10 +361,8 @@ def test_an_endless_empty_listing_ends_at_the_deadline(s3):
     import time
     s3.put("empty-endless/x", b"x")
     s3.proxy.behave(list_endless=0)
-    t0 = time.monotonic()
     with pytest.raises(ReadError, match="deadline of 3 s") as ei:
         open_checkpoint(s3.url("empty-endless"), storage_options=_opts(s3, deadline=3))
-    assert time.monotonic() - t0 < 10
     assert "s3://ckpts/empty-endless" in str(ei.value)
     pages = s3.proxy.list_pages
     time.sleep(1.0)
@@ -374,23 +372,29 @@ def test_an_endless_empty_listing_ends_at_the_deadline(s3):
 def test_a_slow_store_fails_the_load_at_the_deadline_model_untouched(s3, tmp_path):
     """A store that trickles bytes (2 B/s) took 4 attempts of ~60 s for one range; the load's
     reads now end at the deadline with a ReadError naming the object and range."""
-    import time
     sd = _state(11)
     url = upload_dir(s3, str(_dcp(tmp_path, sd)), "slow")
     ck = open_checkpoint(url, storage_options=_opts(s3, deadline=4))
     s3.proxy.behave(slow=2)
     net = Net()
-    t0 = time.monotonic()
+    s3.proxy.requests.clear()
     with pytest.raises(ReadError, match=r"deadline of 4 s.*METAMAT_S3_DEADLINE") as ei:
         metamat.materialize(net, ck, device="cpu")
-    assert time.monotonic() - t0 < 12
     assert url in str(ei.value) and "read bytes [" in str(ei.value)
     assert all(p.device.type == "meta" for p in net.parameters())
+    # one deadline for the whole read, not one per attempt: no range was asked for again
+    # (counted; "< 12 s" before, where 4 attempts of 4 s would have been 16)
+    _no_range_asked_twice(s3)
     # the open is bounded the same way (its metadata reads are ranged GETs too)
-    t0 = time.monotonic()
+    s3.proxy.requests.clear()
     with pytest.raises(ReadError, match="deadline of 2 s"):
         open_checkpoint(url, storage_options=_opts(s3, deadline=2))
-    assert time.monotonic() - t0 < 8
+    _no_range_asked_twice(s3)
+
+
+def _no_range_asked_twice(s3):
+    ranges = [r for m, r in list(s3.proxy.requests) if m == "GET" and r]
+    assert ranges and len(ranges) == len(set(ranges)), ranges
 
 
 def test_the_deadline_setting_is_checked(s3, monkeypatch):
@@ -477,20 +481,17 @@ def test_a_forked_child_fails_at_the_deadline_instead_of_hanging(s3, tmp_path):
     store hung forever on its first call. Now it raises a ReadError at the deadline (and the
     child's own store calls use a loop of its own: the parent's thread is not in the child)."""
     import multiprocessing as mp
-    import time
     sd = _state(18)
     url = upload_dir(s3, _save_st(tmp_path, sd), "fork/m.safetensors")
     open_checkpoint(url, storage_options=_opts(s3))  # the parent's runtime and loop run
     ctx = mp.get_context("fork")
     q = ctx.Queue()
-    t0 = time.monotonic()
     p = ctx.Process(target=_fork_child, args=(url, _opts(s3, deadline=4), q))
     p.start()
-    p.join(60)
+    p.join(120)  # a hang guard (the child used to hang forever), not a speed check
     assert p.exitcode == 0, p.exitcode
     got = q.get(timeout=5)
     assert got == "ok" or ("ReadError" in got and "deadline of 4 s" in got), got
-    assert time.monotonic() - t0 < 30
 
 
 def _fork_child(url, opts, q):
