@@ -1,9 +1,13 @@
-"""Run a function in N gloo processes (torch.multiprocessing spawn) on a free local port.
+"""Run a function in N gloo processes (torch.multiprocessing spawn).
 
 ``run_dist(fn, world_size, *args)`` calls ``fn(rank, world_size, *args)`` in each process
 after ``dist.init_process_group("gloo")`` and returns the list of per-rank results (each
 must be picklable). An exception in any rank is re-raised in the caller with its traceback.
 ``world_size == 1`` still runs in a child process so no process group leaks into pytest.
+
+The ranks meet through a file store in the run's own temporary directory, not a TCP port:
+a port found free and then bound by the ranks could be taken in between by another run
+(pytest-xdist runs several at once), and two runs can never share a directory.
 """
 from __future__ import annotations
 
@@ -24,17 +28,16 @@ __all__ = ["run_dist", "free_port"]
 
 
 def free_port() -> int:
-    """Return a TCP port that was free a moment ago on localhost."""
+    """Return a TCP port that was free a moment ago on localhost (for a port that nothing
+    should answer on; the ranks of :func:`run_dist` use no port)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, outdir: str, fn: Callable, args: tuple,
+def _worker(rank: int, world_size: int, outdir: str, fn: Callable, args: tuple,
             backend: str = "gloo") -> None:
     faulthandler.enable(all_threads=True)  # a native crash prints every thread's Python stack
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
     os.environ["RANK"] = str(rank)
     os.environ["WORLD_SIZE"] = str(world_size)
     os.environ["LOCAL_RANK"] = str(rank)
@@ -43,7 +46,8 @@ def _worker(rank: int, world_size: int, port: int, outdir: str, fn: Callable, ar
     ok = True
     if backend == "nccl":  # one GPU per rank
         torch.cuda.set_device(rank)
-    dist.init_process_group(backend, rank=rank, world_size=world_size)
+    dist.init_process_group(backend, init_method="file://" + os.path.join(outdir, "store"),
+                            rank=rank, world_size=world_size)
     try:
         result = fn(rank, world_size, *args)
     except BaseException:  # noqa: BLE001 - shipped back to the parent, re-raised there
@@ -80,7 +84,7 @@ def run_dist(fn: Callable, world_size: int, *args: Any, backend: str = "gloo") -
         try:
             mp.start_processes(
                 _worker,
-                args=(world_size, free_port(), outdir, fn, args, backend),
+                args=(world_size, outdir, fn, args, backend),
                 nprocs=world_size,
                 join=True,
                 start_method="spawn",
