@@ -6,17 +6,15 @@ OrderedDict, dtypes; anything else is an ``UnsafePickleError`` and nothing it na
 and every storage becomes a ``StorageRef`` (key, dtype, numel) instead of bytes;
 ``_rebuild_tensor_v2`` becomes a ``TensorRef`` (storage, storage_offset, size, stride). The
 byte offset of each storage record ``<prefix>/data/<key>`` comes from the zip's central
-directory plus the record's local header (records must be stored, not compressed). The same parser reads the torch.save blobs DCP writes
-inside ``.distcp`` files (``base``/``length`` select the blob).
+directory plus the record's local header (records must be stored, not compressed), read by
+:class:`~.zip_blob.ZipBlob`. The same parser reads the torch.save blobs DCP writes inside
+``.distcp`` files (``base``/``length`` select the blob).
 """
 from __future__ import annotations
 
 import collections
 import io
 import pickle
-import struct
-import zipfile
-import zlib
 from dataclasses import dataclass
 from typing import Any, Dict, Optional, Tuple
 
@@ -29,14 +27,10 @@ from .errors import (CheckpointError, InvalidHeaderError, InvalidOffsetError,
                      UnsafePickleError, UnsupportedFormatError)
 from .limits import METADATA_BYTES, PICKLE_DEPTH, PICKLE_OBJECTS, check, limit, short_repr
 from .unpickle import Call, refuse, scan
+from .zip_blob import ZIP_ERRORS, ZipBlob
 
 __all__ = ["StorageRef", "TensorRef", "TorchSaveArchive", "RestrictedUnpickler",
            "parse_torch_save", "open_torch_save", "tensor_chunk"]
-
-# What zipfile / struct raise on damaged archives (beyond BadZipFile).
-_ZIP_ERRORS = (zipfile.BadZipFile, zlib.error, EOFError, OSError, ValueError, struct.error,
-               NotImplementedError, UnicodeDecodeError, OverflowError, KeyError,
-               RuntimeError)  # RuntimeError: "File ... is encrypted, password required"
 
 _STORAGE_DTYPES = {
     "DoubleStorage": torch.float64, "FloatStorage": torch.float32,
@@ -168,37 +162,6 @@ class RestrictedUnpickler(pickle.Unpickler):
 _RestrictedUnpickler = RestrictedUnpickler  # the former name, as tests import it
 
 
-class _Window(io.RawIOBase):
-    """A read-only, seekable view of bytes [base, base+length) of an open file."""
-
-    def __init__(self, f, base: int, length: int) -> None:
-        self._f, self._base, self._len, self._pos = f, base, length, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._pos
-
-    def seek(self, pos: int, whence: int = 0) -> int:
-        self._pos = {0: pos, 1: self._pos + pos, 2: self._len + pos}[whence]
-        if self._pos < 0:
-            raise OSError("negative seek")
-        return self._pos
-
-    def readinto(self, b) -> int:
-        n = max(0, min(len(b), self._len - self._pos))
-        if n == 0:
-            return 0
-        data = fs.pread(self._f, n, self._base + self._pos)
-        b[:len(data)] = data
-        self._pos += len(data)
-        return len(data)
-
-
 @dataclass
 class TorchSaveArchive:
     """A parsed torch.save blob.
@@ -239,63 +202,12 @@ def parse_torch_save(path: str, base: int = 0, length: Optional[int] = None,
                 f"torch.save blob [{base}, {base + length}) past end of file ({fsize} B)",
                 file=path)
         try:
-            win = _Window(f, base, length)
-            buf = io.BufferedReader(win, 1 << 16)
-            _check_central_directory(buf, path)
+            z = ZipBlob(f, path, base, length)
+            bo = z.names.get(z.prefix + "byteorder")
+            if bo is not None and z.read(bo).strip() not in (b"little",):
+                raise UnsupportedFormatError("big-endian torch.save archive", file=path)
             try:
-                zf = zipfile.ZipFile(buf)
-            except zipfile.BadZipFile as e:
-                raise InvalidHeaderError(f"not a torch.save zip archive at {base} ({e})",
-                                         file=path) from None
-            infos = zf.infolist()
-            names = {i.filename: i for i in infos}
-            if len(names) != len(infos):
-                counts = collections.Counter(i.filename for i in infos)
-                dup = sorted(k for k, c in counts.items() if c > 1)
-                raise InvalidHeaderError(f"zip archive holds {dup[:3]} more than once",
-                                         file=path)
-            pkl = [i for i in infos
-                   if i.filename.endswith("/data.pkl") and i.filename.count("/") == 1]
-            if len(pkl) != 1:
-                raise InvalidHeaderError("zip archive has no single <prefix>/data.pkl",
-                                         file=path)
-            prefix = pkl[0].filename[: -len("data.pkl")]
-            # Each record read must end before the next entry's local header (the directory
-            # for the last): overlapping entries are a zip-bomb pattern that zipfile refuses
-            # on opening a record in newer Pythons (the GPU host's 3.12.3; not 3.11.7); here
-            # on every Python, and for the tensor records too, which are located, not opened.
-            by_offset = sorted(infos, key=lambda i: i.header_offset)
-            room = {id(a): b.header_offset for a, b in zip(by_offset, by_offset[1:])}
-            room[id(by_offset[-1])] = zf.start_dir
-
-            def data_start(info: zipfile.ZipInfo, size: int, stored: bool = False) -> int:
-                """Where ``info``'s data starts in the blob, after its local header."""
-                hdr = fs.pread(f, 30, base + info.header_offset)
-                if len(hdr) != 30 or hdr[:4] != b"PK\x03\x04":
-                    raise InvalidHeaderError(f"bad local header for record {info.filename}",
-                                             file=path)
-                if stored and struct.unpack("<H", hdr[8:10])[0] != 0:
-                    raise UnsupportedFormatError(f"record {info.filename} is compressed",
-                                                 file=path)
-                nlen, elen = struct.unpack("<HH", hdr[26:30])
-                start = info.header_offset + 30 + nlen + elen
-                if start + size > length:
-                    raise TruncatedFileError(
-                        f"record {info.filename} runs past the end of the blob", file=path)
-                if start + size > room[id(info)]:
-                    raise InvalidHeaderError(
-                        f"record {info.filename} overlaps the next entry of the zip archive "
-                        "(possible zip bomb)", file=path)
-                return start
-
-            bo = names.get(prefix + "byteorder")
-            if bo is not None:
-                data_start(bo, bo.compress_size)
-                if _read_record(zf, bo, path).strip() not in (b"little",):
-                    raise UnsupportedFormatError("big-endian torch.save archive", file=path)
-            data_start(pkl[0], pkl[0].compress_size)
-            try:
-                raw = _read_record(zf, pkl[0], path)
+                raw = z.read(z.pkl)
                 obj = RestrictedUnpickler(io.BytesIO(raw), path, trust=trust_pickles).load()
             except CheckpointError as e:  # raised in a pickle callback, without the file
                 if e.file is None and type(e).__init__ is CheckpointError.__init__:
@@ -306,65 +218,16 @@ def parse_torch_save(path: str, base: int = 0, length: Optional[int] = None,
             except Exception as e:  # malformed pickle stream: any of a dozen exception types
                 raise InvalidHeaderError(
                     f"data.pkl does not unpickle ({type(e).__name__}: {e})", file=path) from None
-            records: Dict[str, Tuple[int, int]] = {}
-            dprefix = prefix + "data/"
-            for name, info in names.items():
-                if not name.startswith(dprefix) or "/" in name[len(dprefix):]:
-                    continue
-                key = name[len(dprefix):]
-                if info.compress_type != zipfile.ZIP_STORED:
-                    raise UnsupportedFormatError(f"record {name} is compressed", file=path)
-                records[key] = (base + data_start(info, info.file_size, stored=True),
-                                info.file_size)
+            records = z.storage_records()
         except CheckpointError:
             raise
-        except _ZIP_ERRORS as e:  # a damaged archive: zipfile raises many types
+        except ZIP_ERRORS as e:  # a damaged archive: zipfile raises many types
             raise InvalidHeaderError(f"damaged zip archive at {base} ({type(e).__name__}: {e})",
                                      file=path) from None
         return TorchSaveArchive(path, obj, records)
     finally:
         if own:
             f.close()
-
-
-def _check_central_directory(buf, path: str) -> None:
-    """The central directory zipfile would parse into one object per entry: its declared
-    size is bounded like any metadata record (a huge one costs ~10x its size in memory)."""
-    end = zipfile._EndRecData(buf)  # None: not a zip, which ZipFile() then reports
-    if end is not None:
-        check(METADATA_BYTES, end[zipfile._ECD_SIZE], file=path,
-              what="zip central directory size")
-        _check_zip64_end(buf, end[zipfile._ECD_LOCATION], path)
-    buf.seek(0)
-
-
-def _check_zip64_end(buf, at: int, path: str) -> None:
-    """The zip64 end record (torch writes one) must end where its locator says and the
-    central directory must end at it, as zipfile checks in newer Pythons (the GPU host's
-    3.12.3; not 3.11.7), so the check is here for every Python."""
-    if at < 76:
-        return
-    buf.seek(at - 76)
-    raw = buf.read(76)
-    if len(raw) != 76 or raw[56:60] != b"PK\x06\x07" or raw[:4] != b"PK\x06\x06":
-        return  # no zip64 records before the end record: zipfile uses the end record alone
-    _, size, _, _, _, _, _, _, dir_size, dir_offset = struct.unpack("<4sQ2H2L4Q", raw[:56])
-    reloff, = struct.unpack("<Q", raw[64:72])
-    if reloff != at - 76 or dir_offset + dir_size != reloff or size != 44:
-        raise InvalidHeaderError("corrupt zip64 end of central directory record", file=path)
-
-
-def _read_record(zf: zipfile.ZipFile, info: zipfile.ZipInfo, path: str) -> bytes:
-    """A metadata record (data.pkl, byteorder), inflated (deflate, bzip2, ...) at most to
-    the metadata size limit: the declared size is checked first, and zipfile stops
-    inflating at the declared size (a record inflating past it fails its CRC check)."""
-    check(METADATA_BYTES, info.file_size, file=path,
-          what=f"inflated size record {short_repr(info.filename)} declares")
-    with zf.open(info) as r:
-        data = r.read(limit(METADATA_BYTES) + 1)
-    check(METADATA_BYTES, len(data), file=path,
-          what=f"bytes record {short_repr(info.filename)} inflates to")
-    return data
 
 
 def tensor_chunk(arch: TorchSaveArchive, ref: TensorRef, offsets: Tuple[int, ...],
