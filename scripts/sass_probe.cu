@@ -2,7 +2,7 @@
 // work unit of one path for one (distribution, dtype), so its SASS up to the first EXIT is what
 // a thread executes per unit (slow paths such as the IEEE sqrt fix-up sit after the EXIT).
 //   interior_probe / edge_probe  a unit with its own stores (DeviceSink), as before staging
-//   staged_probe<Cfg>            the kernel's store path for interior units (fill_unit_work.h):
+//   staged_probe<Cfg>            the kernel's store path for interior units (fill_warp_work.h):
 //                                the unit into the lane's shared-memory slot, __syncwarp, the
 //                                lane's share of the warp's write-out; per kernel variant
 //   fn_probe<F>                  one call of a transform piece on a loaded word (its cost is

@@ -13,7 +13,7 @@
 #include "metamat/fill.h"
 #include "fill_kernel.cuh"
 #include "fill_sink_cuda.cuh"
-#include "fill_unit_work.h"
+#include "fill_warp_work.h"
 #include "fill_units.h"
 
 
@@ -29,7 +29,7 @@ namespace {
 #endif
 
 // One thread block per tile; the block finds its segment, then each warp runs its units
-// (fill_unit_work.h run_warp_any: interior units staged in `stage`, written out warp-wide).
+// (fill_warp_work.h run_warp_any: interior units staged in `stage`, written out warp-wide).
 __global__ void __launch_bounds__(kTileThreads, METAMAT_FILL_MIN_BLOCKS)
 fill_kernel(const Segment* __restrict__ segs, int64_t nseg, int64_t tile_base) {
   __shared__ __align__(16) unsigned char stage[kStageBytes];

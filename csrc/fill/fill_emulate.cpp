@@ -1,6 +1,6 @@
 // Host emulation of the CUDA launch (fill_cuda.cu): the same segment table (prepare_launch),
 // the same per-block segment search, the same per-warp and per-thread units, staging and store
-// decisions (fill_unit_work.h run_warp_any), run by loops instead of a grid: a warp's lanes
+// decisions (fill_warp_work.h run_warp_any), run by loops instead of a grid: a warp's lanes
 // run one after the other between its syncs, over a block's staging area as in shared memory.
 // Lets machines without a GPU test the kernel's indexing against the CPU engine; the stores
 // check the alignment the GPU requires and are counted, so tests also see which path (vector
@@ -14,7 +14,7 @@
 #include "metamat/check.h"
 #include "metamat/dtype.h"
 #include "metamat/fill.h"
-#include "fill_unit_work.h"
+#include "fill_warp_work.h"
 #include "fill_units.h"
 #include "metamat/fill_variant.h"
 

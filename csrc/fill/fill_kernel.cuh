@@ -12,7 +12,7 @@
 #include "metamat/detail/cuda_check.h"
 #include "metamat/fill.h"
 #include "fill_sink_cuda.cuh"
-#include "fill_unit_work.h"
+#include "fill_warp_work.h"
 #include "fill_units.h"
 
 namespace metamat {

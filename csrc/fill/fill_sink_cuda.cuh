@@ -9,7 +9,7 @@
 #include <cstring>
 #include <type_traits>
 
-#include "fill_unit_work.h"
+#include "fill_warp_work.h"
 
 namespace metamat {
 
