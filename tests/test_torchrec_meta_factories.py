@@ -202,14 +202,15 @@ def test_closing_from_another_thread_or_twice_keeps_the_count_right():
 
 def test_a_failed_install_leaves_nothing_behind(monkeypatch):
     class Unsettable:  # a namespace whose attribute cannot be replaced
-        zeros = staticmethod(_TORCH["zeros"])
+        new_unified_tensor = staticmethod(_TORCH["zeros"])  # a declared patch site's name
 
         def __setattr__(self, name, value):
             raise TypeError("read-only")
 
     ns = Unsettable()
     real_uvm_ops = meta_factories._uvm_ops
-    monkeypatch.setattr(meta_factories, "_uvm_ops", lambda: {"zeros": ns.zeros})
+    monkeypatch.setattr(meta_factories, "_uvm_ops",
+                        lambda: {"new_unified_tensor": ns.new_unified_tensor})
     monkeypatch.setattr(torch.ops, "fbgemm", ns, raising=False)
     with pytest.raises(TypeError, match="read-only"):
         with MetaFactories():

@@ -179,6 +179,10 @@ class Boundary:
         self._seen: Dict[type, bool] = {}  # types whose instances passed check_instance
         self._passed: Dict[Optional[str], bool] = {}  # groups whose require() passed
         self._factories: Dict[str, Callable[[], Any]] = {}
+        #: (patch site, why) of each time a patch found its target present but not the one it
+        #: was checked against (e.g. another signature) and left it alone: the upstream code
+        #: ran unpatched, with the same result (the patches that do so are speed-ups only)
+        self.left_alone: List[Tuple[Private, str]] = []
         _BOUNDARIES.append(self)
 
     def declare(self, *privates: Private) -> None:
@@ -301,6 +305,12 @@ class Boundary:
         except AttributeError:
             raise self.error([(self.get_declared(owner, name),
                                f"missing on a {type(obj).__name__}")]) from None
+
+    def note_left_alone(self, site: Private, why: str) -> None:
+        """Record that a patch left ``site`` alone (see :attr:`left_alone`); kept once."""
+        entry = (site, why)
+        if entry not in self.left_alone:
+            self.left_alone.append(entry)
 
     def sites(self) -> List[Private]:
         return [p for p in self.declared if p.patched]

@@ -118,9 +118,12 @@ def register_meta_flush() -> None:
 
     if _meta_libs:
         return
+    from .. import torch_upstream
+
     name = "fbgemm::lxu_cache_flush"
+    torch_upstream.require("dispatch")
     try:
-        if not torch._C._dispatch_has_kernel_for_dispatch_key(name, "Meta"):
+        if not torch_upstream.has_kernel_for(name, "Meta"):
             lib = torch.library.Library("fbgemm", "IMPL")
             lib.impl("lxu_cache_flush", lambda *args, **kwargs: None, "Meta")
             _meta_libs.append(lib)
@@ -151,9 +154,10 @@ def cuda_fused_kernels(device_index: Optional[int] = None) -> Iterator[List[Dict
         EmbeddingLocation,
     )
 
+    from . import upstream
+
     real_tbe = bek.SplitTableBatchedEmbeddingBagsCodegen
-    wrappers = [getattr(bek, n) for n in ("BatchedFusedEmbeddingBag", "BatchedFusedEmbedding")
-                if hasattr(bek, n)]
+    wrappers = ("BatchedFusedEmbeddingBag", "BatchedFusedEmbedding")
     records: List[Dict[str, Any]] = []
 
     def tbe(*args: Any, **kwargs: Any):
@@ -206,16 +210,14 @@ def cuda_fused_kernels(device_index: Optional[int] = None) -> Iterator[List[Dict
                 _state.config = prev
         return __init__
 
-    saved = [(w, w.__dict__["__init__"]) for w in wrappers]
-    try:
-        bek.SplitTableBatchedEmbeddingBagsCodegen = tbe
-        for w, init in saved:
-            w.__init__ = recording(init)
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(upstream.patch(upstream.BEK, "SplitTableBatchedEmbeddingBagsCodegen",
+                                           tbe))
+        for name in wrappers:
+            init = getattr(bek, name).__dict__["__init__"]
+            stack.enter_context(upstream.patch(f"{upstream.BEK}.{name}", "__init__",
+                                               recording(init)))
         yield records
-    finally:
-        bek.SplitTableBatchedEmbeddingBagsCodegen = real_tbe
-        for w, init in saved:
-            w.__init__ = init
 
 
 @contextlib.contextmanager
@@ -232,6 +234,7 @@ def cuda_dense_kernels() -> Iterator[None]:
     import torch
     import torchrec.distributed.batched_embedding_kernel as bek
 
+    from . import upstream
     from .meta_factories import meta_with_value
 
     real = bek.DenseTableBatchedEmbeddingBagsCodegen
@@ -249,8 +252,5 @@ def cuda_dense_kernels() -> Iterator[None]:
         tbe.current_device = torch.device("meta")
         return tbe
 
-    bek.DenseTableBatchedEmbeddingBagsCodegen = dense_for_cuda
-    try:
+    with upstream.patch(upstream.BEK, "DenseTableBatchedEmbeddingBagsCodegen", dense_for_cuda):
         yield
-    finally:
-        bek.DenseTableBatchedEmbeddingBagsCodegen = real

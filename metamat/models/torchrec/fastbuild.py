@@ -10,7 +10,8 @@ table of the group and skips all but its own (quadratic in the table count, in e
 own table's entries of the group (the entries the constructor keeps anyway) and reuse the first
 ``ShardParams`` class. The optimizers built hold the same state, keys and shards as TorchRec's
 (tests/test_torchrec_fastbuild.py compares their ``state_dict``s). A constructor whose
-signature is not the one this was checked against is left alone.
+signature is not the one this was checked against is left alone (recorded:
+``upstream.BOUNDARY.left_alone``); a name that is missing raises UnsupportedError.
 
 Each constructor also deep-copies its table's ``ShardedTensorMetadata`` (~14% of
 ``shard_on_meta``, sampled): while active, the kernel module's ``copy.deepcopy`` copies that
@@ -51,24 +52,26 @@ _STM_FIELDS = {"ShardedTensorMetadata": ("shards_metadata", "size", "tensor_prop
                "ShardMetadata": ("shard_offsets", "shard_sizes", "placement"),
                "TensorProperties": ("dtype", "layout", "requires_grad", "memory_format",
                                     "pin_memory")}
-_REMOTE_DEVICE_ATTRS = {"_worker_name", "_rank", "_device"}
+_REMOTE_DEVICE_ATTRS = {"_worker_name", "_rank", "_device"}  # torch_upstream.REMOTE_DEVICE_FIELDS
 
 
 def _metadata_types() -> Any:
     """(ShardedTensorMetadata, ShardMetadata, TensorProperties, _remote_device) if their fields
-    are the ones :func:`copy_sharded_tensor_metadata` copies, else None."""
-    try:
-        from torch.distributed._shard.metadata import ShardMetadata
-        from torch.distributed._shard.sharded_tensor.metadata import (ShardedTensorMetadata,
-                                                                        TensorProperties)
-        from torch.distributed.remote_device import _remote_device
-        types = (ShardedTensorMetadata, ShardMetadata, TensorProperties)
-        if any(tuple(f.name for f in dataclasses.fields(t)) != _STM_FIELDS[t.__name__]
-               for t in types) or set(vars(_remote_device("rank:0/cpu"))) != _REMOTE_DEVICE_ATTRS:
-            return None
-        return types + (_remote_device,)
-    except (ImportError, TypeError, KeyError, RuntimeError, ValueError):
+    are the ones :func:`copy_sharded_tensor_metadata` copies, else None (another torch's
+    fields: ``copy.deepcopy``, the same result, slower). The classes are torch's declared
+    internals (:mod:`..torch_upstream`): a missing one raises UnsupportedError."""
+    from .. import torch_upstream as tu
+
+    tu.require("sharded_tensor")
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor.metadata import (ShardedTensorMetadata,
+                                                                    TensorProperties)
+    from torch.distributed.remote_device import _remote_device
+    types = (ShardedTensorMetadata, ShardMetadata, TensorProperties)
+    if any(tuple(f.name for f in dataclasses.fields(t)) != _STM_FIELDS[t.__name__]
+           for t in types) or set(vars(tu.remote_device("rank:0/cpu"))) != _REMOTE_DEVICE_ATTRS:
         return None
+    return types + (_remote_device,)
 
 
 def copy_sharded_tensor_metadata(md: Any, memo: Dict[int, Any], types: Any) -> Any:
@@ -146,18 +149,31 @@ def _stateless(emb_module: Any, cache: Dict[int, Tuple[Any, bool]]) -> bool:
 @contextlib.contextmanager
 def linear_table_optimizers() -> Iterator[None]:
     """While active, per-table ``EmbeddingFusedOptimizer``s are built from their own table's
-    entries only (module docstring)."""
+    entries only (module docstring).
+
+    The names replaced are declared patch sites (:mod:`.upstream`: a missing one raises
+    UnsupportedError). A constructor whose signature is not :data:`_CHECKED_SIGNATURE`, or a
+    ``dataclass`` / ``copy`` that is not the standard library's (another patch of them), is
+    left alone: TorchRec's own code then runs, with the same result, slower."""
+    import torchrec.distributed.batched_embedding_kernel as bek
+
+    from . import upstream
+
+    owner = f"{upstream.BEK}.EmbeddingFusedOptimizer"
+    cls = bek.EmbeddingFusedOptimizer
+    real_init = cls.__dict__["__init__"]
     try:
-        import torchrec.distributed.batched_embedding_kernel as bek
-        cls = bek.EmbeddingFusedOptimizer
-        real_init = cls.__dict__["__init__"]
         known = list(inspect.signature(real_init).parameters) == _CHECKED_SIGNATURE
-    except (ImportError, AttributeError, KeyError, TypeError, ValueError):
+    except (TypeError, ValueError):
         known = False
-    if not known or getattr(bek, "dataclass", None) is not dataclasses.dataclass:
+    if not known or bek.dataclass is not dataclasses.dataclass:
+        upstream.BOUNDARY.note_left_alone(
+            upstream.site(owner, "__init__"),
+            "signature differs from the one checked" if not known
+            else "torchrec's dataclass is not the standard library's")
         yield
         return
-    types = _metadata_types() if getattr(bek, "copy", None) is copy else None
+    types = _metadata_types() if bek.copy is copy else None
     index: Dict[int, Tuple[Any, Dict[str, List[int]]]] = {}
     shard_params: Dict[Tuple, type] = {}
     stateless: Dict[int, Tuple[Any, bool]] = {}
@@ -195,14 +211,9 @@ def linear_table_optimizers() -> Iterator[None]:
             made = shard_params[key] = dataclasses.dataclass(cls)
         return made
 
-    cls.__init__ = init
-    bek.dataclass = dataclass
-    if types is not None:
-        bek.copy = _FastDeepcopy(types)
-    try:
-        yield
-    finally:
-        cls.__init__ = real_init
-        bek.dataclass = dataclasses.dataclass
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(upstream.patch(owner, "__init__", init))
+        stack.enter_context(upstream.patch(upstream.BEK, "dataclass", dataclass))
         if types is not None:
-            bek.copy = copy
+            stack.enter_context(upstream.patch(upstream.BEK, "copy", _FastDeepcopy(types)))
+        yield

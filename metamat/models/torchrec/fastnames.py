@@ -112,25 +112,25 @@ class _NameListAttr:
 @contextlib.contextmanager
 def indexed_table_names() -> Iterator[None]:
     """While active, TorchRec's sharded collections built get a NameList as ``_table_names``;
-    plain lists again on exit (module docstring). A class that defines ``_table_names`` itself
-    (or is already patched by an outer call) is left alone."""
+    plain lists again on exit (module docstring). The classes are declared patch sites
+    (:mod:`.upstream`; a missing one raises UnsupportedError); one that defines
+    ``_table_names`` itself (or is already patched by an outer call) is left alone."""
+    from . import upstream
+
     patched = []
-    for module, name in _CLASSES:
-        try:
+    with contextlib.ExitStack() as stack:
+        for module, name in _CLASSES:
             cls = getattr(importlib.import_module(module), name)
-        except (ImportError, AttributeError):
-            continue
-        if _ATTR in cls.__dict__:
-            continue
-        attr = _NameListAttr()
-        setattr(cls, _ATTR, attr)
-        patched.append((cls, attr))
-    try:
-        yield
-    finally:
-        for cls, attr in patched:
-            delattr(cls, _ATTR)
-            for obj in attr.built:
-                value = obj.__dict__.get(_ATTR)
-                if type(value) is NameList:
-                    obj.__dict__[_ATTR] = list(value)
+            if _ATTR in cls.__dict__:
+                continue
+            attr = _NameListAttr()
+            stack.enter_context(upstream.patch(f"{module}.{name}", _ATTR, attr))
+            patched.append(attr)
+        try:
+            yield
+        finally:
+            for attr in patched:
+                for obj in attr.built:
+                    value = obj.__dict__.get(_ATTR)
+                    if type(value) is NameList:
+                        obj.__dict__[_ATTR] = list(value)

@@ -18,26 +18,26 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-from typing import Any, Callable, Dict, Iterator, List, Tuple
+from typing import Any, Callable, Dict, Iterator, Tuple
 
 __all__ = ["indexed_group_ranks"]
 
+from ..torch_upstream import PLACEMENT_CHECK as _NAME
 # torch modules that call `_parse_and_validate_remote_device` through their own global name
-_CALLERS = ("torch.distributed._shard.sharded_tensor.utils",
-            "torch.distributed._shard.sharded_tensor.api",
-            "torch.distributed._shard.sharding_spec.chunk_sharding_spec")
-_NAME = "_parse_and_validate_remote_device"
+from ..torch_upstream import PLACEMENT_CHECK_CALLERS as _CALLERS
 
 
 def _indexed(real: Callable, c10d: Any) -> Callable:
     """``real`` (torch's check) with the group's ranks looked up in a set."""
+    from ..torch_upstream import rank_not_in_group
+
     ranks_of: Dict[int, Tuple[Any, frozenset]] = {}  # id(group) -> (group, its global ranks)
 
     def parse_and_validate_remote_device(pg: Any, remote_device: Any):
         if remote_device is None or remote_device.worker_name() is not None:
             return real(pg, remote_device)  # an error, or RPC workers: torch's own path
         rank = remote_device.rank()
-        if rank is not None and not c10d._rank_not_in_group(pg):
+        if rank is not None and not rank_not_in_group(pg):
             hit = ranks_of.get(id(pg))
             if hit is None or hit[0] is not pg:
                 hit = ranks_of[id(pg)] = (pg, frozenset(c10d.get_process_group_ranks(pg)))
@@ -51,27 +51,18 @@ def _indexed(real: Callable, c10d: Any) -> Callable:
 @contextlib.contextmanager
 def indexed_group_ranks() -> Iterator[None]:
     """While active, torch's shard placement check looks ranks up in a set (module
-    docstring). A module whose function is not torch's (already patched, or another
-    torch) is left alone."""
-    try:
-        import torch.distributed.distributed_c10d as c10d
-        from torch.distributed._shard.sharded_tensor import utils
-        real = getattr(utils, _NAME)
-    except (ImportError, AttributeError):
-        yield
-        return
+    docstring). The three callers are declared patch sites (:mod:`..torch_upstream`; a missing
+    one raises UnsupportedError); a module whose function is not torch's (already patched by
+    an outer call, or a torch whose modules differ) is left alone."""
+    import torch.distributed.distributed_c10d as c10d
+
+    from .. import torch_upstream as tu
+
+    tu.require("sharded_tensor")
+    real = getattr(importlib.import_module(_CALLERS[0]), _NAME)
     fast = _indexed(real, c10d)
-    patched: List[Any] = []
-    for name in _CALLERS:
-        try:
-            mod = importlib.import_module(name)
-        except ImportError:
-            continue
-        if getattr(mod, _NAME, None) is real:
-            setattr(mod, _NAME, fast)
-            patched.append(mod)
-    try:
+    with contextlib.ExitStack() as stack:
+        for name in _CALLERS:
+            if getattr(importlib.import_module(name), _NAME) is real:
+                stack.enter_context(tu.patch(name, _NAME, fast))
         yield
-    finally:
-        for mod in patched:
-            setattr(mod, _NAME, real)

@@ -23,6 +23,8 @@ def host_dense_kernels() -> Iterator[None]:
     """While active, TorchRec builds its dense TBEs with ``use_cpu=True`` (module docstring)."""
     import torchrec.distributed.batched_embedding_kernel as bek
 
+    from . import upstream
+
     real = bek.DenseTableBatchedEmbeddingBagsCodegen
 
     def dense_on_host(*args: Any, **kwargs: Any):
@@ -31,8 +33,5 @@ def host_dense_kernels() -> Iterator[None]:
             kwargs["use_mtia"] = False
         return real(*args, **kwargs)
 
-    bek.DenseTableBatchedEmbeddingBagsCodegen = dense_on_host
-    try:
+    with upstream.patch(upstream.BEK, "DenseTableBatchedEmbeddingBagsCodegen", dense_on_host):
         yield
-    finally:
-        bek.DenseTableBatchedEmbeddingBagsCodegen = real

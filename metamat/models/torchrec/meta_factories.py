@@ -157,8 +157,9 @@ class _Forwarder:
 _local = threading.local()  # .stack: the open MetaFactories of this thread, innermost last
 _lock = threading.RLock()  # also held around a context's own open/close (re-entered inside)
 _users = 0
-# (namespace, name, original, forwarder) of what is installed while _users > 0
-_installed: List[Tuple[Any, str, Any, _Forwarder]] = []
+# the patches in force while _users > 0 (declared patch sites: torch_upstream.FACTORY_NAMES,
+# torchrec.upstream's fbgemm UVM ops; boundary.Patch)
+_installed: List[Any] = []
 
 
 def _install() -> None:
@@ -167,23 +168,23 @@ def _install() -> None:
         if _users:
             _users += 1
             return
-        try:
-            # torch's ``with torch.device(...)`` caches its factory set at first use: fill the
-            # cache with the originals before they are replaced.
-            from torch.utils._device import _device_constructors
+        from .. import torch_upstream as tu
+        from ..boundary import resolve
+        from . import upstream
 
-            _device_constructors()
-        except (ImportError, AttributeError):
-            pass
+        tu.require("factories")
+        # torch's ``with torch.device(...)`` caches its factory set at first use: fill the
+        # cache with the originals before they are replaced.
+        tu.prime_device_constructors()
         targets: List[Tuple[Any, str, bool]] = [
-            (torch, f.__name__, False) for f in (*FACTORIES, *RECORDED, *LIKE)]
-        targets += [(torch.ops.fbgemm, name, True) for name in _uvm_ops()]
+            (tu, f.__name__, False) for f in (*FACTORIES, *RECORDED, *LIKE)]
+        targets += [(upstream, name, True) for name in _uvm_ops()]
         try:
-            for namespace, name, uvm in targets:
-                original = getattr(namespace, name)
-                forwarder = _Forwarder(original, uvm)
-                setattr(namespace, name, forwarder)
-                _installed.append((namespace, name, original, forwarder))
+            for door, name, uvm in targets:
+                owner = "torch" if door is tu else upstream.FBGEMM_OPS
+                original = getattr(resolve(owner), name)
+                _installed.append(door.apply(owner, name, _Forwarder(original, uvm),
+                                             keep_foreign=True))
         except BaseException:
             _restore()  # all or nothing
             raise
@@ -192,10 +193,9 @@ def _install() -> None:
 
 def _restore() -> None:
     """Put the originals back where our stand-ins still are (someone else's replacement made
-    meanwhile is kept). Called with ``_lock`` held."""
-    for namespace, name, original, forwarder in reversed(_installed):
-        if getattr(namespace, name, None) is forwarder:
-            setattr(namespace, name, original)
+    meanwhile is kept: ``keep_foreign``). Called with ``_lock`` held."""
+    for p in reversed(_installed):
+        p.undo()
     _installed.clear()
 
 

@@ -28,7 +28,6 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ..._gcpause import gc_paused
-from .compat import check_versions
 from .fastbuild import linear_table_optimizers
 from .fastnames import indexed_table_names
 from .fastranks import indexed_group_ranks
@@ -83,6 +82,10 @@ def _plan_to_meta(plan: Any, rank_devices: Optional[Dict[int, torch.device]] = N
     plan placed it (CUDA placements only), for the placements ``materialize`` restores."""
     from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
 
+    from ..torch_upstream import remote_device, require, set_placement_device
+
+    require("sharded_tensor")
+
     # Copy only what changes (the plan objects down to each shard's placement): a deep copy
     # of the whole plan costs ~1 ms per table and leaves the caller's plan as untouched.
     plan = copy.copy(plan)
@@ -101,7 +104,7 @@ def _plan_to_meta(plan: Any, rank_devices: Optional[Dict[int, torch.device]] = N
             for sm in spec.shards:
                 placement = sm.placement
                 if isinstance(placement, str):
-                    placement = torch.distributed._remote_device(placement)
+                    placement = remote_device(placement)
                 else:
                     placement = copy.copy(placement)
                 if placement is not None:
@@ -109,7 +112,7 @@ def _plan_to_meta(plan: Any, rank_devices: Optional[Dict[int, torch.device]] = N
                     if rank_devices is not None and placement.rank() is not None and \
                             dev is not None and dev.type == "cuda":
                         rank_devices.setdefault(placement.rank(), dev)
-                    placement._device = _META
+                    set_placement_device(placement, _META)
                     sm.placement = placement
     return plan
 
@@ -164,34 +167,29 @@ def building_on_meta(cuda: Optional[torch.device] = None):
     get ``MetaDDP``, and TorchRec's quadratic steps are linear. ``cuda``: the GPU the tables
     are laid out for (fbgemm's CUDA layout, ``cuda_kernels``), else fbgemm's CPU layout.
     Yields the list of TBE records of the CUDA layout (None for the CPU one)."""
-    import importlib
+    from . import upstream
 
-    ddp_users = [importlib.import_module(name) for name in _DDP_USERS]
-    saved_ddp = [getattr(mod, "DistributedDataParallel") for mod in ddp_users]
-    try:
-        for mod in ddp_users:
-            mod.DistributedDataParallel = MetaDDP
-        with contextlib.ExitStack() as stack:
-            records = None
-            if cuda is not None:
-                from .cuda_kernels import (cuda_dense_kernels, cuda_fused_kernels,
-                                           register_meta_flush)
+    upstream.require("train")  # every name patched below, before any is
+    with contextlib.ExitStack() as stack:  # each patch undone on every exit path
+        for name in _DDP_USERS:
+            stack.enter_context(upstream.patch(name, "DistributedDataParallel", MetaDDP))
+        records = None
+        if cuda is not None:
+            from .cuda_kernels import (cuda_dense_kernels, cuda_fused_kernels,
+                                       register_meta_flush)
 
-                register_meta_flush()
-                records = stack.enter_context(cuda_fused_kernels(cuda.index))
-                stack.enter_context(cuda_dense_kernels())
-            else:
-                # the CPU layout, data-parallel tables included, also on a GPU host
-                stack.enter_context(host_dense_kernels())
-            stack.enter_context(MetaFactories(cuda=cuda is not None))
-            stack.enter_context(gc_paused())  # ~100 live objects per table: see _gcpause
-            stack.enter_context(linear_table_optimizers())  # TorchRec's is quadratic
-            stack.enter_context(indexed_table_names())  # its name filter too
-            stack.enter_context(indexed_group_ranks())  # torch's placement check: per world
-            yield records
-    finally:
-        for mod, val in zip(ddp_users, saved_ddp):
-            mod.DistributedDataParallel = val
+            register_meta_flush()
+            records = stack.enter_context(cuda_fused_kernels(cuda.index))
+            stack.enter_context(cuda_dense_kernels())
+        else:
+            # the CPU layout, data-parallel tables included, also on a GPU host
+            stack.enter_context(host_dense_kernels())
+        stack.enter_context(MetaFactories(cuda=cuda is not None))
+        stack.enter_context(gc_paused())  # ~100 live objects per table: see _gcpause
+        stack.enter_context(linear_table_optimizers())  # TorchRec's is quadratic
+        stack.enter_context(indexed_table_names())  # its name filter too
+        stack.enter_context(indexed_group_ranks())  # torch's placement check: per world
+        yield records
 
 
 def _this_ranks_gpu(device: torch.device) -> torch.device:
@@ -246,7 +244,9 @@ def shard_on_meta(
             fused_uvm_caching (raised before anything is built).
         ValueError: ``dmp_kwargs`` names an argument fixed here.
     """
-    check_versions()
+    from . import upstream
+
+    upstream.require("train")  # the supported versions, every TorchRec/fbgemm name used
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.types import ShardingEnv
 
@@ -285,6 +285,7 @@ def shard_on_meta(
                 init_data_parallel=False,
                 **dmp_kwargs,
             )
+        upstream.check_dmp(dmp)  # the DMP internals relayout reads
     except BaseException:
         for (m, attr), val in old_devices.items():
             m.__dict__[attr] = val

@@ -81,10 +81,11 @@ def capture_tbe_args(wrapper: nn.Module, device: torch.device) -> Tuple[type, tu
     """Return (fbgemm class, args, kwargs) the TorchRec ``wrapper`` would build its TBE with
     on ``device``. Nothing is allocated: the constructor is stopped at the TBE call.
     """
-    import torchrec.distributed.batched_embedding_kernel as bek
+    import contextlib
+
+    from . import upstream
 
     classes = _tbe_classes()
-    saved = {name: getattr(bek, name) for name in classes if hasattr(bek, name)}
 
     def make_stub(real: type):
         def stub(*args, **kwargs):
@@ -93,17 +94,15 @@ def capture_tbe_args(wrapper: nn.Module, device: torch.device) -> Tuple[type, tu
         return stub
 
     fresh = type(wrapper).__new__(type(wrapper))
-    try:
-        for name in saved:
-            setattr(bek, name, make_stub(classes[name]))
+    config, pg = upstream.kernel_config(wrapper), upstream.kernel_pg(wrapper)
+    with contextlib.ExitStack() as stack:
+        for name, real in classes.items():
+            stack.enter_context(upstream.patch(upstream.BEK, name, make_stub(real)))
         try:
             with NoFloatAllocMode():
-                type(wrapper).__init__(fresh, _config_copy(wrapper._config), wrapper._pg, device)
+                type(wrapper).__init__(fresh, _config_copy(config), pg, device)
         except _Captured as cap:
             return cap.cls, cap.args, cap.kwargs
-    finally:
-        for name, val in saved.items():
-            setattr(bek, name, val)
     raise UnsupportedError(
         f"{type(wrapper).__name__}: constructor did not build a known fbgemm TBE class"
     )
@@ -127,7 +126,7 @@ def rebuild_tbe_metadata(wrapper: nn.Module, device: torch.device) -> Dict[str, 
     """Values of the wrapper's TBE tensors that fbgemm sets at construction, on ``device``.
 
     Returns:
-        name -> real tensor for every TBE attribute that is meta in ``wrapper._emb_module``
+        name -> real tensor for every TBE attribute that is meta in the wrapper's TBE
         and that a fresh fbgemm TBE built on ``device`` holds as a real tensor of the same
         shape and dtype (offsets, placements, counters, learning-rate tensor, ...).
         Floating-point storages (weights, optimizer state, caches) are absent: fresh
@@ -139,7 +138,9 @@ def rebuild_tbe_metadata(wrapper: nn.Module, device: torch.device) -> Dict[str, 
         kwargs["device"] = device
     with NoFloatAllocMode():
         fresh = cls(*args, **kwargs)
-    old = _named_tensors(wrapper._emb_module)
+    from .upstream import kernel_module
+
+    old = _named_tensors(kernel_module(wrapper))
     new = _named_tensors(fresh)
     out: Dict[str, torch.Tensor] = {}
     for name, t in old.items():

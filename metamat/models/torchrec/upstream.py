@@ -36,8 +36,8 @@ from torch import nn
 from ..boundary import Boundary, Private, apply_patch, patch as _patch
 from .compat import check_versions
 
-__all__ = ["BOUNDARY", "DECLARED", "TORCHREC", "FBGEMM", "require", "patch", "site",
-           "check_sharded", "check_quant", "check_dmp", "is_dmp", "lookups", "emb_modules",
+__all__ = ["BOUNDARY", "DECLARED", "REGISTRATIONS", "TORCHREC", "FBGEMM", "require", "patch",
+           "site", "check_sharded", "check_quant", "check_dmp", "is_dmp", "lookups", "emb_modules",
            "kernel_module", "kernel_config", "kernel_pg", "table_configs", "shardings",
            "output_dists", "node_groups", "set_node_groups", "sharding_pg", "is_2d_parallel",
            "PERMUTE_TENSORS", "TBE_CACHE_STATE"]
@@ -228,6 +228,16 @@ DECLARED: Tuple[Private, ...] = (
 )
 BOUNDARY.declare(*DECLARED)
 
+#: Kernels metamat registers for fbgemm ops and never removes (not patches: nothing is
+#: replaced, an existing kernel is left alone): (op, dispatch key, by whom and why).
+REGISTRATIONS = (
+    ("fbgemm::lxu_cache_flush", "Meta", "cuda_kernels.register_meta_flush: a CUDA-laid-out "
+     "TBE on meta gives its state_dict (TorchRec flushes the cache first); a cache on meta "
+     "holds nothing to write back"),
+    ("fbgemm::lxu_cache_flush", "CPU", "emulation.register_cpu_cache_flush: the emulated "
+     "GPU's caches are written back as fbgemm's CUDA kernel does"),
+)
+
 
 def site(owner: str, name: str) -> Private:
     """The declared patch site ``owner.name``."""
@@ -245,18 +255,18 @@ def apply(owner: str, name: str, new: Any, **kw: Any):
     return apply_patch(site(owner, name), new, **kw)
 
 
-def resolve_owner(owner: str) -> Any:
-    from ..boundary import resolve
-
-    return resolve(owner)
-
-
 def require(group: str = "train") -> None:
     """The supported torchrec/fbgemm versions, then every module/class-level name of ``group``
-    ("train": sharded training collections and sharding on meta; "quant": quantized inference
-    modules). Raises UnsupportedError naming what is missing; allocates nothing."""
+    ("train": sharded training collections and sharding on meta, with the torch internals
+    that path uses; "quant": quantized inference modules). Raises UnsupportedError naming
+    what is missing; allocates nothing."""
     check_versions()
     BOUNDARY.require(group)
+    if group == "train":
+        from .. import torch_upstream
+
+        for torch_group in ("module", "sharded_tensor", "factories"):
+            torch_upstream.require(torch_group)
 
 
 # -- accessors: sharded training collections ------------------------------------------------
