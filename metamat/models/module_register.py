@@ -16,6 +16,7 @@ from torch import nn
 
 from ..allocate import Allocation
 from .module_values import Decision
+from . import torch_upstream
 from .modules import Entry, entry_targets
 
 __all__ = ["bind", "register"]
@@ -64,9 +65,7 @@ def _adopt_fsdp(e: Entry, alloc: Allocation) -> None:
     it recognises the same memory and copies nothing.
     """
     fp = e.fsdp
-    fp._sharded_param_data = alloc.view(fp._sharded_param_data)
-    fp.sharded_param = e.new
-    fp.reset_sharded_param()
+    torch_upstream.fsdp_adopt(fp, alloc.view(torch_upstream.fsdp_padded_shard(fp)), e.new)
     if fp.sharded_param is not e.new:  # pragma: no cover - FSDP internals changed
         raise RuntimeError(f"FSDP did not adopt the new parameter for {e.fqn!r}")
 

@@ -20,6 +20,7 @@ from torch import nn
 from ..blocks import row_blocks, view_shape
 from ..errors import UnsupportedDTensorError
 from ..plan import StorageGroup, Target, storage_key
+from . import torch_upstream
 
 __all__ = ["Slot", "Entry", "find_entries", "is_dtensor", "local_of", "has_dtensor",
            "entry_targets"]
@@ -37,7 +38,7 @@ def is_dtensor(t: Any) -> bool:
 
 def local_of(t: torch.Tensor) -> torch.Tensor:
     """The rank-local tensor of a DTensor, else ``t``."""
-    return t._local_tensor if is_dtensor(t) else t
+    return torch_upstream.local_tensor(t) if is_dtensor(t) else t
 
 
 def has_dtensor(model: nn.Module) -> bool:
@@ -152,19 +153,7 @@ def named_modules_pruned(root: nn.Module, prune: Callable[[str, nn.Module], bool
 
 def _fsdp_params(modules: Iterable[nn.Module]) -> Dict[int, Any]:
     """id(sharded parameter) -> FSDPParam, for every FSDP2 module among ``modules``."""
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # pragma: no cover - torch without FSDP2
-        return {}
-    out: Dict[int, Any] = {}
-    for m in modules:
-        if not isinstance(m, FSDPModule):
-            continue
-        state = m._get_fsdp_state()
-        for group in getattr(state, "_fsdp_param_groups", None) or []:
-            for fp in group.fsdp_params:
-                out[id(fp.sharded_param)] = fp
-    return out
+    return torch_upstream.fsdp_params(modules)
 
 
 def _layout(fqn: str, t: torch.Tensor):
@@ -173,13 +162,12 @@ def _layout(fqn: str, t: torch.Tensor):
         shape = tuple(int(s) for s in t.shape)
         return shape, tuple(t.stride()), shape, tuple(0 for _ in shape), None, None
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     mesh, placements = t.device_mesh, tuple(t.placements)
     for p in placements:
         # _StridedShard (FSDP2 on top of TP on the same dim) subclasses Shard in some
         # versions; its local block is not contiguous in the global tensor.
-        if type(p).__name__ == "_StridedShard":
+        if torch_upstream.is_strided_shard(p):
             raise UnsupportedDTensorError(
                 f"{fqn!r}: placement {p} (FSDP2 + TP sharding the same dim) is not supported; "
                 "its local shard is not one block of the global tensor")
@@ -189,9 +177,9 @@ def _layout(fqn: str, t: torch.Tensor):
     if mesh.get_coordinate() is None:
         raise UnsupportedDTensorError(f"{fqn!r}: this rank is not part of its device mesh")
     shape = tuple(int(s) for s in t.shape)
-    local_shape, offsets = compute_local_shape_and_global_offset(shape, mesh, placements)
+    local_shape, offsets = torch_upstream.local_shape_and_offset(shape, mesh, placements)
     local_shape, offsets = tuple(map(int, local_shape)), tuple(map(int, offsets))
-    have = tuple(int(s) for s in t._local_tensor.shape)
+    have = tuple(int(s) for s in torch_upstream.local_tensor(t).shape)
     if have != local_shape:
         raise UnsupportedDTensorError(
             f"{fqn!r}: local tensor shape {have} differs from the shard shape {local_shape} of "
@@ -212,6 +200,7 @@ def find_entries(root: nn.Module, skip: Sequence[str] = ()) -> List[Entry]:
     Raises:
         UnsupportedDTensorError: an unsupported placement or a rank outside the mesh.
     """
+    torch_upstream.require("module")  # the Module tables read below
     by_id: Dict[int, Entry] = {}
     order: List[Entry] = []
     if "" in skip:
@@ -257,7 +246,7 @@ def storages_of(entries: Sequence[Entry]) -> List[StorageGroup]:
             g = out[k] = StorageGroup(k, loc.untyped_storage().nbytes(), "targets", where=e.fqn)
         g.tensors.append(loc)
         if e.fsdp is not None:  # FSDP's padded shard may extend past the local view
-            pad = e.fsdp._sharded_param_data
+            pad = torch_upstream.fsdp_padded_shard(e.fsdp)
             g.nbytes = max(g.nbytes, pad.untyped_storage().nbytes())
     return list(out.values())
 

@@ -50,6 +50,7 @@ from ...errors import MissingValueError
 from ...keys import module_seed
 from ...plan import storage_key
 from ...spec import Constant, Dist, Normal, TruncatedNormal, Uniform, Zeros
+from .. import torch_upstream
 from . import upstream
 
 __all__ = ["ModelInit", "Trace", "trace"]
@@ -89,7 +90,7 @@ class ModelInit:
 
 
 def _fans(t: torch.Tensor) -> Tuple[int, int]:
-    return torch.nn.init._calculate_fan_in_and_fan_out(t)
+    return torch_upstream.fan_in_and_fan_out(t)
 
 
 def _dist_of(fn: str, a: Dict[str, Any], view: torch.Tensor) -> Optional[Dist]:
@@ -118,7 +119,7 @@ def _dist_of(fn: str, a: Dict[str, Any], view: torch.Tensor) -> Optional[Dist]:
             bound = math.sqrt(3.0) * std
             return Uniform(-bound, bound)
         if fn in ("kaiming_uniform_", "kaiming_normal_"):
-            fan = torch.nn.init._calculate_correct_fan(view, a["mode"])
+            fan = torch_upstream.correct_fan(view, a["mode"])
             gain = torch.nn.init.calculate_gain(a["nonlinearity"], a["a"])
             std = gain / math.sqrt(fan)
             if fn == "kaiming_normal_":
@@ -136,7 +137,7 @@ def _is_zero(op: _Op) -> bool:
 
 def _written(func, args, kwargs) -> List[torch.Tensor]:
     out = []
-    for i, a in enumerate(func._schema.arguments):
+    for i, a in enumerate(torch_upstream.op_arguments(func)):
         if a.alias_info is None or not a.alias_info.is_write:
             continue
         v = args[i] if i < len(args) else kwargs.get(a.name)
@@ -279,7 +280,7 @@ class Trace:
 
     @contextlib.contextmanager
     def _recording(self):
-        from torch.utils._python_dispatch import TorchDispatchMode
+        TorchDispatchMode = torch_upstream.dispatch_mode_class()
 
         mod, names = upstream.init_functions()
         patched: List[Tuple[Any, str, Any]] = []

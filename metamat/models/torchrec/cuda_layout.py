@@ -184,6 +184,9 @@ def tbe_layout(emb: torch.nn.Module, table_names: Optional[Sequence[str]] = None
     if cls != "SplitTableBatchedEmbeddingBagsCodegen":
         raise UnsupportedError(f"{cls}: only fbgemm's SplitTableBatchedEmbeddingBagsCodegen is "
                                "laid out for CUDA")
+    from .upstream import BOUNDARY
+
+    BOUNDARY.check_instance(emb)  # the attributes read below (declared in .upstream)
     specs = list(emb.embedding_specs)
     rows = [int(s[0]) for s in specs]
     dims = [int(s[1]) for s in specs]
@@ -240,10 +243,11 @@ def tbe_layout(emb: torch.nn.Module, table_names: Optional[Sequence[str]] = None
                 tuple(emb.cache_index_table_map.shape) != (total,) or \
                 tuple(emb.cache_hash_size_cumsum.shape) != (len(ftm) + 1,):
             raise UnsupportedError("fbgemm's LXU cache buffers differ from metamat's layout")
+    # table_names: fbgemm's own names, None when its caller gave none
     names_out = list(table_names) if table_names is not None else \
-        list(getattr(emb, "table_names", None) or [f"table-{i}" for i in range(len(rows))])
+        list(emb.table_names or [f"table-{i}" for i in range(len(rows))])
     return TBELayout(rows, dims, locations, ftm, weights, states, cache,
-                     bool(getattr(emb, "uvm_host_mapped", False)), names_out, cw.dtype)
+                     bool(emb.uvm_host_mapped), names_out, cw.dtype)
 
 
 def initial_values(layout: TBELayout) -> Dict[str, torch.Tensor]:

@@ -28,6 +28,7 @@ from ...plan import StorageGroup, storage_key
 from .compat import UnsupportedError
 from .cuda_layout import TBELayout, initial_values, tbe_layout
 from .meta_factories import recorded_value
+from .upstream import kernel_config, kernel_module
 
 __all__ = ["CudaTBE", "cuda_tbes", "plan_cuda_storages", "check_device_memory"]
 
@@ -43,7 +44,7 @@ class CudaTBE:
 
     @property
     def emb(self) -> nn.Module:
-        return self.wrapper._emb_module
+        return kernel_module(self.wrapper)
 
     @property
     def cache_bytes(self) -> int:
@@ -56,11 +57,12 @@ def cuda_tbes(wrappers: Sequence[Tuple[str, nn.Module]]) -> List[CudaTBE]:
     their layouts (raises ``UnsupportedError`` for a layout metamat does not handle)."""
     out = []
     for path, w in wrappers:
-        emb = getattr(w, "_emb_module", None)
+        emb = kernel_module(w)
         if type(emb).__name__ != "SplitTableBatchedEmbeddingBagsCodegen":
             continue
-        names = [t.name for t in w._config.embedding_tables]
-        hbm = bool((getattr(w._config, "fused_params", None) or {}).get("enforce_hbm", False))
+        config = kernel_config(w)
+        names = [t.name for t in config.embedding_tables]
+        hbm = bool((getattr(config, "fused_params", None) or {}).get("enforce_hbm", False))
         out.append(CudaTBE(path, w, tbe_layout(emb, names), hbm))
     return out
 

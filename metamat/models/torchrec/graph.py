@@ -24,6 +24,7 @@ from typing import Any, Dict, Iterator, List, Tuple
 import torch
 from torch import nn
 
+from ..torch_upstream import METADATA_CLASSES, MODULE_HOOK_ATTRS, OPTIMIZER_HOOK_ATTRS
 from .fastbuild import _STM_FIELDS
 
 __all__ = ["Slot", "Graph", "scan", "scan_reference", "is_wrapper_tensor"]
@@ -85,14 +86,7 @@ class Slot(tuple):
 # metadata, its sharding spec, their ShardMetadata lists, offsets and sizes) holds no tensor,
 # but its placements name the device. The walk searches it for device attributes only and
 # does not record it (kind 3): it was more than half of the objects recorded.
-_METADATA_TYPES = frozenset({
-    "torch.distributed._shard.metadata.ShardMetadata",
-    "torch.distributed._shard.sharded_tensor.metadata.ShardedTensorMetadata",
-    "torch.distributed._shard.sharded_tensor.metadata.TensorProperties",
-    "torch.distributed._shard.sharding_spec.api.EnumerableShardingSpec",
-    "torch.distributed._shard.sharding_spec.chunk_sharding_spec.ChunkShardingSpec",
-    "torch.distributed.remote_device._remote_device",
-})
+_METADATA_TYPES = frozenset(METADATA_CLASSES)  # torch's, declared in torch_upstream
 # Fields of that metadata which hold no device: offsets and sizes (lists of ints), the global
 # size and tensor properties, a spec's dim, a placement's worker name and rank. The search
 # leaves them unread (~12 µs per table at 10k tables: each read was a cache miss); a field a
@@ -121,15 +115,7 @@ _CONTAINERS = (dict, list, tuple, set, frozenset)
 # a fused optimizer per table), each a cache miss at 10k tables. A hook object holding a meta
 # tensor is therefore not found.
 _HOOK_OWNERS = (nn.Module, torch.optim.Optimizer)
-_HOOK_ATTRS = frozenset({
-    "_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
-    "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_backward_hooks",
-    "_backward_pre_hooks", "_state_dict_hooks", "_state_dict_pre_hooks",
-    "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks",
-    "_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
-    "_optimizer_state_dict_pre_hooks", "_optimizer_state_dict_post_hooks",
-    "_optimizer_load_state_dict_pre_hooks", "_optimizer_load_state_dict_post_hooks",
-})
+_HOOK_ATTRS = frozenset(MODULE_HOOK_ATTRS + OPTIMIZER_HOOK_ATTRS)  # declared in torch_upstream
 
 
 def _walked_later() -> Tuple[type, ...]:
@@ -150,6 +136,7 @@ def is_wrapper_tensor(t: torch.Tensor) -> bool:
     """ShardedTensor/DTensor: a tensor object without storage of its own."""
     if type(t) is torch.Tensor or type(t) is nn.Parameter:
         return False  # ~2 µs saved per tensor: a failed hasattr on a tensor is slow
+    # ShardedTensor's and DTensor's (torch_upstream declares both)
     return hasattr(t, "_local_shards") or hasattr(t, "_local_tensor")
 
 

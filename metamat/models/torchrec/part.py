@@ -132,10 +132,10 @@ class TorchRecPart(Adapter):
 
 def reset_cache(emb: nn.Module) -> None:
     """Empty fbgemm TBE ``emb``'s LXU cache without writing it back, as fbgemm's constructor
-    leaves it (``reset_cache_states`` and the prefetch state of ``_apply_cache_state``)."""
+    leaves it (``reset_cache_states`` and the prefetch state of ``_apply_cache_state``: the
+    attributes declared in ``upstream.TBE_CACHE_STATE``, checked when the model was planned)."""
     with torch.no_grad():
         emb.reset_cache_states()
     emb.timesteps_prefetched = []
     emb.lxu_cache_locations_list = []
-    if hasattr(emb, "lxu_cache_locations_empty"):
-        emb.lxu_cache_locations = emb.lxu_cache_locations_empty
+    emb.lxu_cache_locations = emb.lxu_cache_locations_empty

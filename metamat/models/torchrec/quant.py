@@ -12,8 +12,8 @@ Modules (built on meta, all their tables' storage meta):
   (``shard_quant_model(..., compute_device="cpu", sharding_device="meta")``, TW/RW/CW): one
   fbgemm ``IntNBitTableBatchedEmbeddingBagsCodegen`` per rank and group, HOST placement.
 
-This module is the one door to the TorchRec/fbgemm inference internals metamat uses: the TBE
-attributes named here were checked on torchrec 1.8.0 / fbgemm-gpu-cpu 1.8.0.
+The TorchRec/fbgemm inference internals read here are declared in :mod:`.upstream` (group
+"quant", with the versions they were checked on) and checked when the modules are found.
 """
 from __future__ import annotations
 
@@ -115,10 +115,9 @@ def _unsupported_classes() -> tuple:
 
 
 def _tbe_of_module(m: nn.Module) -> List[Any]:
-    QEBC, QEC, SQEBC, SQEC = _classes()
-    if isinstance(m, (SQEBC, SQEC)):
-        return list(m._tbes_configs)
-    return list(m._emb_modules)
+    from .upstream import quant_tbes
+
+    return quant_tbes(m)
 
 
 def is_quantized(m: nn.Module) -> bool:
@@ -154,8 +153,13 @@ def quant_modules(root: nn.Module) -> List[Tuple[str, nn.Module]]:
                     f"{name or '<root>'}: {type(m).__name__} (feature-processed quantized "
                     "collection) is not supported by metamat's quantized loading yet")
             continue
-        if isinstance(m, kinds) and _has_meta(m):
-            out.append((name, m))
+        if isinstance(m, kinds):
+            from . import upstream
+
+            upstream.BOUNDARY.require("quant")  # the first use of their internals
+            upstream.check_quant([(name, m)])
+            if _has_meta(m):
+                out.append((name, m))
     return out
 
 
@@ -185,7 +189,7 @@ def _check_tbe(tbe: Any, where: str) -> None:
                                "(MTIA layout) is not supported")
     if tbe.index_remappings_array_offsets.numel() or tbe.index_remapping_hash_table_offsets.numel():
         raise UnsupportedError(f"{where}: pruned tables (index remapping) are not supported")
-    if not getattr(tbe, "weight_initialized", False):
+    if not tbe.weight_initialized:
         raise UnsupportedError(f"{where}: the TBE's weights were never laid out")
 
 
@@ -205,15 +209,16 @@ def _tables_attr(m: nn.Module) -> str:
 
 def _configs(name: str, m: nn.Module, tbe: Any) -> List[Tuple[Any, int, int, int, int]]:
     """Per table of ``tbe``: (config, row0, col0, global rows, global cols)."""
+    from .upstream import quant_groups, quant_tbe_config, quant_tbes
+
     QEBC, QEC, SQEBC, SQEC = _classes()
     if isinstance(m, (SQEBC, SQEC)):
         out = []
-        for t in m._tbes_configs[tbe].embedding_tables:
+        for t in quant_tbe_config(m, tbe).embedding_tables:
             off = t.local_metadata.shard_offsets if t.local_metadata is not None else [0, 0]
             out.append((t, int(off[0]), int(off[1]), int(t.num_embeddings), int(t.embedding_dim)))
         return out
-    groups = list(m._key_to_tables.values())
-    tables = groups[m._emb_modules.index(tbe)]
+    tables = quant_groups(m)[quant_tbes(m).index(tbe)]
     for t in tables:
         if getattr(t, "num_embeddings_post_pruning", None) is not None:
             raise UnsupportedError(f"{name or '<root>'}: table {t.name!r} is pruned "
@@ -259,7 +264,7 @@ def find_tbes(name: str, m: nn.Module) -> List[QuantTBE]:
             tp = f"{prefix}{attr}.{tname}."
             tables.append(QuantTable(tname, tp + "weight", tp, (grows, gcols), r0, c0, rows, cols,
                                      kind, tbe, i, storage, offset, stride,
-                                     bool(getattr(tbe, "reverse_qparam", False)), cfg))
+                                     bool(tbe.reverse_qparam), cfg))
         out.append(QuantTBE(tbe, name, storage, tables))
     return out
 
@@ -283,11 +288,11 @@ def host_twin(tbe: Any) -> Any:
         bounds_check_mode=BoundsCheckMode(tbe.bounds_check_mode_int),
         output_dtype=SparseType.from_int(tbe.output_dtype), row_alignment=tbe.row_alignment,
         scale_bias_size_in_bytes=tbe.scale_bias_size_in_bytes,
-        reverse_qparam=getattr(tbe, "reverse_qparam", False),
-        feature_names_per_table=getattr(tbe, "feature_names_per_table", None),
-        indices_dtype=getattr(tbe, "indices_dtype", torch.int32),
-        uvm_host_mapped=getattr(tbe, "uvm_host_mapped", False))
-    if getattr(tbe, "fp8_exponent_bits", -1) >= 0:
+        reverse_qparam=tbe.reverse_qparam,
+        feature_names_per_table=tbe.feature_names_per_table,
+        indices_dtype=tbe.indices_dtype,
+        uvm_host_mapped=tbe.uvm_host_mapped)
+    if tbe.fp8_exponent_bits >= 0:  # -1: not an FP8 table
         kwargs.update(fp8_exponent_bits=tbe.fp8_exponent_bits,
                       fp8_exponent_bias=tbe.fp8_exponent_bias)
     try:

@@ -36,6 +36,7 @@ from .compat import check_versions
 from .graph import scan
 from .quant import QuantTBE, TBE_HOST_ATTRS, find_tbes, host_twin
 from .quant_keys import QuantMatch, match_quant
+from .upstream import drop_quantized_weights, quantized_weights
 
 __all__ = ["QuantPart"]
 
@@ -90,7 +91,7 @@ class QuantPart(Adapter):
             out.update(id(getattr(tbe, a)) for a in ("weights_offsets", "weights_placements",
                                                      "weights_host", "weights_dev", "weights_uvm"))
         for _, m in self.modules:
-            for pair in (getattr(m, "_table_name_to_quantized_weights", None) or {}).values():
+            for pair in (quantized_weights(m) or {}).values():
                 out.update(id(x) for x in pair if isinstance(x, torch.Tensor))
         return out
 
@@ -112,10 +113,10 @@ class QuantPart(Adapter):
 
     # -- checkpoint --------------------------------------------------------------------------
 
-    def match_checkpoint(self, keys: Mapping[str, object], found: Mapping[str, str], *,
     def checkpoint_targets(self) -> List[Target]:
         return []  # the tables are matched by match_checkpoint (float or quantized rows)
 
+    def match_checkpoint(self, keys: Mapping[str, object], found: Mapping[str, str], *,
                          ckpt_path: str) -> QuantMatch:
         """What the checkpoint gives each table (:func:`.quant_keys.match_quant`)."""
         self.match = match_quant(self.tables, keys, found, path=ckpt_path)
@@ -226,8 +227,7 @@ class QuantPart(Adapter):
             tbe.weights_dev = twin.weights_dev
             tbe.weights_uvm = twin.weights_uvm
         for _, m in self.modules:
-            if getattr(m, "_table_name_to_quantized_weights", None):
-                m._table_name_to_quantized_weights = None  # meta copies the constructor kept
+            drop_quantized_weights(m)  # meta copies the constructor kept
         for holder, key in self.graph.device_refs:
             d = holder.__dict__
             v = d.get(key)

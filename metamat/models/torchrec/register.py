@@ -16,11 +16,13 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from ...allocate import Allocation
+from ..torch_upstream import REMOTE_DEVICE_FIELDS
 from .walk import TorchRecPlan as Plan
 
 __all__ = ["register"]
 
 _META = torch.device("meta")
+_WORKER, _RANK, _DEVICE = REMOTE_DEVICE_FIELDS
 
 
 def rank_devices(model: Any, plan: Plan, *, me: int, world_size: int):
@@ -56,7 +58,8 @@ def _fix_devices(model: Any, plan: Plan, device: torch.device) -> None:
         d = holder.__dict__
         v = d.get(key)
         if isinstance(v, torch.device) and v.type == "meta":
-            rank = d.get("_rank") if key == "_device" and "_worker_name" in d else None
+            # a shard placement (torch's _remote_device: its declared fields)
+            rank = d.get(_RANK) if key == _DEVICE and _WORKER in d else None
             d[key] = of_rank(rank) if rank is not None else device
         elif isinstance(v, str) and v == "meta" and key in ("device", "_device"):
             d[key] = device
@@ -91,19 +94,20 @@ def _fix_process_groups(plan: Plan) -> None:
     import torch.distributed as dist
     from torchrec.distributed.comm import intra_and_cross_node_pg
 
+    from . import upstream
+
     for _, sm in plan.sharded:
-        shardings = getattr(sm, "_embedding_shardings", None)
-        if shardings is None:
-            shardings = list(getattr(sm, "_sharding_type_to_sharding", {}).values())
-        for i, sh in enumerate(shardings):
-            if not hasattr(sh, "_intra_pg") or sh._intra_pg is not None:
+        for i, sh in enumerate(upstream.shardings(sm)):
+            groups = upstream.node_groups(sh)  # TWRW and grid shardings have them
+            if groups is None or groups[0] is not None:
                 continue
-            if getattr(sh, "_is_2D_parallel", False):
+            if upstream.is_2d_parallel(sh):
                 raise RuntimeError("metamat: 2D-parallel TWRW sharding on meta is not supported")
-            intra, cross = intra_and_cross_node_pg(plan.device, backend=dist.get_backend(sh._pg))
-            sh._intra_pg, sh._cross_pg = intra, cross
-            dists = getattr(sm, "_output_dists", None)
-            if dists is not None and i < len(dists):
+            intra, cross = intra_and_cross_node_pg(
+                plan.device, backend=dist.get_backend(upstream.sharding_pg(sh)))
+            upstream.set_node_groups(sh, intra, cross)
+            dists = upstream.output_dists(sm)
+            if i < len(dists):
                 dists[i] = sh.create_output_dist(device=plan.device)
 
 

@@ -29,9 +29,10 @@ def _tables_meta(sm: nn.Module) -> bool:
     """Every fused table of ``sm`` is on meta. (Dense data-parallel tables may be real: DMP on
     meta builds them for real with torch's RNG on a GPU host; they are built again on meta.)"""
     from .sharded import wrappers
+    from .upstream import kernel_module
 
     for w in wrappers(sm):
-        emb = w._emb_module
+        emb = kernel_module(w)
         if type(emb).__name__ != "SplitTableBatchedEmbeddingBagsCodegen":
             continue
         for t in list(emb.parameters()) + list(emb.buffers()):
@@ -46,19 +47,23 @@ def _unsharded(sm: nn.Module) -> nn.Module:
     from torchrec.distributed.embedding import ShardedEmbeddingCollection
     from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
 
+    from . import upstream
+
     if type(sm) is ShardedEmbeddingBagCollection:
-        return EmbeddingBagCollection(tables=list(sm._embedding_bag_configs),
-                                      is_weighted=sm._is_weighted, device=_META)
+        return EmbeddingBagCollection(tables=upstream.table_configs(sm),
+                                      is_weighted=upstream.is_weighted(sm), device=_META)
     if type(sm) is ShardedEmbeddingCollection:
-        return EmbeddingCollection(tables=list(sm._embedding_configs), device=_META,
-                                   need_indices=sm._need_indices)
+        return EmbeddingCollection(tables=upstream.table_configs(sm), device=_META,
+                                   need_indices=upstream.need_indices(sm))
     raise UnsupportedError(f"{type(sm).__name__}: cannot be laid out for a GPU again")
 
 
 def _parent(model: nn.Module, root: nn.Module, path: str) -> Tuple[nn.Module, str]:
     """(object, attribute) holding the module at ``path`` (the DMP itself for the root)."""
     if not path:
-        return model, "_dmp_wrapped_module"
+        from .upstream import WRAPPED
+
+        return model, WRAPPED
     *up, leaf = path.split(".")
     parent = root
     for name in up:
@@ -75,15 +80,18 @@ def relayout_for_cuda(model: nn.Module, sharded: List[Tuple[str, nn.Module]],
         UnsupportedError: not a TorchRec DMP, a table that already holds values, a collection
             type or plan this cannot rebuild (nothing was changed then).
     """
+    from . import upstream
     from .shard import _plan_to_meta, _this_ranks_gpu, building_on_meta
     from .sharded import root_of
 
-    needed = ("_plan", "_sharder_map", "_env", "_init_optim", "_optim")
-    if not all(hasattr(model, n) for n in needed):
+    if not upstream.is_dmp(model):
         raise UnsupportedError(
             f"{type(model).__name__}: TorchRec tables laid out for fbgemm's CPU kernels can be "
             "laid out for a GPU again only in a DistributedModelParallel; shard with "
             "metamat.shard_on_meta(..., compute_device='cuda')")
+    upstream.require("train")
+    upstream.check_dmp(model)  # the DMP internals used below (UnsupportedError naming them)
+    upstream.check_sharded(sharded)
     root = root_of(model)
     rebuilt = []
     for path, sm in sharded:
@@ -93,13 +101,13 @@ def relayout_for_cuda(model: nn.Module, sharded: List[Tuple[str, nn.Module]],
                 f"{where}: its tables were built for fbgemm's CPU kernels and hold values: "
                 "they cannot move to a GPU (materialize with device='cpu', or build the model "
                 "on meta)")
-        if not path and model._dmp_wrapped_module is not sm:
+        if not path and upstream.dmp_wrapped(model) is not sm:
             raise UnsupportedError(f"{where}: the DMP wraps its table collection in "
-                                   f"{type(model._dmp_wrapped_module).__name__}; shard with "
+                                   f"{type(upstream.dmp_wrapped(model)).__name__}; shard with "
                                    "metamat.shard_on_meta(..., compute_device='cuda')")
         unsharded = _unsharded(sm)
-        sharder = model._sharder_map.get(type(unsharded))
-        params = model._plan.get_plan_for_module(path)
+        sharder = upstream.dmp_sharder_map(model).get(type(unsharded))
+        params = upstream.dmp_plan(model).get_plan_for_module(path)
         if sharder is None or not params:
             raise UnsupportedError(f"{where}: no sharder or plan for {type(unsharded).__name__}")
         rebuilt.append((path, sm, unsharded, sharder, params))
@@ -115,15 +123,16 @@ def relayout_for_cuda(model: nn.Module, sharded: List[Tuple[str, nn.Module]],
     swaps = []
     with building_on_meta(gpu) as records:
         for path, old, unsharded, sharder, _ in rebuilt:
-            new = sharder.shard(unsharded, plan.plan[path], model._env, _META, path)
+            new = sharder.shard(unsharded, plan.plan[path], upstream.dmp_env(model), _META,
+                                path)
             swaps.append((*_parent(model, root, path), old, new))
-    old_optim = model._optim
+    old_optim = upstream.dmp_optim(model)
     saved = {k: model.__dict__.get(k) for k in
              ("_metamat_compute_device", "_metamat_cuda_tbes", "_metamat_rank_devices")}
     for parent, leaf, _old, new in swaps:
         setattr(parent, leaf, new)
     try:
-        model._optim = model._init_optim(model._dmp_wrapped_module)
+        upstream.set_dmp_optim(model, upstream.dmp_init_optim(model, upstream.dmp_wrapped(model)))
     except BaseException:
         for parent, leaf, old, _new in swaps:
             setattr(parent, leaf, old)
@@ -135,7 +144,7 @@ def relayout_for_cuda(model: nn.Module, sharded: List[Tuple[str, nn.Module]],
     def undo() -> None:
         for parent, leaf, old, _new in swaps:
             setattr(parent, leaf, old)
-        model._optim = old_optim
+        upstream.set_dmp_optim(model, old_optim)
         for k, v in saved.items():
             if v is None:
                 model.__dict__.pop(k, None)

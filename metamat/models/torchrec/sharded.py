@@ -15,13 +15,9 @@ __all__ = ["root_of", "sharded_modules", "wrappers", "named_wrappers", "laid_out
 def root_of(model: nn.Module) -> nn.Module:
     """The module whose ``named_modules`` names match ``model.state_dict()`` keys (a DMP's
     wrapped module, else the model)."""
-    return model.module if hasattr(model, "_dmp_wrapped_module") else model
+    from .upstream import is_dmp
 
-
-def _unwrap(m: Any) -> Any:
-    while hasattr(m, "module") and isinstance(m, torch.nn.parallel.DistributedDataParallel):
-        m = m.module
-    return m
+    return model.module if is_dmp(model) else model
 
 
 def uses_torchrec() -> bool:
@@ -40,6 +36,8 @@ def sharded_modules(root: nn.Module) -> List[Tuple[str, nn.Module]]:
 
     from ..modules import named_modules_pruned
 
+    from . import upstream
+
     tables = (ShardedEmbeddingBagCollection, ShardedEmbeddingCollection)
     out = []
     # not below a table module: its ~1 module per table is never a sharded module
@@ -53,6 +51,10 @@ def sharded_modules(root: nn.Module) -> List[Tuple[str, nn.Module]]:
                     f"{name or '<root>'}: sharded module type {type(m).__name__} is not supported "
                     "(supported: ShardedEmbeddingBagCollection, ShardedEmbeddingCollection)"
                 )
+    if out:  # the first use of TorchRec's internals in this call: all of them checked
+        upstream.require("train")
+        for _, sm in out:
+            upstream.BOUNDARY.check_instance(sm)
     return out
 
 
@@ -83,12 +85,13 @@ def wrappers(sm: nn.Module) -> List[nn.Module]:
         BatchedFusedEmbeddingBag,
     )
 
+    from .upstream import emb_modules, lookups
+
     supported = (BatchedFusedEmbeddingBag, BatchedDenseEmbeddingBag, BatchedFusedEmbedding,
                  BatchedDenseEmbedding)
     out = []
-    for lookup in sm._lookups:
-        lookup = _unwrap(lookup)
-        for w in getattr(lookup, "_emb_modules", []):
+    for lookup in lookups(sm):
+        for w in emb_modules(lookup):
             if type(w) not in supported:
                 raise UnsupportedError(
                     f"compute kernel module {type(w).__name__} is not supported "
@@ -101,11 +104,14 @@ def wrappers(sm: nn.Module) -> List[nn.Module]:
 def laid_out_for(model: nn.Module, sharded: List[Tuple[str, nn.Module]]) -> Optional[torch.device]:
     """The CUDA device a model's TBEs are laid out for (``shard_on_meta(compute_device=
     "cuda")``, or an eager DMP built on a GPU), else None (fbgemm's CPU layout)."""
+    from .upstream import kernel_module
+
     dev = getattr(model, "_metamat_compute_device", None)
     if dev is not None or not sharded:
         return dev
     for _, w in named_wrappers(sharded):
-        specs = getattr(getattr(w, "_emb_module", None), "embedding_specs", None) or []
+        # fbgemm's TBEs list (rows, dims, location, compute device) per table
+        specs = getattr(kernel_module(w), "embedding_specs", None) or []
         if any(len(s) > 3 and getattr(s[3], "name", "") == "CUDA" for s in specs):
             return torch.device("cuda")
     return None
@@ -113,10 +119,12 @@ def laid_out_for(model: nn.Module, sharded: List[Tuple[str, nn.Module]]) -> Opti
 
 def named_wrappers(sharded: List[Tuple[str, nn.Module]]) -> List[Tuple[str, nn.Module]]:
     """(readable path, kernel wrapper) of every sharded module's lookups."""
+    from .upstream import emb_modules, lookups
+
     out = []
     for name, sm in sharded:
-        for i, lookup in enumerate(sm._lookups):
-            for j, w in enumerate(getattr(_unwrap(lookup), "_emb_modules", [])):
+        for i, lookup in enumerate(lookups(sm)):
+            for j, w in enumerate(emb_modules(lookup)):
                 out.append((f"{name or '<root>'}._lookups[{i}]._emb_modules[{j}]", w))
     return out
 
@@ -124,13 +132,14 @@ def named_wrappers(sharded: List[Tuple[str, nn.Module]]) -> List[Tuple[str, nn.M
 def table_configs(sm: nn.Module) -> Dict[str, Any]:
     """Table name -> the user's config (with its ``init_fn``). TorchRec keeps the module's
     configs on the sharded module; the kernels' ShardedEmbeddingTable copies lose init_fn."""
+    from . import upstream
+
     out = {}
-    for attr in ("_embedding_bag_configs", "_embedding_configs"):
-        for cfg in getattr(sm, attr, None) or []:
-            out.setdefault(cfg.name, cfg)
+    for cfg in upstream.table_configs(sm):
+        out.setdefault(cfg.name, cfg)
     if out:
         return out
     for w in wrappers(sm):
-        for t in w._config.embedding_tables:
+        for t in upstream.kernel_config(w).embedding_tables:
             out.setdefault(t.name, t)
     return out

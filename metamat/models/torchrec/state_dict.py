@@ -25,6 +25,8 @@ from typing import Any, Dict, List, Tuple
 
 from torch import nn
 
+from ..torch_upstream import HOOK_FROM_PUBLIC_API
+
 __all__ = ["module_state_dict"]
 
 _PLAIN = (nn.Module, nn.ModuleDict)
@@ -99,7 +101,7 @@ def module_state_dict(module: nn.Module, prefix: str = "") -> Dict[str, Any]:
             child.state_dict(destination=dest, prefix=child_prefix, keep_vars=False)
     for hook in module._state_dict_hooks.values():
         result = hook(module, dest, prefix, local_metadata)
-        if not getattr(hook, "_from_public_api", False):
+        if not getattr(hook, HOOK_FROM_PUBLIC_API, False):  # as torch reads its marker
             if result is not None:
                 dest = result
         elif result is not None:

@@ -24,11 +24,13 @@ def local_blocks(value: Any) -> List[Tuple[torch.Tensor, Tuple[int, ...], Tuple[
         md = getattr(value, "metadata", None)
         gshape = tuple(md().size) if callable(md) else tuple(value.size())
         return [(s.tensor, tuple(s.metadata.shard_offsets), gshape) for s in value.local_shards()]
-    if hasattr(value, "_local_tensor"):  # DTensor
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from ..modules import is_dtensor
 
-        _, off = compute_local_shape_and_global_offset(value.shape, value.device_mesh, value.placements)
-        return [(value._local_tensor, tuple(off), tuple(value.shape))]
+    if is_dtensor(value):
+        from ..torch_upstream import local_shape_and_offset, local_tensor
+
+        _, off = local_shape_and_offset(value.shape, value.device_mesh, value.placements)
+        return [(local_tensor(value), tuple(off), tuple(value.shape))]
     return [(value, tuple(0 for _ in value.shape), tuple(value.shape))]
 
 

@@ -1,7 +1,8 @@
 """Values of TorchRec's own integer metadata that DMP(device=meta) leaves without data.
 
 ``shard_on_meta`` records these as it builds the model (``_metamat_value``); for a DMP built
-directly on meta we recompute the few TorchRec creates in its constructors (torchrec 1.8).
+directly on meta we recompute the few TorchRec creates in its constructors (checked on torchrec
+1.6.1 to 1.9.2; the names read: :mod:`.upstream`).
 """
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 from torch import nn
 
 from ...plan import storage_key
+from . import upstream
 from .meta_factories import recorded_value
 from .sharded import wrappers
 
@@ -18,14 +20,11 @@ __all__ = ["torchrec_known_values", "known_values", "put_value", "value_unknown"
            "own_tensors"]
 
 
-def _permute_indices(sm: nn.Module) -> Optional[List[int]]:
-    # Mirrors ShardedEmbeddingBagCollection._create_output_dist (torchrec 1.8).
-    shardings = getattr(sm, "_embedding_shardings", None)
-    names = getattr(sm, "_uncombined_embedding_names", None)
-    if shardings is None or names is None:
-        return None
+def _permute_indices(md: "upstream.CollectionMetadata") -> Optional[List[int]]:
+    # Mirrors ShardedEmbeddingBagCollection._create_output_dist (torchrec 1.6.1 to 1.9.2).
+    names = md.uncombined_names()
     metas = []
-    for sharding in shardings:
+    for sharding in upstream.shardings(md.sm):
         metas.extend(sharding.embedding_shard_metadata())
     offsets = [m.shard_offsets[1] if m is not None else 0 for m in metas]
     order: Dict[str, int] = {}
@@ -34,7 +33,7 @@ def _permute_indices(sm: nn.Module) -> Optional[List[int]]:
     return sorted(range(len(names)), key=lambda i: (order[names[i]], offsets[i]))
 
 
-_PERMUTE_TENSORS = ("_offset_dim_list", "_permute", "_inv_permute", "_inv_offset_dim_list")
+_PERMUTE_TENSORS = upstream.PERMUTE_TENSORS  # fbgemm PermutePooledEmbeddings' tensors
 
 
 def _unknown(t: object) -> bool:
@@ -47,24 +46,23 @@ def _unknown(t: object) -> bool:
 def torchrec_known_values(sm: nn.Module) -> Iterator[Tuple[torch.Tensor, torch.Tensor]]:
     """Yield (meta tensor, CPU tensor with its value) for known TorchRec metadata of ``sm``
     that has no recorded value (a DMP built on meta by TorchRec itself)."""
-    dpk = getattr(sm, "_dim_per_key", None)
+    md = upstream.CollectionMetadata(sm)
+    dpk = md.dim_per_key()  # None: an EmbeddingCollection has none (nor a permutation)
     if _unknown(dpk):
-        yield dpk, torch.tensor(sm._embedding_dims, dtype=dpk.dtype)
-    op = getattr(sm, "_permute_op", None)
+        yield dpk, torch.tensor(md.embedding_dims(), dtype=dpk.dtype)
+    op = md.permute_op()
     # the permutation costs ~2 µs per table to recompute: only when a part of it is unknown
-    if op is not None and isinstance(getattr(op, "_permute", None), torch.Tensor) \
-            and any(_unknown(getattr(op, name, None)) for name in _PERMUTE_TENSORS):
-        perm = _permute_indices(sm)
-        if perm is not None:
-            from fbgemm_gpu.permute_pooled_embedding_modules import PermutePooledEmbeddings
+    if op is not None and isinstance(upstream.permute_tensor(op, "_permute"), torch.Tensor) \
+            and any(_unknown(upstream.permute_tensor(op, name)) for name in _PERMUTE_TENSORS):
+        perm = _permute_indices(md)
+        from fbgemm_gpu.permute_pooled_embedding_modules import PermutePooledEmbeddings
 
-            fresh = PermutePooledEmbeddings(sm._uncombined_embedding_dims, perm, torch.device("cpu"))
-            for name in _PERMUTE_TENSORS:
-                yield getattr(op, name), getattr(fresh, name)
-    fo = getattr(sm, "_features_order", None)
-    fot = sm._buffers.get("_features_order_tensor") if hasattr(sm, "_buffers") else None
-    if _unknown(fot) and fo is not None:
-        yield fot, torch.tensor(fo, dtype=fot.dtype)
+        fresh = PermutePooledEmbeddings(md.uncombined_dims(), perm, torch.device("cpu"))
+        for name in _PERMUTE_TENSORS:
+            yield upstream.permute_tensor(op, name), upstream.permute_tensor(fresh, name)
+    fot = md.features_order_tensor()  # optional: registered at the first forward
+    if _unknown(fot):
+        yield fot, torch.tensor(md.features_order(), dtype=fot.dtype)
 
 
 def put_value(values: Dict[int, torch.Tensor], old: torch.Tensor, new: torch.Tensor) -> None:
@@ -96,7 +94,7 @@ def known_values(meta: List[torch.Tensor], sharded: List[Tuple[str, nn.Module]],
         for w in wrappers(sm):
             if id(w) in skip:
                 continue
-            own = own_tensors(w._emb_module)
+            own = own_tensors(upstream.kernel_module(w))
             if not any(value_unknown(t) for t in own.values()):
                 continue  # shard_on_meta recorded every value (~9 µs per table saved)
             for name, new in rebuild_tbe_metadata(w, device).items():

@@ -23,6 +23,8 @@ from torch import nn
 
 from ...errors import UnsupportedError
 from ...plan import StorageGroup, Target, storage_key
+from .. import torch_upstream
+from . import upstream
 from .compat import check_versions
 from .graph import Graph, scan
 from .sharded import laid_out_for, named_wrappers, root_of, sharded_modules, uses_torchrec
@@ -88,9 +90,16 @@ def build_plan(model: nn.Module, device: torch.device, init=None, *, claimed=fro
     if uses_torchrec():
         check_versions()
     root = root_of(model)
-    graph = scan(model)
     if sharded is None:
         sharded = sharded_modules(root)
+    if sharded:
+        # every TorchRec/fbgemm/torch internal this adapter reads, also those read only when
+        # the tensors are registered (after the allocation): checked now
+        upstream.require("train")
+        upstream.check_sharded(sharded)
+        upstream.check_dmp(model)
+    torch_upstream.require("module")
+    graph = scan(model)
     layout = laid_out_for(model, sharded)
     cuda = bool(sharded) and layout is not None
     if cuda and device.type != "cuda" and not emulated:
@@ -135,7 +144,7 @@ def build_plan(model: nn.Module, device: torch.device, init=None, *, claimed=fro
                 "metamat cannot swap it"
             )
         st = t.untyped_storage()
-        k = st._cdata  # storage_key(t)
+        k = st._cdata  # storage_key(t) (torch_upstream: UntypedStorage._cdata)
         if claimed and k in claimed:
             continue
         g = storages.get(k)
