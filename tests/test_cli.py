@@ -236,8 +236,8 @@ def test_a_large_worlds_plan_costs_what_its_ranks_shown_cost(ckpts, monkeypatch,
     from _work import count_work
 
     planned = []
-    real = cli.plan_load
-    monkeypatch.setattr(cli, "plan_load", lambda *a, **k: planned.append(1) or real(*a, **k))
+    real = cli.plan_reads
+    monkeypatch.setattr(cli, "plan_reads", lambda *a, **k: planned.append(1) or real(*a, **k))
     work = {}
     for world in (10**4, 10**6, 10**4):  # the first call warms caches and imports
         planned.clear()

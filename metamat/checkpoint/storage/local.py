@@ -23,16 +23,36 @@ class LocalStorage:
     sep = os.sep
     os_files = True
 
-    join = staticmethod(os.path.join)
-    normpath = staticmethod(os.path.normpath)
-    abspath = staticmethod(os.path.abspath)
-    dirname = staticmethod(os.path.dirname)
-    basename = staticmethod(os.path.basename)
-    exists = staticmethod(os.path.exists)
-    lexists = staticmethod(os.path.lexists)
-    isfile = staticmethod(os.path.isfile)
-    isdir = staticmethod(os.path.isdir)
-    listdir = staticmethod(os.listdir)
+    # each looked up when called (not bound here): a patched os function is the one used
+    def join(self, a: str, *p: str) -> str:
+        return os.path.join(a, *p)
+
+    def normpath(self, path: str) -> str:
+        return os.path.normpath(path)
+
+    def abspath(self, path: str) -> str:
+        return os.path.abspath(path)
+
+    def dirname(self, path: str) -> str:
+        return os.path.dirname(path)
+
+    def basename(self, path: str) -> str:
+        return os.path.basename(path)
+
+    def exists(self, path: str) -> bool:
+        return os.path.exists(path)
+
+    def lexists(self, path: str) -> bool:
+        return os.path.lexists(path)
+
+    def isfile(self, path: str) -> bool:
+        return os.path.isfile(path)
+
+    def isdir(self, path: str) -> bool:
+        return os.path.isdir(path)
+
+    def listdir(self, path: str) -> List[str]:
+        return os.listdir(path)
 
     def getsize(self, path: str) -> int:
         return os.stat(path).st_size
