@@ -16,7 +16,9 @@ with the torch versions it was checked on, and read through this module's functi
   modules that call it, with ``distributed_c10d._rank_not_in_group``;
 * the factories ``MetaFactories`` replaces (``torch.empty``, ...: public names, declared as
   patch sites), ``torch.utils._device._device_constructors``, ``Tensor._version``,
-  ``torch._C._dispatch_has_kernel_for_dispatch_key``, ``UntypedStorage._cdata``;
+  ``torch._C._dispatch_has_kernel_for_dispatch_key``, ``UntypedStorage._cdata`` and
+  ``Tensor._make_subclass`` (the last three also read directly by ``metamat.emulation``,
+  ``metamat.plan.storage_key`` and ``metamat.allocate``, outside the adapters);
 * ``nn.Module``'s own tables (``_parameters``, ``_buffers``, ``_modules``,
   ``_non_persistent_buffers_set``, the hook dicts, ``_save_to_state_dict``, ``_version``) and
   the optimizer's hook dicts: read directly by the adapters (they are how every library walks
@@ -122,6 +124,8 @@ DECLARED: Tuple[Private, ...] = (
        "module"),
     _t("torch.Tensor", "_version", "class_attr", "MetaFactories: a recorded value is stale "
        "once the tensor was written", "module"),
+    _t("torch.Tensor", "_make_subclass", "method", "allocate.Allocation.twin: the real twin "
+       "of a tensor subclass (read there directly)", "module"),
     # -- DTensor (modules.py, targets.py) ------------------------------------------------------
     _t(DTENSOR, "_local_tensor", "attr", "the rank's block, the object FSDP2 and the graph "
        "know", "dtensor"),
