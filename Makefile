@@ -6,10 +6,29 @@ PY        ?= python3
 VENV      := .venv
 VPY       := $(VENV)/bin/python
 STAMP     := $(VENV)/.metamat-deps
-TORCH_VER := 2.13.0
+# Each CPU stack is one constraints file (torch, fbgemm-gpu-cpu, torchrec and the test tools):
+# constraints.txt, the default (.venv: `make test`, `make bench`), the newest release that works;
+# constraints-compat.txt, the older one CI also runs (.venv-compat: `make test-compat`).
+CVENV     := .venv-compat
+CVPY      := $(CVENV)/bin/python
+CSTAMP    := $(CVENV)/.metamat-deps
 HAS_CUDA_TORCH := $(shell $(PY) -c "import torch,sys; sys.exit(0 if torch.version.cuda else 1)" 2>/dev/null && echo 1)
 
-.PHONY: setup build test bench sanitize clean
+.PHONY: setup build test bench sanitize clean setup-compat test-compat
+
+# install_stack VENV CONSTRAINTS: torch first, then fbgemm-gpu-cpu and torchrec's small deps, then
+# torchrec --no-deps (its metadata wants the CUDA fbgemm-gpu wheel), then the test tools; every
+# step under the same constraints, so nothing moves torch. Prints what it got.
+define install_stack
+	test -x $(1)/bin/python || $(PY) -m venv $(1)
+	$(1)/bin/python -m pip install -q --upgrade pip setuptools wheel
+	$(1)/bin/python -m pip install -q -c $(2) torch
+	$(1)/bin/python -m pip install -q -c $(2) fbgemm-gpu-cpu tensordict torchmetrics pyre-extensions iopath
+	$(1)/bin/python -m pip install -q -c $(2) --no-deps torchrec
+	$(1)/bin/python -m pip install -q -c $(2) -r requirements-dev.txt cmake ninja
+	$(1)/bin/python -c "import torch, fbgemm_gpu, torchrec as r; print('$(1):', torch.__version__, fbgemm_gpu.__version__, r.__version__)"
+	touch $(1)/.metamat-deps
+endef
 
 ifeq ($(HAS_CUDA_TORCH),1)
 # ---- GPU machines: $(PY) has CUDA torch, pybind11, cmake, pytest (nothing is installed) ----
@@ -34,13 +53,7 @@ bench: build
 else
 # ---- a fresh machine: .venv with the pinned CPU stack ----------------------------------------
 $(STAMP): requirements-dev.txt constraints.txt Makefile
-	test -x $(VPY) || $(PY) -m venv $(VENV)
-	$(VPY) -m pip install -q --upgrade pip setuptools wheel
-	$(VPY) -m pip install -q torch==$(TORCH_VER) -c constraints.txt
-	$(VPY) -m pip install -q -c constraints.txt fbgemm-gpu-cpu==1.8.0 tensordict torchmetrics==1.0.3 pyre-extensions iopath
-	$(VPY) -m pip install -q --no-deps torchrec==1.8.0
-	$(VPY) -m pip install -q -c constraints.txt -r requirements-dev.txt cmake ninja
-	touch $(STAMP)
+	$(call install_stack,$(VENV),constraints.txt)
 
 setup: $(STAMP)
 
@@ -56,6 +69,26 @@ endif
 
 clean:
 	rm -rf build metamat/_C*.so *.egg-info
+
+# ---- the second stack: `make test-compat` (CI runs it after `make test`) ---------------------
+# The TorchRec tests (`-m torchrec`: tests/conftest.py marks every test that builds or reads
+# TorchRec/fbgemm objects) on constraints-compat.txt in .venv-compat. metamat._C is torch-free
+# (pybind11 and the C++ runtime only), so the one in metamat/ serves both venvs (the same
+# Python); it is built here (build/compat) only when missing or older than its sources.
+# metamat itself is imported from the tree (PYTHONPATH).
+COMPAT_ARGS ?=
+EXT         := metamat/_C$(shell $(PY) -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")
+
+$(CSTAMP): requirements-dev.txt constraints-compat.txt Makefile
+	$(call install_stack,$(CVENV),constraints-compat.txt)
+
+setup-compat: $(CSTAMP)
+
+$(EXT): $(shell find csrc -type f) CMakeLists.txt | $(CSTAMP)
+	METAMAT_BUILD_DIR=build/compat $(CVPY) scripts/build_ext.py
+
+test-compat: setup-compat $(EXT)
+	PYTHONPATH=$(CURDIR) $(CVPY) -m pytest -q -m torchrec $(COMPAT_ARGS)
 
 # `make docs`: the API reference (Sphinx: docs/api) as HTML in build/docs; warnings are errors.
 .PHONY: docs

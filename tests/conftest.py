@@ -1,4 +1,9 @@
-"""Shared fixtures and markers: CUDA tests skip for the real reason (no GPU or no backend)."""
+"""Shared fixtures and markers: CUDA tests skip for the real reason (no GPU or no backend);
+TorchRec tests are marked ``torchrec`` (``make test-compat`` runs them on the older stack)."""
+import functools
+import inspect
+import re
+
 import pytest
 import torch
 
@@ -22,6 +27,54 @@ def pytest_collection_modifyitems(config, items):
                 reason = _cuda_usable() or ""
             if reason:
                 item.add_marker(pytest.mark.skip(reason=reason))
+
+
+# A TorchRec test: its module is named after torchrec, or imports torchrec/fbgemm (or a helper
+# named after them) or skips without them at its top level; or its module does so anywhere and
+# the test's own code names them; or it takes the world1_env fixture or is skipped without
+# torchrec.
+_IMPORTS = r"(?:(?:from|import)\s+\S*(?:torchrec|fbgemm)|importorskip\(\s*[\"'](?:torchrec|fbgemm_gpu))"
+_TOP = re.compile(r"^(?:\S.*)?" + _IMPORTS, re.M)
+_ANY = re.compile(_IMPORTS)
+
+
+@functools.lru_cache(maxsize=None)
+def _module_imports_torchrec(path: str) -> tuple:
+    """(at its top level, anywhere)"""
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError:
+        return (False, False)
+    return (bool(_TOP.search(text)), bool(_ANY.search(text)))
+
+
+def _is_torchrec_test(item) -> bool:
+    path = str(getattr(item, "path", getattr(item, "fspath", "")))
+    top, anywhere = _module_imports_torchrec(path)
+    if top or "torchrec" in path.rsplit("/", 1)[-1]:
+        return True
+    if "world1_env" in getattr(item, "fixturenames", ()):
+        return True
+    if any("torchrec" in str(m.kwargs.get("reason", "")) for m in item.iter_markers("skipif")):
+        return True
+    if not anywhere:
+        return False
+    try:
+        src = inspect.getsource(item.function)
+    except (AttributeError, OSError, TypeError):
+        return False
+    return "torchrec" in src or "fbgemm" in src
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "torchrec: builds or reads TorchRec/fbgemm objects "
+                            "(set by tests/conftest.py; `make test-compat` runs these)")
+
+
+def pytest_itemcollected(item):
+    if _is_torchrec_test(item):
+        item.add_marker(pytest.mark.torchrec)
 
 
 @pytest.fixture(scope="session")

@@ -5,7 +5,10 @@ from ...errors import UnsupportedError
 
 __all__ = ["UnsupportedError", "check_versions", "SUPPORTED_TORCHREC", "SUPPORTED_FBGEMM"]
 
-# Versions whose internals (TBE attribute names, lookup layout) walk.py was checked against.
+# Versions whose internals (TBE attribute names, lookup layout) the adapter was checked against,
+# each by running the TorchRec tests on it: 1.9 (torch 2.14) and 1.8 (torch 2.13) in CI
+# (`make test`, `make test-compat`); 1.7 (torch 2.12) once on the CPU (2026-11-27); 1.6 (torch
+# 2.11) on the GPU hosts (README, "On a GPU"). Add a minor here only after its tests ran.
 SUPPORTED_TORCHREC = ("1.6", "1.7", "1.8", "1.9")
 SUPPORTED_FBGEMM = ("1.6", "1.7", "1.8", "1.9")
 
