@@ -474,3 +474,21 @@ def test_check_upstream_script_finds_every_declaration_on_instances():
     bad = {k: v for k, v in result["declarations"].items()
            if v != "ok" and not v.startswith("optional")}
     assert not bad, bad
+
+
+def test_a_speed_up_left_alone_is_recorded(monkeypatch):
+    """fastbuild leaves TorchRec's constructor alone when its signature is not the one it was
+    checked against (TorchRec's own code runs, same result): recorded, not silent."""
+    pytest.importorskip("torchrec")
+    import torchrec.distributed.batched_embedding_kernel as bek
+
+    from metamat.models.torchrec import fastbuild
+    from metamat.models.torchrec import upstream as tr
+
+    monkeypatch.setattr(fastbuild, "_CHECKED_SIGNATURE", ["self", "something", "else"])
+    monkeypatch.setattr(tr.BOUNDARY, "left_alone", [])
+    init = bek.EmbeddingFusedOptimizer.__dict__["__init__"]
+    with fastbuild.linear_table_optimizers():
+        assert bek.EmbeddingFusedOptimizer.__dict__["__init__"] is init
+    site = tr.site(f"{tr.BEK}.EmbeddingFusedOptimizer", "__init__")
+    assert tr.BOUNDARY.left_alone == [(site, "signature differs from the one checked")]
