@@ -8,15 +8,13 @@ and objects of torch/torchrec/fbgemm classes. For each object it records the slo
 refer to it, so the register stage can swap in a replacement everywhere at once. What can
 hold nothing to swap is not recorded: containers of leaves (str, int, ...), and torch's
 shard metadata, which is only searched for the devices its placements name. The hook
-registries of modules and optimizers are not read at all (they hold code, not state).
+registries of modules and optimizers are not read at all (they hold code, not state). What the
+walk reads of each type is :mod:`.graph_kinds`; the walk itself runs in C (:func:`scan`), its
+specification here (:func:`scan_reference`).
 """
 from __future__ import annotations
 
-import dataclasses
-import enum
-import sys
 from operator import itemgetter
-import types
 from collections import defaultdict
 from collections.abc import Mapping
 from typing import Any, Dict, Iterator, List, Tuple
@@ -24,21 +22,20 @@ from typing import Any, Dict, Iterator, List, Tuple
 import torch
 from torch import nn
 
-from ..torch_upstream import METADATA_CLASSES, MODULE_HOOK_ATTRS, OPTIMIZER_HOOK_ATTRS
-from .fastbuild import _STM_FIELDS
+from .graph_kinds import (CONTAINERS, HOOK_ATTRS, HOOK_OWNERS, KIND, METADATA_SKIP, children,
+                          holds_nothing, is_wrapper_tensor, kind_of, slot_names, type_is,
+                          walked_later)
 
-__all__ = ["Slot", "Graph", "scan", "scan_reference", "is_wrapper_tensor"]
+__all__ = ["Slot", "Graph", "scan", "scan_reference", "is_wrapper_tensor", "slot_names"]
 
-_WALK_MODULE_PREFIXES = ("torch", "torchrec", "fbgemm_gpu", "metamat")
-_LEAF_TYPES = (str, bytes, int, float, bool, complex, type(None), torch.device, torch.dtype,
-               torch.Size, types.FunctionType, types.BuiltinFunctionType, types.ModuleType,
-               types.MethodType, type, range, slice,
-               # shared constants and handles that hold no tensor: as walked objects they
-               # cost ~20 slots per table of a sharded model (every ShardedTensor's layout,
-               # memory format and process group, TorchRec's pooling/data-type enums)
-               torch.layout, torch.memory_format, enum.Enum)
-if torch.distributed.is_available():
-    _LEAF_TYPES += (torch.distributed.ProcessGroup,)
+# The former names of the kind table and function (tests read and reset them), and the types
+# walked one at a time, looked up here when a walk starts (tests put their own in).
+_KIND, _kind_of = KIND, kind_of
+_walked_later = walked_later
+
+# tensor type -> is_wrapper_tensor of its instances (ShardedTensor, DTensor: True; plain
+# tensors, parameters, TorchRec's TableBatchedEmbeddingSlice: False)
+_WRAPPER_TYPES: Dict[type, bool] = {torch.Tensor: False, nn.Parameter: False}
 
 
 class Slot(tuple):
@@ -80,187 +77,6 @@ class Slot(tuple):
                 holder[new if k is key else k] = v
         else:
             raise TypeError(f"cannot replace an element of an immutable {type(holder).__name__}")
-
-
-# torch's shard metadata (~40 objects per table of a sharded model: a ShardedTensor's
-# metadata, its sharding spec, their ShardMetadata lists, offsets and sizes) holds no tensor,
-# but its placements name the device. The walk searches it for device attributes only and
-# does not record it (kind 3): it was more than half of the objects recorded.
-_METADATA_TYPES = frozenset(METADATA_CLASSES)  # torch's, declared in torch_upstream
-# Fields of that metadata which hold no device: offsets and sizes (lists of ints), the global
-# size and tensor properties, a spec's dim, a placement's worker name and rank. The search
-# leaves them unread (~12 µs per table at 10k tables: each read was a cache miss); a field a
-# newer torch adds is still searched. Type -> fields, filled as `_kind_of` meets the types.
-_METADATA_LEAF_FIELDS = {
-    "torch.distributed._shard.metadata.ShardMetadata": frozenset({"shard_offsets",
-                                                                  "shard_sizes"}),
-    "torch.distributed._shard.sharded_tensor.metadata.ShardedTensorMetadata":
-        frozenset({"size", "tensor_properties"}),
-    "torch.distributed._shard.sharding_spec.chunk_sharding_spec.ChunkShardingSpec":
-        frozenset({"dim"}),
-    "torch.distributed.remote_device._remote_device": frozenset({"_worker_name", "_rank"}),
-}
-_METADATA_SKIP: Dict[type, frozenset] = {}
-# Metadata dataclasses whose fields, as this torch defines them, are all leaves (dtype, layout,
-# flags): not even searched (5 per table). Another field set (a newer torch) is searched.
-_LEAF_DATACLASSES = {
-    "torch.distributed._shard.sharded_tensor.metadata.TensorProperties":
-        frozenset(_STM_FIELDS["TensorProperties"]),  # the fields fastbuild copies too
-}
-_CONTAINERS = (dict, list, tuple, set, frozenset)
-
-# The hook registries of modules and optimizers hold code, not state: functions and bound
-# methods (leaves to the walk) or torch's wrappers of them (`_WrappedHook`, which was walked).
-# They are skipped by name, unread: ~13 containers per table of a sharded model (a module and
-# a fused optimizer per table), each a cache miss at 10k tables. A hook object holding a meta
-# tensor is therefore not found.
-_HOOK_OWNERS = (nn.Module, torch.optim.Optimizer)
-_HOOK_ATTRS = frozenset(MODULE_HOOK_ATTRS + OPTIMIZER_HOOK_ATTRS)  # declared in torch_upstream
-
-
-def _walked_later() -> Tuple[type, ...]:
-    """Types whose objects the walk visits one at a time, once nothing else is queued: TorchRec's
-    sharded modules (each module's objects were made together; see
-    csrc/python/graph_walk.h)."""
-    types_ = sys.modules.get("torchrec.distributed.types")  # a model holds none without it
-    return (types_.ShardedModule,) if types_ is not None else ()
-
-
-# TorchRec's EmbeddingShardingInfo keeps the *unsharded* construction-time parameter
-# (`.param`, full table size). It is not model state: eager TorchRec leaves it on meta too.
-# Materializing it would cost every rank a full copy of every table.
-_UNWALKED_TYPES = frozenset({"EmbeddingShardingInfo"})
-
-
-def is_wrapper_tensor(t: torch.Tensor) -> bool:
-    """ShardedTensor/DTensor: a tensor object without storage of its own."""
-    if type(t) is torch.Tensor or type(t) is nn.Parameter:
-        return False  # ~2 µs saved per tensor: a failed hasattr on a tensor is slow
-    # ShardedTensor's and DTensor's (torch_upstream declares both)
-    return hasattr(t, "_local_shards") or hasattr(t, "_local_tensor")
-
-
-# tensor type -> is_wrapper_tensor of its instances (ShardedTensor, DTensor: True; plain
-# tensors, parameters, TorchRec's TableBatchedEmbeddingSlice: False)
-_WRAPPER_TYPES: Dict[type, bool] = {torch.Tensor: False, nn.Parameter: False}
-
-_SLOT_NAMES: Dict[type, Tuple[str, ...]] = {}
-
-
-def slot_names(obj: Any) -> Tuple[str, ...]:
-    cls = type(obj)
-    names = _SLOT_NAMES.get(cls)
-    if names is None:
-        names = _SLOT_NAMES[cls] = tuple(
-            name for c in cls.__mro__ for name in
-            ((c.__dict__.get("__slots__", ()),) if _is(c.__dict__.get("__slots__"), str)
-             else c.__dict__.get("__slots__", ()))
-            if _is(name, str) and name not in ("__dict__", "__weakref__"))
-    return names
-
-
-def _is(obj: Any, types_: Any) -> bool:
-    """``isinstance(obj, types_)`` by the object's type alone. isinstance also asks the
-    object's ``__class__``, which may be a property: code that runs in the middle of the walk
-    (and may free what it holds: the C walk holds what it reads), or a claim to be
-    ``torch.Tensor`` that the object's attributes do not back. The walk goes by types."""
-    return issubclass(type(obj), types_)
-
-
-def _walkable_object(obj: Any) -> bool:
-    cls = type(obj)
-    if issubclass(cls, (nn.Module, torch.optim.Optimizer)):
-        return True
-    mod = cls.__module__ or ""
-    return (isinstance(mod, str) and mod.split(".")[0] in _WALK_MODULE_PREFIXES) \
-        or dataclasses.is_dataclass(cls)
-
-
-# type -> 0: not recorded (leaf), 1: recorded and walked (a container of leaves only is
-# not recorded), 2: a plain tensor (recorded, its contents not walked), 3: shard metadata (not
-# recorded, searched for device attributes). The answer depends on the type alone, so scan
-# decides once per type.
-_KIND: Dict[type, int] = {}
-
-
-def _kind_of(obj: Any) -> int:
-    cls = type(obj)
-    k = _KIND.get(cls)
-    if k is None:
-        name = f"{cls.__module__}.{cls.__qualname__}"
-        if issubclass(cls, _LEAF_TYPES) or cls.__name__ in _UNWALKED_TYPES \
-                or _leaf_dataclass(cls, name):
-            k = 0
-        elif name in _METADATA_TYPES:
-            k = 3
-            if name in _METADATA_LEAF_FIELDS:
-                _METADATA_SKIP[cls] = _METADATA_LEAF_FIELDS[name]
-        elif cls is torch.Tensor:
-            k = 2
-        elif issubclass(cls, (torch.Tensor,) + _CONTAINERS) or _walkable_object(obj):
-            k = 1  # tensor subclasses too: wrapper tensors (ShardedTensor) and slices alike
-        else:
-            k = 0
-        _KIND[cls] = k
-    return k
-
-
-def _leaf_dataclass(cls: type, name: str) -> bool:
-    fields = _LEAF_DATACLASSES.get(name)
-    return fields is not None and dataclasses.is_dataclass(cls) and \
-        fields == frozenset(f.name for f in dataclasses.fields(cls))
-
-
-def _holds_nothing(container: Any) -> bool:
-    """A container whose every element (and key) is a leaf: nothing in it can be swapped
-    (``feature_names``, ``ranks``, empty buffer dicts: ~25 per table of a sharded model)."""
-    is_dict = _is(container, dict)
-    items = [(k, v) for k, v in list(container.items())] if is_dict else container
-    for item in items:
-        for v in (item if is_dict else (item,)):
-            k = _KIND.get(type(v))
-            if k is None:
-                k = _kind_of(v)
-            if k:
-                return False
-    return True
-
-
-def _children(obj: Any, skip: frozenset = frozenset()) -> Iterator[Tuple[str, Any, Any]]:
-    """Yield (kind, key, child) for every reference held by ``obj`` (but its attributes and
-    slots named in ``skip``)."""
-    if _is(obj, dict):
-        for k, v in list(obj.items()):
-            if _is(k, torch.Tensor):
-                yield "dictkey", k, k
-            yield "item", k, v
-        return
-    if _is(obj, list):
-        for i, v in enumerate(list(obj)):
-            yield "item", i, v
-        return
-    if _is(obj, tuple):
-        for i, v in enumerate(tuple(obj)):
-            yield "tuple", i, v
-        return
-    if _is(obj, (set, frozenset)):
-        for v in tuple(obj):
-            yield "tuple", None, v
-        return
-    d = getattr(obj, "__dict__", None)
-    if _is(d, dict):
-        hooks = _is(obj, _HOOK_OWNERS)
-        for k, v in list(d.items()):
-            if not (type(k) is str and (hooks and k in _HOOK_ATTRS or k in skip)):  # as in C
-                yield "attr", k, v
-    for name in slot_names(obj):
-        if name in skip:
-            continue
-        try:
-            v = object.__getattribute__(obj, name)
-        except AttributeError:
-            continue
-        yield "slot", name, v
 
 
 class _RecordObjects(Mapping):
@@ -400,7 +216,7 @@ class Graph:
         return {i for i, v in self.slots.items() if any(s.kind == "tuple" for s in v)}
 
     def of_type(self, cls: type) -> List[Any]:
-        return [o for o in self.objects.values() if _is(o, cls)]
+        return [o for o in self.objects.values() if type_is(o, cls)]
 
     def path(self, obj: Any) -> str:
         i = id(obj)
@@ -422,7 +238,7 @@ def _start(roots: Tuple[Any, ...]) -> Graph:
     g = Graph()
     for i, r in enumerate(roots):
         g.objects[id(r)] = r
-        if _is(r, torch.Tensor):
+        if type_is(r, torch.Tensor):
             g._tensors.append(r)
         g._root_names[id(r)] = "<model>" if i == 0 else f"<root{i}>"
     return g
@@ -449,9 +265,9 @@ def scan(root: Any, *extra_roots: Any) -> Graph:
     roots = (root,) + extra_roots
     g = _start(roots)
     rec = core().GraphRecord()
-    core().scan_graph(list(roots), rec, g._tensors, _KIND, _kind_of, slot_names, Slot,
-                      torch.Tensor, torch.device, g.device_refs, _HOOK_OWNERS, _HOOK_ATTRS,
-                      _METADATA_SKIP, _walked_later())
+    core().scan_graph(list(roots), rec, g._tensors, KIND, kind_of, slot_names, Slot,
+                      torch.Tensor, torch.device, g.device_refs, HOOK_OWNERS, HOOK_ATTRS,
+                      METADATA_SKIP, _walked_later())
     g.objects, g.slots = _RecordObjects(rec), _RecordSlots(rec)
     return g
 
@@ -465,25 +281,25 @@ def scan_reference(root: Any, *extra_roots: Any) -> Graph:
     queue: List[Any] = list(roots)
     later: List[Any] = []
     later_types = _walked_later()
-    kind_of, kinds = _kind_of, _KIND
+    of_kind, kinds = kind_of, KIND  # locals: read once per reference
     searched: set = set()  # ids of metadata objects (and their containers) searched
 
     def visit(obj: Any, kind: str, key: Any, child: Any, in_metadata: bool) -> None:
         k = kinds.get(type(child))
         if k is None:
-            k = kind_of(child)
+            k = of_kind(child)
         if not k:
             if kind == "attr" and (type(child) is torch.device
                                    or type(child) is str and child == "meta"):
                 g.device_refs.append((obj, key))
             return
-        if k == 3 or (in_metadata and k == 1 and _is(child, _CONTAINERS)):
+        if k == 3 or (in_metadata and k == 1 and type_is(child, CONTAINERS)):
             if id(child) not in searched:  # metadata: devices only, now, not recorded
                 searched.add(id(child))
-                for ck, ckey, c in _children(child, _METADATA_SKIP.get(type(child), ())):
+                for ck, ckey, c in children(child, METADATA_SKIP.get(type(child), ())):
                     visit(child, ck, ckey, c, True)
             return
-        if k == 1 and _is(child, _CONTAINERS) and _holds_nothing(child):
+        if k == 1 and type_is(child, CONTAINERS) and holds_nothing(child):
             return  # nothing in it to swap: not recorded
         cid = id(child)
         slots[cid].append(Slot(obj, kind, key))
@@ -492,9 +308,9 @@ def scan_reference(root: Any, *extra_roots: Any) -> Graph:
             if k == 2:
                 tensors.append(child)
             else:
-                if _is(child, torch.Tensor):
+                if type_is(child, torch.Tensor):
                     tensors.append(child)
-                (later if later_types and _is(child, later_types) else queue).append(child)
+                (later if later_types and type_is(child, later_types) else queue).append(child)
 
     head = nxt = 0
     while True:  # both queues grow while walked; `later` is read when `queue` has run empty
@@ -506,6 +322,6 @@ def scan_reference(root: Any, *extra_roots: Any) -> Graph:
             break
         if type(obj) is torch.Tensor:
             continue  # plain tensors hold nothing else worth walking
-        for kind, key, child in _children(obj):
+        for kind, key, child in children(obj):
             visit(obj, kind, key, child, False)
     return g
