@@ -47,6 +47,6 @@ def test_other_machines_get_the_fresh_venv_path():
     # -B: as on a fresh machine, even where this checkout's .venv is already set up
     cmds = dry_run("test", "/bin/false", "-B")  # a python3 without a (CUDA) torch
     assert cmds[0] == "test -x .venv/bin/python || /bin/false -m venv .venv"
-    assert any("pip install -q torch==" in c for c in cmds)
+    assert ".venv/bin/python -m pip install -q -c constraints.txt torch" in cmds
     assert cmds[-2:] == [".venv/bin/python -m pip install -q --no-build-isolation --no-deps -e .",
                          ".venv/bin/python -m pytest -q"]

@@ -403,9 +403,9 @@ def test_fsdp_param_groups_of_torch_2_11(monkeypatch):
 #: ``getattr``/``hasattr`` of an underscore name with a literal, outside the doors; each
 #: allowed one says why
 _ALLOWED = {
-    ("metamat/models/torchrec/graph.py", "_local_shards"): "type test of any tensor subclass "
+    ("metamat/models/torchrec/graph_kinds.py", "_local_shards"): "type test of any tensor subclass "
     "(ShardedTensor's and DTensor's names are declared in torch_upstream)",
-    ("metamat/models/torchrec/graph.py", "_local_tensor"): "the same type test",
+    ("metamat/models/torchrec/graph_kinds.py", "_local_tensor"): "the same type test",
     ("metamat/models/module_values.py", "_init_weights"): "a module's own init method "
     "(transformers' name: the Hugging Face door's, not torch's or TorchRec's)",
 }

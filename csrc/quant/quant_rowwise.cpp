@@ -52,10 +52,16 @@ RowParams params_of(float mn, float mx, int bits) {
   return p;
 }
 
-// fbgemm's AVX2 reduction order: 8 lanes over the whole chunks of 8 (a tie, e.g. 0.0 against
-// -0.0, takes the newer value, as _mm256_min_ps(acc, x) does), the lanes folded in order with
-// std::min (a tie keeps the older), then the tail. The order decides the sign of a zero
-// minimum, hence the bias bytes.
+// A minimum of zero is the row's first zero, +0.0 or -0.0: the sign goes into the bias bytes,
+// and fbgemm 1.9's op keeps the first of equal minima (1.8 folded 8 lanes, another order).
+inline float first_zero(const float* x, int64_t n) {
+  for (int64_t c = 0; c < n; ++c)
+    if (x[c] == 0.0f) return x[c];
+  return 0.0f;
+}
+
+// 8 lanes over the whole chunks of 8, the lanes folded in order, then the tail (as fbgemm's
+// AVX2 kernel); a zero minimum then takes the sign of the row's first zero.
 void minmax_scalar(const float* x, int64_t n, float* mn, float* mx) {
   float lmin[8], lmax[8];
   for (int j = 0; j < 8; ++j) {
@@ -78,7 +84,7 @@ void minmax_scalar(const float* x, int64_t n, float* mn, float* mx) {
     a = std::min(a, x[c]);
     b = std::max(b, x[c]);
   }
-  *mn = a;
+  *mn = a == 0.0f ? first_zero(x, n) : a;
   *mx = b;
 }
 
@@ -165,7 +171,7 @@ MM_AVX2 void minmax_avx2(const float* x, int64_t n, float* mn, float* mx) {
     a = std::min(a, x[c]);
     b = std::max(b, x[c]);
   }
-  *mn = a;
+  *mn = a == 0.0f ? first_zero(x, n) : a;
   *mx = b;
 }
 

@@ -101,9 +101,9 @@ def quantize_reference(x: np.ndarray, kind: int, *, sb_last: bool = False) -> np
     """The core's row conversion, in NumPy (slow, for tests): float32 rows ``x`` (rows, cols)
     -> uint8 (rows, :func:`unpadded_row_bytes`) in the TBE's layout.
 
-    INT-N follows fbgemm's AVX2 kernel: min/max in 8 lanes over whole chunks of 8 (a tie
-    takes the newer element), lanes folded in order (a tie keeps the older), then the tail;
-    bias = fp16(min); scale = fp16((max - fp16(min)) / (2^b - 1)) (1 when the range is 0, the
+    INT-N follows fbgemm's op: min/max in 8 lanes over whole chunks of 8, lanes folded in
+    order, then the tail; a zero minimum is the row's first zero (its sign is fbgemm 1.9's: the
+    first of equal minima); bias = fp16(min); scale = fp16((max - fp16(min)) / (2^b - 1)) (1 when the range is 0, the
     scale rounds to 0 or its inverse is infinite); q = clamp(rint((x - min) * (1/scale))).
     """
     x = np.ascontiguousarray(x, dtype=np.float32)
@@ -132,6 +132,8 @@ def quantize_reference(x: np.ndarray, kind: int, *, sb_last: bool = False) -> np
         for c in range(whole, cols):
             mn = v[c] if v[c] < mn else mn
             mx = v[c] if mx < v[c] else mx
+        if mn == 0:
+            mn = v[np.flatnonzero(v == 0)[0]]
         bias = np.float32(mn).astype(np.float16)
         mn = np.float32(bias)
         rng = np.float32(np.float32(mx) - mn)
