@@ -11,12 +11,13 @@ seconds (``materialize(timeout=...)``, default :data:`DEFAULT_TIMEOUT` or the
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import datetime
 import os
 import signal
 import threading
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from .checkpoint.errors import CheckpointError
 from .errors import PeerCheckpointError, PeerFailedError
@@ -27,7 +28,36 @@ __all__ = ["Agreement", "rank", "defer_sigint", "DEFAULT_TIMEOUT"]
 #: runs between the two points: raise it for very large loads on slow storage).
 DEFAULT_TIMEOUT = 600.0
 
-_GROUPS: Dict[float, Any] = {}
+# The agreement groups made so far, by timeout: (the default group they were made under, the
+# group). A group made under a default group that was destroyed since is stale: made again.
+_GROUPS: Dict[float, Tuple[Any, Any]] = {}
+
+
+def _agreement_group(timeout: float) -> Any:
+    import torch.distributed as dist
+
+    world = dist.group.WORLD
+    hit = _GROUPS.get(timeout)
+    if hit is None or hit[0] is not world:
+        _GROUPS.pop(timeout, None)
+        hit = _GROUPS[timeout] = (world, dist.new_group(
+            backend="gloo", timeout=datetime.timedelta(seconds=timeout)))
+    return hit[1]
+
+
+@atexit.register
+def _drop_groups() -> None:
+    """Destroys the agreement groups while the interpreter is whole. Held until its
+    finalization instead, a gloo worker thread could drop its last tensor there and abort the
+    process ("terminate called without an active exception") after the program's last line."""
+    groups = [g for _w, g in _GROUPS.values()]
+    _GROUPS.clear()
+    if groups and _initialized():
+        import torch.distributed as dist
+
+        for g in groups:
+            with contextlib.suppress(Exception):  # a group the program destroyed already
+                dist.destroy_process_group(g)
 
 
 def _initialized() -> bool:
@@ -77,11 +107,7 @@ class Agreement:
             import torch.distributed as dist
 
             if dist.get_world_size() > 1:
-                g = _GROUPS.get(self.timeout)
-                if g is None:
-                    g = _GROUPS[self.timeout] = dist.new_group(
-                        backend="gloo", timeout=datetime.timedelta(seconds=self.timeout))
-                self.group = g
+                self.group = _agreement_group(self.timeout)
 
     def agree(self, error: Optional[BaseException], stage: str,
               payload: Any = None) -> List[Any]:

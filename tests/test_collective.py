@@ -52,3 +52,30 @@ def test_resolve_timeout(monkeypatch):
         resolve_timeout(None)
     with pytest.raises(ValueError):
         resolve_timeout(0)
+
+
+def _world_again(rank, world, store):
+    """materialize, the program's process group destroyed and made again (a new store), then
+    materialize again; last, the exit hook destroys the agreement group it holds."""
+    import torch.distributed as dist
+    from metamat import collective
+
+    first = torch.nn.Linear(4, 4, device="meta")
+    metamat.materialize(first, device="cpu", seed=1)
+    old = collective._GROUPS[collective.resolve_timeout(None)][1]
+    dist.destroy_process_group()
+    dist.init_process_group("gloo", init_method="file://" + store, rank=rank, world_size=world)
+    again = torch.nn.Linear(4, 4, device="meta")
+    metamat.materialize(again, device="cpu", seed=1)
+    new = collective._GROUPS[collective.resolve_timeout(None)][1]
+    collective._drop_groups()
+    return {"same": torch.equal(first.weight, again.weight), "new_group": new is not old,
+            "dropped": not collective._GROUPS}
+
+
+def test_a_new_process_group_gets_a_new_agreement_group(tmp_path):
+    """The agreement group is made once per process group: after the program destroyed its
+    group and made another, materialize agrees on a group of the new one (the cached group of
+    the destroyed one is never used)."""
+    for r in run_dist(_world_again, 2, str(tmp_path / "store2")):
+        assert r == {"same": True, "new_group": True, "dropped": True}
