@@ -28,7 +28,7 @@ from typing import Any, Dict, Iterator, List, Tuple
 
 import torch
 
-__all__ = ["linear_table_optimizers"]
+__all__ = ["linear_table_optimizers", "STM_FIELDS"]
 
 _CHECKED_SIGNATURE = ["self", "config", "emb_module", "pg", "create_for_table",
                       "param_weight_for_table", "embedding_weights_by_table",
@@ -48,10 +48,10 @@ def _own_entries(config: Any, index: Dict[int, Tuple[Any, Dict[str, List[int]]]]
     return hit[1]
 
 
-_STM_FIELDS = {"ShardedTensorMetadata": ("shards_metadata", "size", "tensor_properties"),
-               "ShardMetadata": ("shard_offsets", "shard_sizes", "placement"),
-               "TensorProperties": ("dtype", "layout", "requires_grad", "memory_format",
-                                    "pin_memory")}
+STM_FIELDS = {"ShardedTensorMetadata": ("shards_metadata", "size", "tensor_properties"),
+              "ShardMetadata": ("shard_offsets", "shard_sizes", "placement"),
+              "TensorProperties": ("dtype", "layout", "requires_grad", "memory_format",
+                                   "pin_memory")}
 _REMOTE_DEVICE_ATTRS = {"_worker_name", "_rank", "_device"}  # torch_upstream.REMOTE_DEVICE_FIELDS
 
 
@@ -68,7 +68,7 @@ def _metadata_types() -> Any:
                                                                     TensorProperties)
     from torch.distributed.remote_device import _remote_device
     types = (ShardedTensorMetadata, ShardMetadata, TensorProperties)
-    if any(tuple(f.name for f in dataclasses.fields(t)) != _STM_FIELDS[t.__name__]
+    if any(tuple(f.name for f in dataclasses.fields(t)) != STM_FIELDS[t.__name__]
            for t in types) or set(vars(tu.remote_device("rank:0/cpu"))) != _REMOTE_DEVICE_ATTRS:
         return None
     return types + (_remote_device,)
@@ -113,7 +113,7 @@ def copy_sharded_tensor_metadata(md: Any, memo: Dict[int, Any], types: Any) -> A
     if type(md.shards_metadata) is not list or type(md.size) is not torch.Size:
         return copy.deepcopy(md, memo)
     tp = md.tensor_properties
-    props = new(tp_t, {k: getattr(tp, k) for k in _STM_FIELDS["TensorProperties"]}) \
+    props = new(tp_t, {k: getattr(tp, k) for k in STM_FIELDS["TensorProperties"]}) \
         if type(tp) is tp_t else copy.deepcopy(tp, memo)
     out = new(stm_t, {"shards_metadata": [shard(s) for s in md.shards_metadata],
                       "size": md.size, "tensor_properties": props})

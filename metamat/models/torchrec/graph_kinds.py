@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ..torch_upstream import METADATA_CLASSES, MODULE_HOOK_ATTRS, OPTIMIZER_HOOK_ATTRS
-from .fastbuild import _STM_FIELDS
+from .fastbuild import STM_FIELDS
 
 __all__ = ["KIND", "kind_of", "children", "holds_nothing", "walked_later", "type_is",
            "slot_names", "is_wrapper_tensor", "CONTAINERS", "HOOK_OWNERS", "HOOK_ATTRS",
@@ -56,7 +56,7 @@ METADATA_SKIP: Dict[type, frozenset] = {}
 # flags): not even searched (5 per table). Another field set (a newer torch) is searched.
 _LEAF_DATACLASSES = {
     "torch.distributed._shard.sharded_tensor.metadata.TensorProperties":
-        frozenset(_STM_FIELDS["TensorProperties"]),  # the fields fastbuild copies too
+        frozenset(STM_FIELDS["TensorProperties"]),  # the fields fastbuild copies too
 }
 CONTAINERS = (dict, list, tuple, set, frozenset)
 

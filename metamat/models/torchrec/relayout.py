@@ -81,7 +81,7 @@ def relayout_for_cuda(model: nn.Module, sharded: List[Tuple[str, nn.Module]],
             type or plan this cannot rebuild (nothing was changed then).
     """
     from . import upstream
-    from .shard import _plan_to_meta, _this_ranks_gpu, building_on_meta
+    from .shard import plan_to_meta, this_ranks_gpu, building_on_meta
     from .sharded import root_of
 
     if not upstream.is_dmp(model):
@@ -111,7 +111,7 @@ def relayout_for_cuda(model: nn.Module, sharded: List[Tuple[str, nn.Module]],
         if sharder is None or not params:
             raise UnsupportedError(f"{where}: no sharder or plan for {type(unsharded).__name__}")
         rebuilt.append((path, sm, unsharded, sharder, params))
-    gpu = _this_ranks_gpu(device) if device.type == "cuda" else torch.device("cuda")
+    gpu = this_ranks_gpu(device) if device.type == "cuda" else torch.device("cuda")
     from torchrec.distributed.types import ShardingPlan
 
     from .cuda_kernels import check_cuda_plan
@@ -119,7 +119,7 @@ def relayout_for_cuda(model: nn.Module, sharded: List[Tuple[str, nn.Module]],
     plan = ShardingPlan({p: params for p, _, _, _, params in rebuilt})
     check_cuda_plan(plan)
     rank_devices: dict = {}
-    plan = _plan_to_meta(plan, rank_devices)
+    plan = plan_to_meta(plan, rank_devices)
     swaps = []
     with building_on_meta(gpu) as records:
         for path, old, unsharded, sharder, _ in rebuilt:

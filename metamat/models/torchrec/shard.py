@@ -34,7 +34,7 @@ from .fastranks import indexed_group_ranks
 from .host_kernels import host_dense_kernels
 from .meta_factories import MetaFactories
 
-__all__ = ["shard_on_meta", "MetaDDP", "building_on_meta"]
+__all__ = ["shard_on_meta", "MetaDDP", "building_on_meta", "plan_to_meta", "this_ranks_gpu"]
 
 _META = torch.device("meta")
 
@@ -76,7 +76,7 @@ _DDP_HAS_FORWARD_SYNC = "forward_sync_buffers" in inspect.signature(
 _DDP_USERS = ("torchrec.distributed.embeddingbag", "torchrec.distributed.embedding")
 
 
-def _plan_to_meta(plan: Any, rank_devices: Optional[Dict[int, torch.device]] = None) -> Any:
+def plan_to_meta(plan: Any, rank_devices: Optional[Dict[int, torch.device]] = None) -> Any:
     """Return a copy of a ShardingPlan whose shard placements name the meta device (the
     caller's plan is left as it was). ``rank_devices`` receives each rank's device as the
     plan placed it (CUDA placements only), for the placements ``materialize`` restores."""
@@ -192,7 +192,7 @@ def building_on_meta(cuda: Optional[torch.device] = None):
         yield records
 
 
-def _this_ranks_gpu(device: torch.device) -> torch.device:
+def this_ranks_gpu(device: torch.device) -> torch.device:
     """``cuda`` without an index is this rank's GPU: ``cuda:LOCAL_RANK`` under torchrun (when
     that GPU exists), else the current CUDA device; without a visible GPU it stays ``cuda``."""
     import os
@@ -259,7 +259,7 @@ def shard_on_meta(
         env = ShardingEnv.from_process_group(dist.group.WORLD)
     cuda_layout = compute_device is not None and torch.device(compute_device).type == "cuda"
     if cuda_layout:
-        compute_device = _this_ranks_gpu(torch.device(compute_device))
+        compute_device = this_ranks_gpu(torch.device(compute_device))
     if plan is None:
         if compute_device is None:
             compute_device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -270,7 +270,7 @@ def shard_on_meta(
 
         check_cuda_plan(plan)
     rank_devices: Dict[int, torch.device] = {}
-    plan = _plan_to_meta(plan, rank_devices)
+    plan = plan_to_meta(plan, rank_devices)
     old_devices = _normalise_devices(module)
     try:
         _to_meta_inplace(module)
