@@ -7,16 +7,9 @@
 #include "metamat/fill.h"
 #include "metamat/fill_variant.h"
 #include "dicts.h"
+#include "stage/convert_elem_check.h"
 
 namespace py = pybind11;
-
-namespace metamat {
-struct ConvertElemCheck {
-  int64_t checked = 0, mismatches = 0;
-  uint32_t first_input = 0;
-};
-ConvertElemCheck convert_elem_check(int dst_dtype, uint32_t stride);  // convert_elem_check.cpp
-}  // namespace metamat
 
 namespace {
 

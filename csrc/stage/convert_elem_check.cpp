@@ -2,16 +2,13 @@
 // reader's host conversion (dtype.h) over fp32 bit patterns.
 #include <cstdint>
 
+#include "convert_elem_check.h"
+
 #include "metamat/check.h"
 #include "convert_elem.h"
 #include "metamat/dtype.h"
 
 namespace metamat {
-
-struct ConvertElemCheck {
-  int64_t checked = 0, mismatches = 0;
-  uint32_t first_input = 0;
-};
 
 ConvertElemCheck convert_elem_check(int dst_dtype, uint32_t stride) {
   MM_CHECK(dst_dtype == int(DType::kFloat16) || dst_dtype == int(DType::kBFloat16),
