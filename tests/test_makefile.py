@@ -49,4 +49,4 @@ def test_other_machines_get_the_fresh_venv_path():
     assert cmds[0] == "test -x .venv/bin/python || /bin/false -m venv .venv"
     assert ".venv/bin/python -m pip install -q -c constraints.txt torch" in cmds
     assert cmds[-2:] == [".venv/bin/python -m pip install -q --no-build-isolation --no-deps -e .",
-                         ".venv/bin/python -m pytest -q"]
+                         ".venv/bin/python -m pytest -q -n auto"]
