@@ -103,8 +103,9 @@ def quantize_reference(x: np.ndarray, kind: int, *, sb_last: bool = False) -> np
 
     INT-N follows fbgemm's op: min/max in 8 lanes over whole chunks of 8, lanes folded in
     order, then the tail; a zero minimum is the row's first zero (its sign is fbgemm 1.9's: the
-    first of equal minima); bias = fp16(min); scale = fp16((max - fp16(min)) / (2^b - 1)) (1 when the range is 0, the
-    scale rounds to 0 or its inverse is infinite); q = clamp(rint((x - min) * (1/scale))).
+    first of equal minima); bias = fp16(min); scale = fp16((max - fp16(min)) / (2^b - 1)) (1
+    when the range is 0, the scale rounds to 0 or its inverse is infinite);
+    q = clamp(rint((x - min) * (1/scale))).
     """
     x = np.ascontiguousarray(x, dtype=np.float32)
     rows, cols = x.shape
