@@ -127,8 +127,12 @@ inline void put_scale_bias(const QuantOut& o, unsigned char* row, const RowParam
   std::memcpy(sb + 2, &p.bias_h, 2);
 }
 
-void rows_scalar(const float* src, int64_t r0, int64_t r1, int64_t cols, int64_t stride,
-                 const QuantOut* outs, int64_t nouts) {
+// Rows [r0, r1) into every destination: the row's min/max once (for the INT-N ones), then
+// each destination's scale/bias and data. One loop for both kernels: MinMax and Data are the
+// scalar or AVX2 functions.
+template <class MinMax, class Data>
+void rows_with(MinMax minmax, Data data, const float* src, int64_t r0, int64_t r1, int64_t cols,
+               int64_t stride, const QuantOut* outs, int64_t nouts) {
   for (int64_t r = r0; r < r1; ++r) {
     const float* x = src + r * stride;
     float mn = 0, mx = 0;
@@ -138,14 +142,23 @@ void rows_scalar(const float* src, int64_t r0, int64_t r1, int64_t cols, int64_t
       auto* row = reinterpret_cast<unsigned char*>(o.dst + r * o.dst_stride);
       RowParams p{};
       if (is_int(o.kind)) {
-        if (!have) minmax_scalar(x, cols, &mn, &mx);
+        if (!have) minmax(x, cols, &mn, &mx);
         have = true;
         p = params_of(mn, mx, int(o.kind));
         put_scale_bias(o, row, p);
       }
-      data_scalar(x + o.col0, 0, o, p, data_of(o, row));
+      data(x + o.col0, o, p, data_of(o, row));
     }
   }
+}
+
+void rows_scalar(const float* src, int64_t r0, int64_t r1, int64_t cols, int64_t stride,
+                 const QuantOut* outs, int64_t nouts) {
+  rows_with(minmax_scalar,
+            [](const float* xs, const QuantOut& o, const RowParams& p, unsigned char* d) {
+              data_scalar(xs, 0, o, p, d);
+            },
+            src, r0, r1, cols, stride, outs, nouts);
 }
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -226,25 +239,9 @@ MM_AVX2 void data_avx2(const float* xs, const QuantOut& o, const RowParams& p,
   data_scalar(xs, c, o, p, data);
 }
 
-MM_AVX2 void rows_avx2(const float* src, int64_t r0, int64_t r1, int64_t cols, int64_t stride,
-                       const QuantOut* outs, int64_t nouts) {
-  for (int64_t r = r0; r < r1; ++r) {
-    const float* x = src + r * stride;
-    float mn = 0, mx = 0;
-    bool have = false;
-    for (int64_t i = 0; i < nouts; ++i) {
-      const QuantOut& o = outs[i];
-      auto* row = reinterpret_cast<unsigned char*>(o.dst + r * o.dst_stride);
-      RowParams p{};
-      if (is_int(o.kind)) {
-        if (!have) minmax_avx2(x, cols, &mn, &mx);
-        have = true;
-        p = params_of(mn, mx, int(o.kind));
-        put_scale_bias(o, row, p);
-      }
-      data_avx2(x + o.col0, o, p, data_of(o, row));
-    }
-  }
+void rows_avx2(const float* src, int64_t r0, int64_t r1, int64_t cols, int64_t stride,
+               const QuantOut* outs, int64_t nouts) {
+  rows_with(minmax_avx2, data_avx2, src, r0, r1, cols, stride, outs, nouts);
 }
 #undef MM_AVX2
 #define MM_HAVE_AVX2 1
