@@ -234,13 +234,15 @@ def test_bench_scale_mode_quick(bench_scale_run):
 
 
 def test_bench_measured_growth_reports_every_method(bench_scale_run):
-    """bench_scale.measured_growth (the timed growth, now the bench's) reports a finite
-    growth for each method; whether a growth is linear is the counted tests' above."""
+    """bench_scale.measured_growth (the timed growth, now the bench's) reports a growth for
+    each method; whether a growth is linear is the counted tests' above. The value itself is
+    timed, so not asserted: on a busy machine the smaller counts' marginal time can come out
+    zero or negative, which the bench reports as inf (seen once in CI)."""
     import math
 
     growth = bench_scale_run[1]["growth"]
     assert set(growth) == {"metamat open_checkpoint", "metamat materialize(load)"}
-    assert all(math.isfinite(v) for v in growth.values()), growth
+    assert all(isinstance(v, float) and not math.isnan(v) for v in growth.values()), growth
 
 
 def test_plan_parts_reports_the_walk_and_the_plan(bench_scale_run):
