@@ -479,19 +479,39 @@ def test_an_object_without_etag_but_with_versions_reads_the_version_opened(s3, t
 def test_a_forked_child_fails_at_the_deadline_instead_of_hanging(s3, tmp_path):
     """obstore's runtime does not survive fork(): a child forked after the parent used the
     store hung forever on its first call. Now it raises a ReadError at the deadline (and the
-    child's own store calls use a loop of its own: the parent's thread is not in the child)."""
-    import multiprocessing as mp
+    child's own store calls use a loop of its own: the parent's thread is not in the child).
+    The parent is a fresh interpreter (_FORK_PARENT), not the test process: a pytest(-xdist)
+    worker carries other tests' threads and state into the fork, which is not what this checks
+    (a child of such a worker once died of SIGSEGV)."""
     sd = _state(18)
     url = upload_dir(s3, _save_st(tmp_path, sd), "fork/m.safetensors")
-    open_checkpoint(url, storage_options=_opts(s3))  # the parent's runtime and loop run
-    ctx = mp.get_context("fork")
-    q = ctx.Queue()
-    p = ctx.Process(target=_fork_child, args=(url, _opts(s3, deadline=4), q))
-    p.start()
-    p.join(120)  # a hang guard (the child used to hang forever), not a speed check
-    assert p.exitcode == 0, p.exitcode
-    got = q.get(timeout=5)
+    r = subprocess.run([sys.executable, "-c", _FORK_PARENT, os.path.dirname(__file__), url,
+                        json.dumps(_opts(s3)), json.dumps(_opts(s3, deadline=4))],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])
+    assert res["exitcode"] == 0, res
+    got = res["got"]
     assert got == "ok" or ("ReadError" in got and "deadline of 4 s" in got), got
+
+
+# Opens the checkpoint (the parent's store runtime and loop run), then forks a child that
+# loads it: prints the child's exit code and what it reported.
+_FORK_PARENT = """
+import json, multiprocessing as mp, sys
+sys.path.insert(0, sys.argv[1])
+from test_s3 import _fork_child
+from metamat.checkpoint import open_checkpoint
+url, opts, child_opts = sys.argv[2], json.loads(sys.argv[3]), json.loads(sys.argv[4])
+open_checkpoint(url, storage_options=opts)
+ctx = mp.get_context("fork")
+q = ctx.Queue()
+p = ctx.Process(target=_fork_child, args=(url, child_opts, q))
+p.start()
+p.join(120)  # a hang guard (the child used to hang forever), not a speed check
+got = q.get(timeout=5) if p.exitcode == 0 else None
+print(json.dumps({"exitcode": p.exitcode, "got": got}))
+"""
 
 
 def _fork_child(url, opts, q):
