@@ -521,3 +521,43 @@ def _fork_child(url, opts, q):
         q.put("ok")
     except BaseException as e:  # noqa: BLE001 - reported to the parent
         q.put(f"{type(e).__name__}: {e}")
+
+
+def test_exit_waits_for_a_runtime_thread_handing_an_answer_over(monkeypatch):
+    """obstore's runtime threads hand each answer to the store loop through
+    ``call_soon_threadsafe``, letting the GIL go in its wake-up write; a program that ends
+    meanwhile finalized the interpreter under such a thread, which then aborted the process
+    (SIGABRT after the CLI's last line, about 1 in 20 runs on a loaded box). The exit hook
+    stops the loop and waits until no thread is inside that call. Here one thread is held
+    inside it (its wake-up write waits) until 0.2 s after the hook started."""
+    import threading
+    import time
+
+    from metamat.checkpoint.storage import s3_deadline
+
+    loop = s3_deadline._loop()
+    held, release = threading.Event(), threading.Event()
+    write = loop._write_to_self
+    handing = threading.current_thread  # which thread is in the call
+
+    def slow_write():
+        if handing().name == "runtime":
+            held.set()
+            release.wait(10)
+        write()
+    monkeypatch.setattr(loop, "_write_to_self", slow_write)
+    t = threading.Thread(target=loop.call_soon_threadsafe, args=(lambda: None,), name="runtime")
+    t.start()
+    assert held.wait(10) and loop.handing_over() == 1
+    threading.Timer(0.2, release.set).start()
+    s3_deadline._stop_at_exit()
+    assert loop.handing_over() == 0 and loop.is_closed()
+    t.join(10)
+    assert s3_deadline._loop() is not loop  # a later call gets a running loop again
+    assert s3_deadline.run(lambda: _answer_later(7), s3_deadline.Deadline(10), "x") == 7
+
+
+async def _answer_later(v):
+    import asyncio
+    await asyncio.sleep(0)
+    return v
