@@ -8,10 +8,19 @@ must be picklable). An exception in any rank is re-raised in the caller with its
 The ranks meet through a file store in the run's own temporary directory, not a TCP port:
 a port found free and then bound by the ranks could be taken in between by another run
 (pytest-xdist runs several at once), and two runs can never share a directory.
+
+Gloo ranks are forked from multiprocessing's forkserver, which imported torch, TorchRec and
+fbgemm once (``_PRELOAD``), instead of being spawned as fresh interpreters that each import
+them again: a 2-rank run starts in ~0.1 s instead of ~4.7 s (AMD EPYC Zen 4, 2 cores). A rank
+still starts as its caller would see it: it takes the caller's environment, and unpickles
+``fn`` and its arguments (importing their modules) only after that. Unlike a spawned rank, a
+forked one ends with ``os._exit`` (no ``atexit`` hooks, no interpreter finalization).
+NCCL ranks are spawned: a fork must never carry CUDA state.
 """
 from __future__ import annotations
 
 import faulthandler
+import multiprocessing
 import os
 import sys
 import pickle
@@ -26,6 +35,11 @@ import torch.multiprocessing as mp
 
 __all__ = ["run_dist", "free_port"]
 
+# imported once by the forkserver (a module missing here is skipped); metamat is not: it is
+# cheap, and a test may set its environment variables before a run
+_PRELOAD = ["torch", "torch.distributed", "fbgemm_gpu", "torchrec"]
+multiprocessing.set_forkserver_preload(_PRELOAD)
+
 
 def free_port() -> int:
     """Return a TCP port that was free a moment ago on localhost (for a port that nothing
@@ -35,9 +49,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, outdir: str, fn: Callable, args: tuple,
+def _worker(rank: int, world_size: int, outdir: str, env: dict, payload: bytes,
             backend: str = "gloo") -> None:
     faulthandler.enable(all_threads=True)  # a native crash prints every thread's Python stack
+    os.environ.clear()  # the forkserver's environment is the one it started with
+    os.environ.update(env)
+    fn, args = pickle.loads(payload)  # after the environment: importing fn's module may read it
     os.environ["RANK"] = str(rank)
     os.environ["WORLD_SIZE"] = str(world_size)
     os.environ["LOCAL_RANK"] = str(rank)
@@ -84,10 +101,10 @@ def run_dist(fn: Callable, world_size: int, *args: Any, backend: str = "gloo") -
         try:
             mp.start_processes(
                 _worker,
-                args=(world_size, outdir, fn, args, backend),
+                args=(world_size, outdir, dict(os.environ), pickle.dumps((fn, args)), backend),
                 nprocs=world_size,
                 join=True,
-                start_method="spawn",
+                start_method="spawn" if backend == "nccl" else "forkserver",
             )
         except mp.ProcessExitedException as e:
             # A rank that died *after* writing its result crashed in process-group teardown
