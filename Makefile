@@ -19,16 +19,24 @@ TEST_JOBS ?= auto
 
 .PHONY: setup build test bench sanitize clean setup-compat test-compat
 
-# install_stack VENV CONSTRAINTS: torch first, then fbgemm-gpu-cpu and torchrec's small deps, then
-# torchrec --no-deps (its metadata wants the CUDA fbgemm-gpu wheel), then the test tools; every
-# step under the same constraints, so nothing moves torch. Prints what it got.
+# install_stack VENV CONSTRAINTS BACKGROUND: the build tools, then BACKGROUND (a command; the
+# default venv builds metamat._C there, on the core pip leaves idle) while pip installs torch,
+# fbgemm-gpu-cpu and torchrec's small deps, torchrec --no-deps (its metadata wants the CUDA
+# fbgemm-gpu wheel), then the test tools; every step under the same constraints, so nothing
+# moves torch. --no-compile: Python compiles a module when it is first imported, only those
+# used (pip would compile all of torch's). Prints what it got.
 define install_stack
 	test -x $(1)/bin/python || $(PY) -m venv $(1)
 	$(1)/bin/python -m pip install -q --upgrade pip setuptools wheel
-	$(1)/bin/python -m pip install -q -c $(2) torch
-	$(1)/bin/python -m pip install -q -c $(2) fbgemm-gpu-cpu tensordict torchmetrics pyre-extensions iopath
-	$(1)/bin/python -m pip install -q -c $(2) --no-deps torchrec
-	$(1)/bin/python -m pip install -q -c $(2) -r requirements-dev.txt cmake ninja
+	$(1)/bin/python -m pip install -q -c $(2) -r requirements-build.txt
+	mkdir -p build; bglog=build/background-$(subst .,,$(notdir $(1))).log; \
+	( $(3) ) > $$bglog 2>&1 & bg=$$!; \
+	$(1)/bin/python -m pip install -q --no-compile -c $(2) torch \
+	&& $(1)/bin/python -m pip install -q --no-compile -c $(2) fbgemm-gpu-cpu tensordict torchmetrics pyre-extensions iopath \
+	&& $(1)/bin/python -m pip install -q --no-compile -c $(2) --no-deps torchrec \
+	&& $(1)/bin/python -m pip install -q --no-compile -c $(2) -r requirements-dev.txt; rc=$$?; \
+	if ! wait $$bg; then echo "failed: $(3) (its log, $$bglog:)"; tail -n 40 $$bglog; exit 1; fi; \
+	exit $$rc
 	$(1)/bin/python -c "import torch, fbgemm_gpu, torchrec as r; print('$(1):', torch.__version__, fbgemm_gpu.__version__, r.__version__)"
 	touch $(1)/.metamat-deps
 endef
@@ -55,8 +63,8 @@ bench: build
 	PYTHONPATH=$(CURDIR) $(PY) bench/materialize.py $(BENCH_ARGS)
 else
 # ---- a fresh machine: .venv with the pinned CPU stack ----------------------------------------
-$(STAMP): requirements-dev.txt constraints.txt Makefile
-	$(call install_stack,$(VENV),constraints.txt)
+$(STAMP): requirements-dev.txt requirements-build.txt constraints.txt Makefile
+	$(call install_stack,$(VENV),constraints.txt,$(VPY) setup.py -q build_ext --inplace)
 
 setup: $(STAMP)
 
@@ -82,8 +90,8 @@ clean:
 COMPAT_ARGS ?=
 EXT         := metamat/_C$(shell $(PY) -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")
 
-$(CSTAMP): requirements-dev.txt constraints-compat.txt Makefile
-	$(call install_stack,$(CVENV),constraints-compat.txt)
+$(CSTAMP): requirements-dev.txt requirements-build.txt constraints-compat.txt Makefile
+	$(call install_stack,$(CVENV),constraints-compat.txt,true)
 
 setup-compat: $(CSTAMP)
 
