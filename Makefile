@@ -23,18 +23,18 @@ TEST_JOBS ?= auto
 # default venv builds metamat._C there, on the core pip leaves idle) while pip installs torch,
 # fbgemm-gpu-cpu and torchrec's small deps, torchrec --no-deps (its metadata wants the CUDA
 # fbgemm-gpu wheel), then the test tools; every step under the same constraints, so nothing
-# moves torch. --no-compile: Python compiles a module when it is first imported, only those
-# used (pip would compile all of torch's). Prints what it got.
+# moves torch. Prints what it got. (pip compiles every module, which is needed: where
+# PYTHONDONTWRITEBYTECODE=1 is set, as here, no run would keep what it compiles.)
 define install_stack
 	test -x $(1)/bin/python || $(PY) -m venv $(1)
 	$(1)/bin/python -m pip install -q --upgrade pip setuptools wheel
 	$(1)/bin/python -m pip install -q -c $(2) -r requirements-build.txt
 	mkdir -p build; bglog=build/background-$(subst .,,$(notdir $(1))).log; \
 	( $(3) ) > $$bglog 2>&1 & bg=$$!; \
-	$(1)/bin/python -m pip install -q --no-compile -c $(2) torch \
-	&& $(1)/bin/python -m pip install -q --no-compile -c $(2) fbgemm-gpu-cpu tensordict torchmetrics pyre-extensions iopath \
-	&& $(1)/bin/python -m pip install -q --no-compile -c $(2) --no-deps torchrec \
-	&& $(1)/bin/python -m pip install -q --no-compile -c $(2) -r requirements-dev.txt; rc=$$?; \
+	$(1)/bin/python -m pip install -q -c $(2) torch \
+	&& $(1)/bin/python -m pip install -q -c $(2) fbgemm-gpu-cpu tensordict torchmetrics pyre-extensions iopath \
+	&& $(1)/bin/python -m pip install -q -c $(2) --no-deps torchrec \
+	&& $(1)/bin/python -m pip install -q -c $(2) -r requirements-dev.txt; rc=$$?; \
 	if ! wait $$bg; then echo "failed: $(3) (its log, $$bglog:)"; tail -n 40 $$bglog; exit 1; fi; \
 	exit $$rc
 	$(1)/bin/python -c "import torch, fbgemm_gpu, torchrec as r; print('$(1):', torch.__version__, fbgemm_gpu.__version__, r.__version__)"
