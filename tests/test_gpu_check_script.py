@@ -131,7 +131,9 @@ def test_dry_run_stops_a_hanging_step_and_skips_what_the_budget_leaves_out(tmp_p
 def test_real_steps_on_this_cpu(tmp_path):
     """Not dry: `backend` fails here (no GPU / no CUDA backend), the TorchRec GPU tests all
     skip (SKIPPED with pytest's reason, or not run when torchrec is missing): overall FAIL."""
-    p, out, summary = run_check(tmp_path, {"STEPS": "backend torchrec_gpu", "BUDGET_S": "200"})
+    # two pytest-xdist workers, not the GPU box's four: each imports torch and TorchRec
+    p, out, summary = run_check(tmp_path, {"STEPS": "backend torchrec_gpu", "BUDGET_S": "200",
+                                           "XDIST_N": "2"})
     assert p.returncode == 1, p.stdout + p.stderr
     check_outdir(out)
     steps = by_name(summary)
