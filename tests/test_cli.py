@@ -25,8 +25,22 @@ def ckpts(tmp_path_factory):
 
 
 def run(*args):
-    return subprocess.run([sys.executable, "-m", "metamat", *map(str, args)],
-                          capture_output=True, text=True, timeout=120)
+    """The CLI in a process of its own, forked with torch imported (_dist.run_main);
+    test_python_m_metamat_is_the_cli runs ``python -m metamat`` itself."""
+    from metamat.cli import main
+
+    from _dist import run_main
+    return run_main(main, args)
+
+
+def test_python_m_metamat_is_the_cli(ckpts):
+    def python_m(*args):
+        return subprocess.run([sys.executable, "-m", "metamat", *map(str, args)],
+                              capture_output=True, text=True, timeout=120)
+    r = python_m("inspect", ckpts / "dcp", "--json")
+    assert r.returncode == 0 and json.loads(r.stdout)["format"] == "dcp", r.stderr
+    assert python_m("inspect", ckpts / "bad.safetensors").returncode == 1
+    assert python_m("frobnicate").returncode == 2
 
 
 @pytest.mark.parametrize("name,fmt", [("dcp", "dcp"), ("m.safetensors", "safetensors"),
