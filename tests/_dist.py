@@ -15,7 +15,8 @@ them again: a 2-rank run starts in ~0.1 s instead of ~4.7 s (AMD EPYC Zen 4, 2 c
 still starts as its caller would see it: it takes the caller's environment, and unpickles
 ``fn`` and its arguments (importing their modules) only after that. Unlike a spawned rank, a
 forked one ends with ``os._exit`` (no ``atexit`` hooks, no interpreter finalization).
-NCCL ranks are spawned: a fork must never carry CUDA state.
+Where torch sees a GPU, ranks are spawned as before: importing fbgemm there may initialise the
+CUDA driver, which a forked child cannot use.
 """
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ __all__ = ["run_dist", "run_main", "free_port"]
 # cheap, and a test may set its environment variables before a run
 _PRELOAD = ["torch", "torch.distributed", "fbgemm_gpu", "torchrec"]
 multiprocessing.set_forkserver_preload(_PRELOAD)
+_START = "spawn" if torch.cuda.is_available() else "forkserver"
 
 
 def free_port() -> int:
@@ -105,7 +107,7 @@ def run_dist(fn: Callable, world_size: int, *args: Any, backend: str = "gloo") -
                 args=(world_size, outdir, dict(os.environ), pickle.dumps((fn, args)), backend),
                 nprocs=world_size,
                 join=True,
-                start_method="spawn" if backend == "nccl" else "forkserver",
+                start_method=_START,
             )
         except mp.ProcessExitedException as e:
             # A rank that died *after* writing its result crashed in process-group teardown
@@ -142,15 +144,16 @@ def _main_child(outdir: str, env: dict, payload: bytes) -> None:
 def run_main(main: Callable[[List[str]], int], argv: List[str], env: dict = None,
              timeout: float = 120) -> subprocess.CompletedProcess:
     """``main(argv)`` (a command's entry point, e.g. ``metamat.cli.main``) in a process of its
-    own, forked from the forkserver (torch already imported): as ``subprocess.run`` of the
-    command with ``capture_output=True, text=True`` returns it (exit code, stdout, stderr), in
-    ~0.1 s instead of an interpreter's start. Only ``python -m``'s own start is not run.
+    own, forked from the forkserver (torch already imported; spawned where there is a GPU):
+    what ``subprocess.run`` of the command with ``capture_output=True, text=True`` returns
+    (exit code, stdout, stderr), in ~0.1 s instead of an interpreter's start. Only
+    ``python -m``'s own start is not run.
 
     Raises:
         subprocess.TimeoutExpired: still running after ``timeout`` s (it is killed).
     """
     argv = [str(a) for a in argv]
-    ctx = multiprocessing.get_context("forkserver")
+    ctx = multiprocessing.get_context(_START)
     with tempfile.TemporaryDirectory() as outdir:
         p = ctx.Process(target=_main_child, args=(outdir, dict(os.environ if env is None else env),
                                                   pickle.dumps((main, argv))))
