@@ -531,17 +531,15 @@ def test_exit_waits_for_a_runtime_thread_handing_an_answer_over(monkeypatch):
     stops the loop and waits until no thread is inside that call. Here one thread is held
     inside it (its wake-up write waits) until 0.2 s after the hook started."""
     import threading
-    import time
 
     from metamat.checkpoint.storage import s3_deadline
 
     loop = s3_deadline._loop()
     held, release = threading.Event(), threading.Event()
     write = loop._write_to_self
-    handing = threading.current_thread  # which thread is in the call
 
-    def slow_write():
-        if handing().name == "runtime":
+    def slow_write():  # only the "runtime" thread's wake-up write waits; the hook's does not
+        if threading.current_thread().name == "runtime":
             held.set()
             release.wait(10)
         write()
