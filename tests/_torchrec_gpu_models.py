@@ -22,6 +22,9 @@ MIXED: Layout = {"t0": ("tw", "fused"), "t1": ("rw", "fused_uvm"),
 # EmbeddingCollection: TorchRec shards it table-, row- and column-wise
 MIXED_EC: Layout = {"t0": ("tw", "fused"), "t1": ("rw", "fused_uvm"),
                     "t2": ("cw", "fused_uvm_caching")}
+# EmbeddingCollection on the DENSE kernel (sharded and data-parallel) beside a fused table
+DENSE_EC: Layout = {"t0": ("tw", "dense"), "t1": ("rw", "fused_uvm"), "t2": ("cw", "dense"),
+                    "t3": ("dp", "dense")}
 
 
 def cpu_layout(layout: Layout) -> Layout:

@@ -1,6 +1,7 @@
 """TorchRec tables on a real GPU: what the emulated device (test_torchrec_gpu_emulated.py)
 cannot show. One NCCL rank on one GPU, for each location (DEVICE, UVM managed, UVM
-host-mapped, UVM caching LRU and LFU, all of them mixed with dense data-parallel tables):
+host-mapped, UVM caching LRU and LFU, all of them mixed with dense data-parallel tables), and
+EmbeddingCollections (mixed locations; the DENSE kernel, which cannot train on the CPU):
 
 * ``materialize`` puts UVM tables in fbgemm's unified memory (managed or host-mapped) and the
   rest in device memory, with the CPU materialize's values, bit for bit;
@@ -37,7 +38,10 @@ CASES = {
     "caching-lfu": ({"t0": ("tw", "fused_uvm_caching"), "t1": ("cw", "fused_uvm_caching")},
                     {"cache_algorithm": "LFU"}),
     "mixed": (M.MIXED, {}),
+    "ec-mixed": (M.MIXED_EC, {}),
+    "ec-dense": (M.DENSE_EC, {}),  # fbgemm's CUDA dense TBE does sequence lookups
 }
+KIND = {"ec-mixed": "ec", "ec-dense": "ec"}  # the rest are EmbeddingBagCollections
 
 
 def _extra(extra):
@@ -58,6 +62,8 @@ def _state(model):
 def _forward(model, batch):
     out = model(batch)
     out = out.wait() if hasattr(out, "wait") else out
+    if isinstance(out, dict):  # EmbeddingCollection: {feature: JaggedTensor}
+        return torch.cat([out[k].values() for k in sorted(out)])
     return out.values() if hasattr(out, "values") and callable(out.values) else out
 
 
@@ -92,9 +98,10 @@ def worker_train(rank, world_size, case, tmp, via="shard_on_meta"):
 
     layout, extra = CASES[case]
     extra = _extra(extra)
+    kind = KIND.get(case, "ebc")
     dev = torch.device("cuda", rank)
     res = {}
-    module, sharder, plan, tables = M.build("ebc", layout, world_size, extra=extra)
+    module, sharder, plan, tables = M.build(kind, layout, world_size, extra=extra)
     env = ShardingEnv.from_process_group(dist.group.WORLD)
     if via == "dmp":  # TorchRec's own DMP on meta: fbgemm's CPU layout, laid out again
         gpu = DistributedModelParallel(module, env, device=torch.device("meta"), plan=plan,
@@ -116,7 +123,7 @@ def worker_train(rank, world_size, case, tmp, via="shard_on_meta"):
                 and emb.weights_dev.device == dev)
     res["uvm"] = uvm
     # the CPU materialize of the same tables: the same bits
-    cmod, csharder, cplan, _ = M.build("ebc", M.cpu_layout(layout), world_size,
+    cmod, csharder, cplan, _ = M.build(kind, M.cpu_layout(layout), world_size,
                                        device_type="cpu")
     cpu = metamat.shard_on_meta(cmod, plan=cplan, sharders=[csharder])
     metamat.materialize(cpu, device="cpu", seed=SEED)
@@ -124,7 +131,7 @@ def worker_train(rank, world_size, case, tmp, via="shard_on_meta"):
     res["init_bits"] = [k for k in init_c if any(
         not torch.equal(x, y) for (_, x), (_, y) in zip(init_g[k], init_c[k]))]
     # an eager TorchRec DMP on the GPU holding the same values
-    emod, _, _, _ = M.build("ebc", layout, world_size, extra=extra)
+    emod, _, _, _ = M.build(kind, layout, world_size, extra=extra)
     eager = DistributedModelParallel(emod, env, device=dev, plan=plan, sharders=[sharder])
     eager.load_state_dict(gpu.state_dict())
     outs = []
@@ -137,7 +144,7 @@ def worker_train(rank, world_size, case, tmp, via="shard_on_meta"):
     path = os.path.join(tmp, "trained")
     dcp.save({"model": eager.state_dict(), "optim": eager.fused_optimizer.state_dict()},
              checkpoint_id=path)
-    fresh = metamat.shard_on_meta(M.build("ebc", layout, world_size, extra=extra)[0],
+    fresh = metamat.shard_on_meta(M.build(kind, layout, world_size, extra=extra)[0],
                                   plan=plan, sharders=[sharder], compute_device="cuda")
     metamat.materialize(fresh, path)
     _step(gpu, M.batch(len(tables), seed=7, device=dev))  # the cache holds newer rows

@@ -132,6 +132,7 @@ def assert_same(a_ranks, b_ranks, what: str, keys=None):
 CASES = {
     "ebc-mixed-world2": ("ebc", M.MIXED, {}, 2),
     "ec-world2": ("ec", M.MIXED_EC, {}, 2),
+    "ec-dense-world2": ("ec", M.DENSE_EC, {}, 2),
     "fpebc-world2": ("fpebc", {"t0": ("rw", "fused_uvm_caching"), "t1": ("tw", "fused"),
                                "t2": ("cw", "fused_uvm")}, {}, 2),
     "dlrm-world1": ("dlrm", {"t0": ("tw", "fused"), "t1": ("rw", "fused_uvm_caching"),

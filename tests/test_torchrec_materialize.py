@@ -209,7 +209,7 @@ def _step(model, batch):
 
 
 def worker_sharded(rank, world_size, kind, kernel, kinds, via="metamat", device_str=False,
-                   check_eager=True, ckpt_dir=None):
+                   check_eager=True, ckpt_dir=None, step=True):
     """Shard on meta, check nothing allocated, materialize, check model state; returns
     local blocks and the results of a train step for comparisons in the parent."""
     dmp, sharder, plan, tables = _build_sharded(rank, world_size, kind, kernel, kinds, via=via,
@@ -226,6 +226,8 @@ def worker_sharded(rank, world_size, kind, kernel, kinds, via="metamat", device_
     res["optim_keys"] = sorted(dmp.fused_optimizer.state_dict()["state"].keys())
     # aliasing: state_dict shards, TableBatchedEmbeddingSlice views and TBE storage agree
     res["alias_ok"] = _aliasing_ok(dmp)
+    if not step:
+        return _save_and_reload(res, dmp, rank, world_size, kind, kinds, ckpt_dir)
     # train step vs eager TorchRec holding the same weights
     batch = kjt_batch(len(tables), batch=4, rows=40, seed=rank)
     if check_eager:
@@ -247,6 +249,18 @@ def worker_sharded(rank, world_size, kind, kernel, kinds, via="metamat", device_
 
         dcp.save(dmp.state_dict(), checkpoint_id=ckpt_dir)
         res["saved"] = True
+    return res
+
+
+def _save_and_reload(res, dmp, rank, world_size, kind, kinds, ckpt_dir):
+    """dcp.save the materialized model, load the checkpoint into a fresh meta model on the
+    fused kernel (data-parallel tables stay dense) and keep its blocks in ``res["reloaded"]``."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(dmp.state_dict(), checkpoint_id=ckpt_dir)
+    fresh, *_ = _build_sharded(rank, world_size, kind, "fused", kinds)
+    metamat_materialize(fresh, ckpt_dir, device="cpu")
+    res["reloaded"] = local_blocks(fresh.state_dict())
     return res
 
 
@@ -480,6 +494,46 @@ def test_ec_fused_world2(device_str):
     res = run_dist(worker_sharded, 2, "ec", "fused", EC_KINDS, "metamat", device_str, True)
     _check_common(res, "fused")
     _check_tables(res, ec_tables())
+
+
+@pytest.mark.multiprocess
+def test_ec_dense_kernel_world2(tmp_path):
+    """EmbeddingCollection on TorchRec's DENSE kernel (BatchedDenseEmbedding: autograd
+    weights, no fused optimizer), sharded and data-parallel: the fused kernel's values, saved by DCP and loaded back into
+    a fused-kernel model. No train step on the CPU: fbgemm's CPU dense TBE pools sequence
+    lookups (see the next test), so TorchRec's own eager model fails there too."""
+    kinds = {**EC_KINDS, "t3": "dp"}
+    res = run_dist(worker_sharded, 2, "ec", "dense", kinds, "metamat", False, False,
+                   str(tmp_path), False)
+    _check_common(res, "dense")
+    _check_tables(res, ec_tables(n=4))
+    dp_key = next(k for k in res[0]["blocks"] if k.endswith(".t3.weight"))
+    assert torch.equal(res[0]["blocks"][dp_key][0][1], res[1]["blocks"][dp_key][0][1])
+    assert res[0]["optim_keys"] == [] and res[1]["optim_keys"] == []
+    for r in res:
+        assert r["reloaded"].keys() == r["blocks"].keys()
+        for k, blocks in r["blocks"].items():
+            for (o1, a), (o2, b) in zip(blocks, r["reloaded"][k]):
+                assert o1 == o2 and torch.equal(a, b), k
+
+
+def test_fbgemm_cpu_dense_tbe_still_pools_sequence_lookups():
+    """Upstream bug that keeps the DENSE EmbeddingCollection from training on the CPU:
+    fbgemm-gpu-cpu's DenseTableBatchedEmbeddingBagsCodegen ignores ``PoolingMode.NONE`` and
+    returns one summed row per bag (TorchRec's eager DMP then corrupts the heap in its
+    sequence all-to-all). When this fails, fbgemm has fixed it: give
+    test_ec_dense_kernel_world2 its train step against eager TorchRec."""
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import PoolingMode
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+        DenseTableBatchedEmbeddingBagsCodegen)
+
+    tbe = DenseTableBatchedEmbeddingBagsCodegen([(10, 4)], pooling_mode=PoolingMode.NONE,
+                                                use_cpu=True)
+    indices, offsets = torch.tensor([1, 2, 3, 4, 5]), torch.tensor([0, 2, 5])
+    out = tbe(indices, offsets).detach()
+    rows = tbe.weights.detach().view(10, 4)
+    assert out.shape == (2, 4)  # a sequence lookup would give (5, 4)
+    torch.testing.assert_close(out, torch.stack([rows[1:3].sum(0), rows[3:6].sum(0)]))
 
 
 @pytest.mark.multiprocess
