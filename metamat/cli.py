@@ -10,6 +10,9 @@
 all were planned); above 1,024 ranks it plans only those 16 (``--rank R`` plans any one).
 ``--world-size`` is at most 1,048,576 (``METAMAT_MAX_WORLD_SIZE`` raises it).
 
+CKPT may be an ``s3://`` URL (``checksum`` then only with ``--verify``: write the manifest
+of the local checkpoint before uploading it).
+
 ``--trust-pickles``: the checkpoint's pickles (DCP ``.metadata``, torch.save ``data.pkl``) may
 name classes outside metamat's allow-list and run them (plain ``pickle``); only for a
 checkpoint you trust.
@@ -260,9 +263,10 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if a.cmd == "checksum":
         from .checkpoint.checksum import DEFAULT_BLOCK_BYTES
-        if a.ckpt.startswith("s3://"):
-            print("metamat: checksum manifests of s3:// checkpoints are not supported yet",
-                  file=sys.stderr)
+        if a.ckpt.startswith("s3://") and not a.verify:
+            print("metamat: checksum does not write into S3: write the manifest next to the "
+                  "local checkpoint (python -m metamat checksum DIR) and upload it with the "
+                  "checkpoint; --verify checks an s3:// checkpoint against it", file=sys.stderr)
             return 2
         if a.verify and a.block_bytes is not None:
             p.error("--block-bytes applies when writing a manifest, not with --verify")

@@ -131,11 +131,14 @@ class Checkpoint:
         format: ``"dcp"``, ``"dcp-safetensors"``, ``"safetensors"`` or ``"torch_save"``.
         path: what was opened.
         files: every data file the entries point into.
+        storage_options: what :func:`~metamat.checkpoint.open_checkpoint` was given (an
+            ``s3://`` checkpoint's later reads use them).
     """
 
     def __init__(self, fmt: str, path: str, entries: Dict[str, TensorEntry]) -> None:
         self.format = fmt
         self.path = str(path)
+        self.storage_options = None
         self._entries = entries
         self.files = sorted({c.file for e in entries.values() for c in e.chunks})
         for e in entries.values():

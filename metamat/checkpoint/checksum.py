@@ -24,6 +24,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
+from . import storage as fs
 from .access import contained_path, read_metadata_file
 from .atomic import atomic_write
 from .base import Checkpoint, open_binary
@@ -135,7 +136,7 @@ class Manifest:
         return cls(root, str(d.get("format", "")), bb, files, chunks)
 
     def abspath(self, rel: str) -> str:
-        return os.path.normpath(os.path.join(self.root, rel))
+        return fs.normpath(fs.join(self.root, rel))
 
 
 @dataclass
@@ -155,21 +156,21 @@ class VerifyResult:
 
 
 def _root(ckpt_path: str) -> str:
-    return ckpt_path if os.path.isdir(ckpt_path) else os.path.dirname(ckpt_path)
+    return ckpt_path if fs.isdir(ckpt_path) else fs.dirname(ckpt_path)
 
 
 def sidecar_path(checkpoint_path) -> str:
     """Where the sidecar of a checkpoint lives: ``<dir>/.metamat-checksums.json`` for a
-    directory, ``<file>.xxh3.json`` for a single file (or an index json)."""
-    p = os.path.abspath(os.fspath(checkpoint_path))
-    return os.path.join(p, _SIDECAR_DIR) if os.path.isdir(p) else p + _SIDECAR_SUFFIX
+    directory, ``<file>.xxh3.json`` for a single file (or an index json); local or on S3."""
+    p = fs.abspath(os.fspath(checkpoint_path))
+    return fs.join(p, _SIDECAR_DIR) if fs.isdir(p) else p + _SIDECAR_SUFFIX
 
 
-def _hash_range(fd: int, start: int, n: int, path: str, tensor: Optional[str]) -> str:
+def _hash_range(fh, start: int, n: int, path: str, tensor: Optional[str]) -> str:
     h = _xxh3()()
     done = 0
     while done < n:
-        b = os.pread(fd, min(_PIECE, n - done), start + done)
+        b = fs.pread(fh, min(_PIECE, n - done), start + done)
         if not b:
             raise ChecksumMismatchError(
                 f"bytes [{start + done}, {start + n}) are past the end of the file",
@@ -204,7 +205,7 @@ def build_manifest(ckpt: Union[Checkpoint, str, os.PathLike],
             m.files[rel] = os.fstat(fh.fileno()).st_size
             for name, c in sorted(items, key=lambda it: (it[1].byte_offset, it[0])):
                 blocks = tuple(
-                    _hash_range(fh.fileno(), c.byte_offset + b, min(block_bytes, c.nbytes - b),
+                    _hash_range(fh, c.byte_offset + b, min(block_bytes, c.nbytes - b),
                                 f, name) for b in range(0, c.nbytes, block_bytes))
                 m.chunks.append(ChunkSum(rel, name, tuple(c.offsets), c.byte_offset, c.nbytes,
                                          blocks))
@@ -242,13 +243,10 @@ def read_manifest(path, root: Optional[str] = None) -> Manifest:
     Raises:
         MissingFileError: no sidecar. InvalidHeaderError: it is not a valid manifest.
     """
-    p = os.path.abspath(os.fspath(path))
-    if os.path.isdir(p) or not p.endswith(".json") or not _is_sidecar(p):
-        side = sidecar_path(p)
-    else:
-        side = p
+    p = fs.abspath(os.fspath(path))
+    side = p if p.endswith(".json") and _is_sidecar(p) else sidecar_path(p)
     if root is None:
-        root = os.path.dirname(side)
+        root = fs.dirname(side)
     d = loads_json(read_metadata_file(side, "checksum manifest"), "checksum manifest", side)
     if not isinstance(d, dict):
         raise InvalidHeaderError("checksum manifest is not a JSON object", file=side)
@@ -262,7 +260,7 @@ def _is_sidecar(p: str) -> bool:
 def _verify_blocks(m: Manifest, c: ChunkSum, which: Iterable[int], res: VerifyResult) -> None:
     path = m.abspath(c.file)
     with open_binary(path, "data file", tensor=c.tensor) as fh:
-        size = os.fstat(fh.fileno()).st_size
+        size = fs.fsize(fh)
         want_size = m.files.get(c.file)
         if want_size is not None and size != want_size:
             raise ChecksumMismatchError(
@@ -271,7 +269,7 @@ def _verify_blocks(m: Manifest, c: ChunkSum, which: Iterable[int], res: VerifyRe
         for i in which:
             b0 = c.byte_offset + i * m.block_bytes
             n = min(m.block_bytes, c.nbytes - i * m.block_bytes)
-            got = _hash_range(fh.fileno(), b0, n, path, c.tensor)
+            got = _hash_range(fh, b0, n, path, c.tensor)
             res.bytes_hashed += n
             if got != c.blocks[i]:
                 raise ChecksumMismatchError(

@@ -58,6 +58,7 @@ def open_checkpoint(path, *, storage_options=None, trust_pickles: bool = False) 
     with store.opening(path, storage_options):  # S3: one deadline, pins, named failures
         ck = _open(path, store, trust_pickles)
         ck.remote_meta = store.pins(ck.files)  # what the reads will require of each object
+    ck.storage_options = storage_options  # for what is read later (its checksum sidecar)
     return ck
 
 

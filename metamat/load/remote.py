@@ -118,13 +118,14 @@ def _direct_ok(op: ReadOp, t: torch.Tensor) -> bool:
                                   and op.dst_stride == op.dst_row_bytes)))
 
 
-def _cut(ops: Sequence[ReadOp], targets, part: int) -> List[ReadOp]:
+def _cut(ops: Sequence[ReadOp], targets, part: int, direct: bool = True) -> List[ReadOp]:
     """Ops that go through the staging buffer cut so each spans at most about ``part`` source
     bytes (by rows, else inside a row): the buffer stays within ``max(staging_bytes, part)``.
-    Direct ops stay whole (they are fetched in parts straight into place)."""
+    Direct ops (``direct``: allowed) stay whole (they are fetched in parts straight into
+    place)."""
     out: List[ReadOp] = []
     for o in ops:
-        if _direct_ok(o, targets[o.dst_index].tensor):
+        if direct and _direct_ok(o, targets[o.dst_index].tensor):
             out.append(o)
             continue
         if o.rows > 1:
@@ -163,28 +164,34 @@ def execute_plan_remote(plan: ReadPlan, *, staging_bytes: int = 256 << 20,
                         verify=None, stats: Optional[RemoteStats] = None) -> Executed:
     """Run ``plan`` (its files are ``s3://`` objects) into its targets' tensors (any device).
 
+    Args:
+        verify: None or the checkpoint's checksum ``Manifest``: every block the reads touch
+            is hashed before its batch is copied into place (:mod:`.remote_verify`).
+
     Returns:
         :class:`~metamat.load.execute.Executed` (``bytes_read``: bytes requested;
-        ``warnings``: objects nothing could pin, see :func:`~metamat.checkpoint.storage.
-        unpinned`).
+        ``bytes_verified``/``bytes_reread``: with ``verify``; ``warnings``: objects nothing
+        could pin, see :func:`~metamat.checkpoint.storage.unpinned`).
 
     Raises:
         ReadError: an object is gone, changed, or unreadable after retries, or the deadline
             passed (named); the destinations may be partly written (materialize writes into
             fresh memory).
-        UnsupportedFormatError: ``verify`` (checksum manifests of remote checkpoints).
+        ChecksumMismatchError: with ``verify``, bytes that differ from the manifest, or an
+            object it does not list or whose size differs (then before any read).
     """
-    if verify is not None:
-        from ..checkpoint.errors import UnsupportedFormatError
-        raise UnsupportedFormatError("verify is not supported for s3:// checkpoints yet",
-                                     file=plan.files[0] if plan.files else None)
     known = plan.pins or {}
     metas = [known.get(f) or fs.remote_meta(f) for f in plan.files]
     sess = metas[0][0] if metas else fs.current()
     dl = fs.Deadline(sess.deadline)  # every read of this load ends by then
-    ops = _cut(plan.ops, plan.targets, sess.part_bytes)
-    direct = [_direct_ok(o, plan.targets[o.dst_index].tensor) for o in ops]
+    ops = _cut(plan.ops, plan.targets, sess.part_bytes, direct=verify is None)
+    direct = [verify is None and _direct_ok(o, plan.targets[o.dst_index].tensor) for o in ops]
     pieces, reqs = plan_requests(ops, sess.coalesce_gap, sess.part_bytes, direct)
+    verifier = None
+    if verify is not None:
+        from .remote_verify import RemoteVerifier
+        verifier = RemoteVerifier(verify, plan.files, [m[1] for m in metas], ops)
+        reqs = verifier.widen(reqs)
     for (f, s, e, _d) in reqs:
         size = metas[f][1]
         if e > size:
@@ -266,6 +273,9 @@ def execute_plan_remote(plan: ReadPlan, *, staging_bytes: int = 256 << 20,
                     err = err or e
             if err is not None:
                 raise err
+            if verifier is not None:  # before a byte of the batch is copied into place
+                verifier.check([(reqs[i][0], reqs[i][1], reqs[i][2], where[i]) for i in batch],
+                               mv, pool)
             for i in batch:
                 _, s, _e, d = reqs[i]
                 if d:
@@ -292,4 +302,6 @@ def execute_plan_remote(plan: ReadPlan, *, staging_bytes: int = 256 << 20,
             torch.cuda.synchronize()
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
+    if verifier is not None:
+        out.bytes_verified, out.bytes_reread = verifier.bytes_verified, verifier.bytes_widened
     return out

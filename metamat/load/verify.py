@@ -10,7 +10,7 @@ call before the next piece is written.
 
 Bytes the manifest does not cover, or data files whose size differs from the manifest's
 record, raise :class:`ChecksumMismatchError` before anything is read (the manifest belongs to
-another checkpoint).
+another checkpoint). Checkpoints in S3 are verified by :mod:`.remote` with the same index.
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from ..checkpoint import storage as fs
 from ..checkpoint.base import Checkpoint
 from ..checkpoint.checksum import ChunkSum, Manifest, read_manifest, sidecar_path
 from ..checkpoint.errors import (ChecksumMismatchError, InvalidHeaderError, MissingFileError,
@@ -36,12 +37,14 @@ def load_manifest(ckpt: Checkpoint) -> Manifest:
         MissingFileError: there is none; the message names the path it is expected at.
         InvalidHeaderError: it does not parse.
     """
-    side = sidecar_path(ckpt.path)
-    if not os.path.exists(side):
-        raise MissingFileError(
-            "verify=True needs a checksum manifest, and there is none (write it with "
-            f"`python -m metamat checksum {ckpt.path}`)", file=side)
-    return read_manifest(side)
+    # an s3:// checkpoint: its sidecar is read with the options it was opened with
+    with fs.storage_for(ckpt.path).opening(ckpt.path, getattr(ckpt, "storage_options", None)):
+        side = sidecar_path(ckpt.path)
+        if not fs.exists(side):
+            raise MissingFileError(
+                "verify=True needs a checksum manifest, and there is none (write it with "
+                f"`python -m metamat checksum {ckpt.path}`)", file=side)
+        return read_manifest(side)
 
 
 def resolve_manifest(ckpt: Checkpoint, verify) -> Optional[Manifest]:
@@ -54,10 +57,6 @@ def resolve_manifest(ckpt: Checkpoint, verify) -> Optional[Manifest]:
     """
     if verify is None or verify is False:
         return None
-    if str(getattr(ckpt, "path", "")).startswith("s3://"):
-        from ..checkpoint.errors import UnsupportedFormatError
-        raise UnsupportedFormatError("verify=True is not supported for s3:// checkpoints yet",
-                                     file=ckpt.path)
     if verify is True:
         return load_manifest(ckpt)
     if isinstance(verify, Manifest):
@@ -70,12 +69,23 @@ def block_index(verify: Optional[Manifest], files) -> Optional["BlockIndex"]:
     return None if verify is None else BlockIndex(verify, files)
 
 
+def _stat_size(f: str) -> int:
+    try:
+        return os.stat(f).st_size
+    except FileNotFoundError:
+        raise MissingFileError("data file does not exist", file=f) from None
+    except OSError as e:  # symlink loop, permission
+        raise ReadError(f"cannot stat data file ({e.strerror or e})", file=f) from None
+
+
 class BlockIndex:
     """The manifest's blocks, indexed by the plan's files.
 
     Args:
         manifest: the checkpoint's manifest.
         files: the plan's data files (``ReadOp.file_index`` indexes them).
+        sizes: their sizes, where they are already known (S3 objects as opened); else each
+            file is stat'ed.
 
     Raises:
         MissingFileError: a data file is gone.
@@ -83,7 +93,8 @@ class BlockIndex:
         InvalidHeaderError: a block size that is not a multiple of 8 bytes.
     """
 
-    def __init__(self, manifest: Manifest, files: Sequence[str]) -> None:
+    def __init__(self, manifest: Manifest, files: Sequence[str],
+                 sizes: Optional[Sequence[int]] = None) -> None:
         if manifest.block_bytes % 8:
             # a block edge inside an element of a converting read cannot be hashed as read
             raise InvalidHeaderError(
@@ -94,19 +105,14 @@ class BlockIndex:
         by_path: Dict[str, List[int]] = {}
         for ci, c in enumerate(manifest.chunks):
             by_path.setdefault(manifest.abspath(c.file), []).append(ci)
-        sizes = {manifest.abspath(k): v for k, v in manifest.files.items()}
+        recorded = {manifest.abspath(k): v for k, v in manifest.files.items()}
         self._chunks: List[Tuple[List[int], List[int]]] = []  # per file: starts, chunk ids
-        for f in self.files:
-            p = os.path.normpath(os.path.abspath(f))
+        for fi, f in enumerate(self.files):
+            p = fs.normpath(fs.abspath(f))
             ids = sorted(by_path.get(p, ()), key=lambda i: manifest.chunks[i].byte_offset)
             self._chunks.append(([manifest.chunks[i].byte_offset for i in ids], ids))
-            try:
-                size = os.stat(f).st_size
-            except FileNotFoundError:
-                raise MissingFileError("data file does not exist", file=f) from None
-            except OSError as e:  # symlink loop, permission
-                raise ReadError(f"cannot stat data file ({e.strerror or e})", file=f) from None
-            want = sizes.get(p)
+            size = sizes[fi] if sizes is not None else _stat_size(f)
+            want = recorded.get(p)
             if want is None:
                 raise ChecksumMismatchError("the checksum manifest does not list this file "
                                             "(written for another checkpoint?)", file=f)

@@ -1,0 +1,144 @@
+"""``verify=True`` on checkpoints in S3 (a real moto server behind the fault proxy, as in
+test_s3.py): the sidecar written next to the local checkpoint and uploaded with it; every
+block a load's ranged GETs touch is hashed before it is copied into place. A clean
+checkpoint loads bit-exactly; a flipped byte in a block the load touches raises
+ChecksumMismatchError naming the object and tensor, with the model left on meta; a missing
+sidecar fails before anything is allocated; ``checksum --verify`` checks an S3 checkpoint."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("obstore")
+pytest.importorskip("moto.server")
+pytest.importorskip("xxhash")
+
+import metamat  # noqa: E402
+from metamat.checkpoint import (ChecksumMismatchError, MissingFileError,  # noqa: E402
+                                open_checkpoint)
+from metamat.checkpoint.checksum import write_manifest  # noqa: E402
+from metamat.load import load_targets  # noqa: E402
+
+from _s3server import S3Server, upload_dir  # noqa: E402
+from conftest import bits  # noqa: E402
+from test_load_verify import (_all_meta, _chunk, _expected, _flip, _meta_net,  # noqa: E402
+                              _save, _state, _targets)
+
+
+@pytest.fixture(scope="module")
+def s3():
+    srv = S3Server()
+    yield srv
+    srv.stop()
+
+
+def _upload(s3, path: str, prefix: str) -> str:
+    """The checkpoint (file or directory) and its sidecar under ``prefix``; its URL."""
+    if os.path.isdir(path):
+        return upload_dir(s3, path, prefix)  # the sidecar sits inside the directory
+    name = os.path.basename(path)
+    upload_dir(s3, path + ".xxh3.json", f"{prefix}/{name}.xxh3.json")
+    return upload_dir(s3, path, f"{prefix}/{name}")
+
+
+@pytest.mark.parametrize("kind", ["dcp", "safetensors"])
+def test_verify_loads_bit_exact(s3, tmp_path, kind):
+    path = _save(kind, tmp_path)
+    write_manifest(path, block_bytes=4096)  # small blocks: partial blocks at every edge
+    url = _upload(s3, path, f"ok-{kind}")
+    model = _meta_net()
+    rep = metamat.materialize(model, url, device="cpu", verify=True,
+                              storage_options=s3.options())
+    sd = _state()
+    for k, v in model.state_dict().items():
+        assert torch.equal(bits(v), bits(sd[k])), k
+    assert rep.bytes_verified == rep.bytes_needed == sum(v.numel() * 4 for v in sd.values())
+    assert "checksum-verified" in str(rep)
+
+
+@pytest.mark.parametrize("kind", ["dcp", "safetensors"])
+def test_flipped_byte_raises_and_model_stays_meta(s3, tmp_path, kind):
+    path = _save(kind, tmp_path)
+    write_manifest(path)
+    ch = _chunk(path, "emb.weight")
+    _flip(ch.file, ch.byte_offset + ch.nbytes // 2 + 3)
+    url = _upload(s3, path, f"flip-{kind}")
+    obj = url if kind == "safetensors" else f"{url}/{os.path.basename(ch.file)}"
+    model = _meta_net()
+    with pytest.raises(ChecksumMismatchError) as ei:
+        metamat.materialize(model, url, device="cpu", verify=True,
+                            storage_options=s3.options())
+    assert "'emb.weight'" in str(ei.value) and obj in str(ei.value)
+    assert _all_meta(model)
+
+
+def test_no_manifest_names_the_expected_object(s3, tmp_path):
+    url = upload_dir(s3, _save("safetensors", tmp_path), "nomanifest/m.safetensors")
+    model = _meta_net()
+    with pytest.raises(MissingFileError) as ei:
+        metamat.materialize(model, url, device="cpu", verify=True,
+                            storage_options=s3.options())
+    assert url + ".xxh3.json" in str(ei.value) and "checksum" in str(ei.value)
+    assert _all_meta(model)
+
+
+def test_manifest_of_another_checkpoint_raises_before_reading(s3, tmp_path):
+    path = _save("safetensors", tmp_path)
+    write_manifest(path)
+    from safetensors.torch import save_file
+    sd = _state()
+    sd["extra"] = torch.zeros(10)  # another layout: the object's size differs
+    upload_dir(s3, path + ".xxh3.json", "other/m.safetensors.xxh3.json")
+    save_file(sd, path)
+    url = upload_dir(s3, path, "other/m.safetensors")
+    s3.proxy.clear()
+    model = _meta_net()
+    with pytest.raises(ChecksumMismatchError, match="manifest recorded"):
+        metamat.materialize(model, url, device="cpu", verify=True,
+                            ignore_unexpected=["extra"], storage_options=s3.options())
+    assert _all_meta(model)
+
+
+def test_row_block_and_column_slice_verify_whole_blocks(s3, tmp_path):
+    """Rank-local reads widen to whole blocks: a flipped byte the targets do not need, in a
+    block they touch, is caught; one in a block they do not touch is never read."""
+    path = _save("safetensors", tmp_path)
+    write_manifest(path, block_bytes=3008)  # row 1000 starts inside block 63
+    url = _upload(s3, path, "rows")
+    opts = s3.options()
+    tg = _targets()
+    st = load_targets(tg, open_checkpoint(url, storage_options=opts), verify=True)
+    for t in tg:
+        assert torch.equal(bits(t.tensor), bits(_expected(t))), t.fqn
+    assert st.bytes_verified >= st.bytes_needed
+    assert 0 < st.bytes_reread < 2 * 3 * 3008  # block ends only
+    ch = _chunk(path, "emb.weight")
+    _flip(ch.file, ch.byte_offset + 1000 * 48 * 4 - 10)  # row 999, the block of row 1000
+    url = _upload(s3, path, "rows-999")
+    with pytest.raises(ChecksumMismatchError, match="'emb.weight'"):
+        load_targets(_targets(), open_checkpoint(url, storage_options=opts), verify=True)
+    _flip(ch.file, ch.byte_offset + 1000 * 48 * 4 - 10)
+    _flip(ch.file, ch.byte_offset + 5 * 48 * 4)  # row 5: no block the load touches
+    url = _upload(s3, path, "rows-5")
+    load_targets(_targets(), open_checkpoint(url, storage_options=opts), verify=True)
+
+
+def test_cli_checksum_verify(s3, tmp_path):
+    path = _save("dcp", tmp_path)
+    write_manifest(path)
+    url = _upload(s3, path, "cli-ok")
+    ch = _chunk(path, "lin.weight")
+    _flip(ch.file, ch.byte_offset + 7)
+    bad = _upload(s3, path, "cli-bad")
+    env = dict(os.environ, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
+               AWS_ENDPOINT_URL=s3.proxy.url, AWS_REGION="us-east-1", AWS_ALLOW_HTTP="true")
+    run = [sys.executable, "-m", "metamat", "checksum", "--verify"]
+    r = subprocess.run(run + [url], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert f"verified {url}/.metamat-checksums.json" in r.stdout
+    r = subprocess.run(run + [bad], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 1 and "checksum mismatch" in r.stderr and "'lin.weight'" in r.stderr
