@@ -164,3 +164,31 @@ def wrappers(model):
             for lookup in m._lookups:
                 out.extend(getattr(lookup, "module", lookup)._emb_modules)
     return out
+
+
+def build_planned(constraints: Dict[str, Tuple[str, str]], world_size: int, local_size: int,
+                  *, device_type: str = "cuda", optimizer: str = "EXACT_ROWWISE_ADAGRAD",
+                  dim: int = 64):
+    """(module, sharder, ShardingPlan, tables): an EmbeddingBagCollection on meta planned by
+    TorchRec's own EmbeddingShardingPlanner for ``world_size`` ranks, ``local_size`` a host,
+    each table constrained to ``constraints[name] = (sharding type, compute kernel)`` (its
+    full names: ``table_column_wise``, ``grid_shard``, ...), column shards of 16."""
+    import torch.distributed as dist
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.planner import (EmbeddingShardingPlanner, ParameterConstraints,
+                                              Topology)
+
+    names = sorted(constraints)
+    tables = [EmbeddingBagConfig(name=n, embedding_dim=dim, num_embeddings=rows_of(i),
+                                 feature_names=[f"f{i}"]) for i, n in enumerate(names)]
+    module = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
+    sharder = EmbeddingBagCollectionSharder(fused_params=fused_params(optimizer))
+    planner = EmbeddingShardingPlanner(
+        topology=Topology(world_size=world_size, compute_device=device_type,
+                          local_world_size=local_size),
+        constraints={n: ParameterConstraints(sharding_types=[s], compute_kernels=[k],
+                                             min_partition=16)
+                     for n, (s, k) in constraints.items()})
+    plan = planner.collective_plan(module, [sharder], dist.group.WORLD)
+    return module, sharder, plan, tables
