@@ -28,6 +28,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ..._gcpause import gc_paused
+from ...errors import UnsupportedError
 from .fastbuild import linear_table_optimizers
 from .fastnames import indexed_table_names
 from .fastranks import indexed_group_ranks
@@ -115,6 +116,24 @@ def plan_to_meta(plan: Any, rank_devices: Optional[Dict[int, torch.device]] = No
                     set_placement_device(placement, _META)
                     sm.placement = placement
     return plan
+
+
+def _refuse_managed_collision(module: nn.Module) -> None:
+    """Zero-collision hashing modules cannot be sharded on meta: TorchRec's sharder gathers
+    each rank's zch size into tensors on the DMP's device and reads them back (``.tolist()``),
+    which fails on meta ("Cannot copy out of meta tensor"). Refused first, with a clear error,
+    before the module is touched."""
+    try:
+        from torchrec.modules.mc_modules import ManagedCollisionCollection
+    except ImportError:  # a TorchRec without managed collision
+        return
+    for name, m in module.named_modules():
+        if isinstance(m, ManagedCollisionCollection):
+            raise UnsupportedError(
+                f"{name or '<root>'}: ManagedCollisionCollection (zero-collision hashing, "
+                "ManagedCollisionEmbedding[Bag]Collection) is not supported by shard_on_meta: "
+                "TorchRec's sharder reads each rank's zch size from tensors on the meta "
+                "device; build and shard such a model on a real device")
 
 
 def _normalise_devices(module: nn.Module) -> Dict[nn.Module, Any]:
@@ -241,12 +260,14 @@ def shard_on_meta(
     Raises:
         metamat.UnsupportedError: unsupported torchrec/fbgemm version; with a CUDA
             compute device, a table whose compute kernel is not fused / fused_uvm /
-            fused_uvm_caching (raised before anything is built).
+            fused_uvm_caching; a ManagedCollisionCollection (raised before anything is
+            built).
         ValueError: ``dmp_kwargs`` names an argument fixed here.
     """
     from . import upstream
 
     upstream.require("train")  # the supported versions, every TorchRec/fbgemm name used
+    _refuse_managed_collision(module)
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.types import ShardingEnv
 
