@@ -275,7 +275,7 @@ def execute_plan_remote(plan: ReadPlan, *, staging_bytes: int = 256 << 20,
                 raise err
             if verifier is not None:  # before a byte of the batch is copied into place
                 verifier.check([(reqs[i][0], reqs[i][1], reqs[i][2], where[i]) for i in batch],
-                               mv, pool)
+                               buf, pool)
             for i in batch:
                 _, s, _e, d = reqs[i]
                 if d:

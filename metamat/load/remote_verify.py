@@ -3,7 +3,7 @@
 The file reader hashes each block as its threads read it (:mod:`.verify`). Ranged GETs land
 in a host buffer instead, so here each request is widened to whole manifest blocks: a block
 is hashed whole or not at all. Once a batch of requests has arrived, every block inside it is
-hashed (xxh3_64, on the fetch pool's threads) and compared with the manifest before a byte of
+hashed (the core's xxh3_64, GIL released, on the fetch pool's threads) and compared with the manifest before a byte of
 the batch is copied into a destination. The first block that differs raises a
 :class:`~metamat.checkpoint.errors.ChecksumMismatchError` naming the object, tensor, chunk
 and byte range. While verifying no request is read straight into a destination: every byte
@@ -15,6 +15,9 @@ import bisect
 from concurrent.futures import Executor
 from typing import Dict, List, Sequence, Set, Tuple
 
+import torch
+
+from .._ext import core
 from ..checkpoint.checksum import Manifest
 from .ops import ReadOp
 from .verify import BlockIndex
@@ -22,12 +25,6 @@ from .verify import BlockIndex
 __all__ = ["RemoteVerifier"]
 
 _MASK = (1 << 64) - 1
-
-
-def _xxh3_64(data) -> int:
-    import xxhash  # a declared dependency (checksum.py says so when it is missing)
-
-    return xxhash.xxh3_64_intdigest(data)
 
 
 class RemoteVerifier:
@@ -82,13 +79,13 @@ class RemoteVerifier:
             out.append((f, s2, e2, d))
         return out
 
-    def check(self, arrived: Sequence[Tuple[int, int, int, int]], buf: memoryview,
+    def check(self, arrived: Sequence[Tuple[int, int, int, int]], buf: torch.Tensor,
               pool: Executor) -> None:
         """Hash the blocks of requests that have arrived and compare them with the manifest.
 
         Args:
             arrived: ``(file, start, end, offset of start in buf)`` per request.
-            buf: the buffer the requests were read into.
+            buf: the host buffer (uint8) the requests were read into.
             pool: threads to hash on.
 
         Raises:
@@ -96,6 +93,9 @@ class RemoteVerifier:
         """
         todo = []  # (file, offset, length, digest, where in buf)
         for f, s, e, at in arrived:
+            if at < 0 or at + (e - s) > buf.numel():  # hashed by address: never outside
+                raise RuntimeError(f"request [{s}, {e}) at {at} is outside the "
+                                   f"{buf.numel()} B buffer")
             starts, ends, digests = self._blocks.get(f, ([], [], []))
             for k in self._overlapping(f, s, e):
                 if starts[k] < s or ends[k] > e or (f, starts[k]) in self._done:
@@ -103,7 +103,8 @@ class RemoteVerifier:
                 self._done.add((f, starts[k]))
                 todo.append((f, starts[k], ends[k] - starts[k], digests[k],
                              at + starts[k] - s))
-        got = list(pool.map(lambda b: _xxh3_64(buf[b[4]:b[4] + b[2]]), todo))
+        base, xxh3 = buf.data_ptr(), core().xxh3_64
+        got = list(pool.map(lambda b: xxh3(base + b[4], b[2]) & _MASK, todo))
         for (f, off, n, want, _), digest in zip(todo, got):
             if digest != want:
                 raise self.index.mismatch_error({"file_index": f, "offset": off, "length": n,
