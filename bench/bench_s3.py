@@ -13,7 +13,9 @@ rank's time is its own):
 * ``dcp.load`` through fsspec (``FsspecReader``, s3fs) of the same rank's tensors: DCP reads
   every saved chunk that overlaps the rank's shard whole (here: each needed tensor), so this
   is what a DCP user's rank pays for the same shard; skipped when s3fs is not installed;
-* the ceiling: one single-stream GET of the whole data object (obstore, same server), GB/s.
+* the ceiling: one single-stream GET of the whole data object (obstore, same server), GB/s;
+* ``metamat row_wise verified``: the row-wise loads with ``verify`` (the checksum sidecar
+  written before upload): the cost of hashing every block the GETs touch.
 
 moto runs in its own process. Plain moto re-reads the whole object under a per-key lock on
 every GET (a ranged GET costs O(object), concurrent GETs of one object are serialised), which
@@ -46,9 +48,11 @@ def run_s3(a, device: torch.device) -> List[Row]:
 
     import torch.distributed.checkpoint as dcp
     from metamat.checkpoint import open_checkpoint
+    from metamat.checkpoint.checksum import write_manifest
     from metamat.cli import rank_targets
     from metamat.load.remote import RemoteStats, execute_plan_remote
     from metamat.load.plan import plan_load
+    from metamat.load.verify import load_manifest
 
     size = int((a.size_gib if a.size_gib < 2.0 else 0.25) * 2**30)
     reps = max(1, min(a.reps, 3))
@@ -63,6 +67,7 @@ def run_s3(a, device: torch.device) -> List[Row]:
     out: List[Row] = []
     try:
         dcp.save(sd, checkpoint_id=os.path.join(tmp, "ckpt"))
+        write_manifest(os.path.join(tmp, "ckpt"))  # uploaded with it: the verified row
         url = upload_dir(srv, os.path.join(tmp, "ckpt"), "bench/ckpt")
         opts = srv.options(direct=True)
         ck = open_checkpoint(url, storage_options=opts)
@@ -93,13 +98,13 @@ def run_s3(a, device: torch.device) -> List[Row]:
             needed = sum(t.local_shape[0] * t.local_shape[1] * 4 for ts in per_rank for t in ts)
             st = RemoteStats()
 
-            def meta_load():
+            def meta_load(manifest=None):
                 st.requests = st.bytes_requested = 0
                 for ts in per_rank:
                     for t in ts:
                         t.tensor = torch.empty(t.local_shape, dtype=t.dtype)
                     plan = plan_load(ts, ck)
-                    execute_plan_remote(plan, stats=st)
+                    execute_plan_remote(plan, stats=st, verify=manifest)
             t_m = timeit(meta_load, reps, CPU)
             for r, ts in enumerate(per_rank):  # bit-exact check
                 for t in ts:
@@ -108,6 +113,12 @@ def run_s3(a, device: torch.device) -> List[Row]:
             amp = st.bytes_requested / needed
             out.append(Row("load-s3", f"metamat {sharding}", needed, t_m, reps,
                            extra=f"requested/needed {amp:.3f}, {st.requests} requests"))
+            if sharding == "row_wise":
+                manifest = load_manifest(ck)
+                t_v = timeit(lambda: meta_load(manifest), reps, CPU)
+                out.append(Row("load-s3", "metamat row_wise verified", needed, t_v, reps,
+                               extra=f"{t_v / t_m:.2f}x the unverified time, "
+                                     f"requested/needed {st.bytes_requested / needed:.3f}"))
             if fsspec_ok:
                 def dcp_load():
                     for ts in per_rank:

@@ -142,3 +142,39 @@ def test_cli_checksum_verify(s3, tmp_path):
     assert f"verified {url}/.metamat-checksums.json" in r.stdout
     r = subprocess.run(run + [bad], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 1 and "checksum mismatch" in r.stderr and "'lin.weight'" in r.stderr
+
+
+def test_direct_reads_hash_in_place_and_fetch_the_cut_blocks_edges(s3, tmp_path):
+    """A large contiguous op is read straight into its destination (not widened): the blocks
+    inside it are hashed there, and the two blocks its ends cut get their outside parts by
+    extra requests; a flipped byte in either part is caught."""
+    from safetensors.torch import save_file
+
+    from metamat.plan import Target
+
+    big = torch.randn(4096, 256, generator=torch.Generator().manual_seed(3))  # 1 KiB rows
+    path = str(tmp_path / "big.safetensors")
+    save_file({"big": big}, path)
+    write_manifest(path, block_bytes=100_000)
+    ch = _chunk(path, "big")
+
+    def load(prefix):
+        url = _upload(s3, path, prefix)
+        t = Target("big", "big", (4096, 256), (1001, 0), (2000, 256), torch.float32,
+                   tensor=torch.empty(2000, 256))  # rows 1001..3000: 2 MB, one direct op
+        return t, load_targets([t], open_checkpoint(url, storage_options=s3.options()),
+                               verify=True)
+
+    t, st = load("direct")
+    assert torch.equal(t.tensor, big[1001:3001])
+    # blocks 10..30 of the chunk; the cut parts: [1,000,000, 1001 rows) and [3001 rows, 3.1 MB)
+    assert st.bytes_verified == 21 * 100_000
+    assert st.bytes_reread == (1001 * 1024 - 1_000_000) + (3_100_000 - 3001 * 1024)
+    for at in (1_000_010, 2_000_000, 3_099_990):  # edge part before, inside, edge part after
+        _flip(ch.file, ch.byte_offset + at)
+        with pytest.raises(ChecksumMismatchError, match="'big'"):
+            load(f"direct-{at}")
+        _flip(ch.file, ch.byte_offset + at)
+    _flip(ch.file, ch.byte_offset + 500_000)  # a block the load does not touch
+    t, _ = load("direct-untouched")
+    assert torch.equal(t.tensor, big[1001:3001])

@@ -118,14 +118,13 @@ def _direct_ok(op: ReadOp, t: torch.Tensor) -> bool:
                                   and op.dst_stride == op.dst_row_bytes)))
 
 
-def _cut(ops: Sequence[ReadOp], targets, part: int, direct: bool = True) -> List[ReadOp]:
+def _cut(ops: Sequence[ReadOp], targets, part: int) -> List[ReadOp]:
     """Ops that go through the staging buffer cut so each spans at most about ``part`` source
     bytes (by rows, else inside a row): the buffer stays within ``max(staging_bytes, part)``.
-    Direct ops (``direct``: allowed) stay whole (they are fetched in parts straight into
-    place)."""
+    Direct ops stay whole (they are fetched in parts straight into place)."""
     out: List[ReadOp] = []
     for o in ops:
-        if direct and _direct_ok(o, targets[o.dst_index].tensor):
+        if _direct_ok(o, targets[o.dst_index].tensor):
             out.append(o)
             continue
         if o.rows > 1:
@@ -184,8 +183,8 @@ def execute_plan_remote(plan: ReadPlan, *, staging_bytes: int = 256 << 20,
     metas = [known.get(f) or fs.remote_meta(f) for f in plan.files]
     sess = metas[0][0] if metas else fs.current()
     dl = fs.Deadline(sess.deadline)  # every read of this load ends by then
-    ops = _cut(plan.ops, plan.targets, sess.part_bytes, direct=verify is None)
-    direct = [verify is None and _direct_ok(o, plan.targets[o.dst_index].tensor) for o in ops]
+    ops = _cut(plan.ops, plan.targets, sess.part_bytes)
+    direct = [_direct_ok(o, plan.targets[o.dst_index].tensor) for o in ops]
     pieces, reqs = plan_requests(ops, sess.coalesce_gap, sess.part_bytes, direct)
     verifier = None
     if verify is not None:
@@ -247,6 +246,7 @@ def execute_plan_remote(plan: ReadPlan, *, staging_bytes: int = 256 << 20,
                 buf = torch.empty(off, dtype=torch.uint8, pin_memory=pin)
                 mv = memoryview(buf.numpy())
             jobs = []
+            views: Dict[int, memoryview] = {}  # direct requests: their destination bytes
             for i in batch:
                 f, s, e, d = reqs[i]
                 url = plan.files[f]
@@ -256,6 +256,7 @@ def execute_plan_remote(plan: ReadPlan, *, staging_bytes: int = 256 << 20,
                     dst = _dst(plan.targets[op.dst_index].tensor, op, 0, op.rows)
                     target = memoryview(dst.view(-1).view(torch.uint8).numpy())
                     base = s
+                    views[i] = target
                 else:
                     target, base = mv, s - where[i]
                 for _, ps, pe in _split([reqs[i]], sess.part_bytes):
@@ -274,8 +275,10 @@ def execute_plan_remote(plan: ReadPlan, *, staging_bytes: int = 256 << 20,
             if err is not None:
                 raise err
             if verifier is not None:  # before a byte of the batch is copied into place
-                verifier.check([(reqs[i][0], reqs[i][1], reqs[i][2], where[i]) for i in batch],
-                               buf, pool)
+                verifier.check(
+                    [(f, s, e, views[i], True) if d else
+                     (f, s, e, mv[where[i]:where[i] + (e - s)], False)
+                     for i in batch for f, s, e, d in [reqs[i]]], pool)
             for i in batch:
                 _, s, _e, d = reqs[i]
                 if d:
@@ -303,5 +306,6 @@ def execute_plan_remote(plan: ReadPlan, *, staging_bytes: int = 256 << 20,
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
     if verifier is not None:
-        out.bytes_verified, out.bytes_reread = verifier.bytes_verified, verifier.bytes_widened
+        verifier.finish()
+        out.bytes_verified, out.bytes_reread = verifier.bytes_verified, verifier.bytes_extra
     return out

@@ -1,13 +1,20 @@
 """Verify a load from S3 against the checkpoint's checksum manifest (``verify=True``).
 
 The file reader hashes each block as its threads read it (:mod:`.verify`). Ranged GETs land
-in a host buffer instead, so here each request is widened to whole manifest blocks: a block
-is hashed whole or not at all. Once a batch of requests has arrived, every block inside it is
-hashed (the core's xxh3_64, GIL released, on the fetch pool's threads) and compared with the manifest before a byte of
-the batch is copied into a destination. The first block that differs raises a
+in a host buffer, or straight in a destination (large contiguous ops), so a block is hashed
+once all of its bytes have arrived:
+
+* a request through the buffer is widened to the whole blocks it touches, which are hashed
+  there once its batch has arrived, before a byte of the batch is copied into place;
+* a request read straight into a destination is not widened (the destination holds only the
+  op's bytes): the blocks inside it are hashed in place, and each block it cuts at an edge
+  gets an extra request for its outside part, read through the buffer (kept until the block
+  is complete). Such a destination is fresh memory that ``materialize`` discards on error.
+
+Hashing is xxh3_64 (the ``xxhash`` package, which releases the GIL) on the fetch pool's
+threads. The first block that differs raises a
 :class:`~metamat.checkpoint.errors.ChecksumMismatchError` naming the object, tensor, chunk
-and byte range. While verifying no request is read straight into a destination: every byte
-passes through the buffer where it is hashed.
+and byte range.
 """
 from __future__ import annotations
 
@@ -15,9 +22,6 @@ import bisect
 from concurrent.futures import Executor
 from typing import Dict, List, Sequence, Set, Tuple
 
-import torch
-
-from .._ext import core
 from ..checkpoint.checksum import Manifest
 from .ops import ReadOp
 from .verify import BlockIndex
@@ -25,6 +29,15 @@ from .verify import BlockIndex
 __all__ = ["RemoteVerifier"]
 
 _MASK = (1 << 64) - 1
+
+
+def _digest(parts: Sequence) -> int:
+    import xxhash  # a declared dependency (checksum.py says so when it is missing)
+
+    h = xxhash.xxh3_64()
+    for p in parts:
+        h.update(p)
+    return h.intdigest()
 
 
 class RemoteVerifier:
@@ -53,8 +66,10 @@ class RemoteVerifier:
             ends.append(off + n)
             digests.append(digest & _MASK)
         self._done: Set[Tuple[int, int]] = set()
+        # blocks cut by a direct request: (file, block start) -> {part start: bytes}
+        self._parts: Dict[Tuple[int, int], Dict[int, object]] = {}
         self.bytes_verified = 0
-        self.bytes_widened = 0  # read only to complete a block
+        self.bytes_extra = 0  # read only to complete a block
 
     def _overlapping(self, f: int, s: int, e: int) -> range:
         """Indexes of ``f``'s blocks that overlap ``[s, e)`` (a block spans at most
@@ -67,46 +82,81 @@ class RemoteVerifier:
         return range(i, j)
 
     def widen(self, reqs: Sequence[tuple]) -> List[tuple]:
-        """``(file, start, end, direct)`` requests, each grown to the whole blocks it
-        touches."""
-        out = []
+        """``(file, start, end, direct)`` requests: those through the buffer grown to the
+        whole blocks they touch; direct ones kept, with a request (through the buffer) for
+        the outside part of each block they cut, appended."""
+        out, edges = [], []
         for f, s, e, d in reqs:
             starts, ends, _ = self._blocks.get(f, ([], [], []))
             hit = self._overlapping(f, s, e)
-            s2 = min([s] + [starts[k] for k in hit])
-            e2 = max([e] + [ends[k] for k in hit])
-            self.bytes_widened += (s - s2) + (e2 - e)
-            out.append((f, s2, e2, d))
-        return out
+            lo = min([s] + [starts[k] for k in hit])
+            hi = max([e] + [ends[k] for k in hit])
+            if d:
+                edges += [(f, lo, s, False)] if lo < s else []
+                edges += [(f, e, hi, False)] if hi > e else []
+                out.append((f, s, e, d))
+            else:
+                out.append((f, lo, hi, d))
+            self.bytes_extra += (s - lo) + (hi - e)
+        return out + edges
 
-    def check(self, arrived: Sequence[Tuple[int, int, int, int]], buf: torch.Tensor,
+    def check(self, arrived: Sequence[Tuple[int, int, int, memoryview, bool]],
               pool: Executor) -> None:
-        """Hash the blocks of requests that have arrived and compare them with the manifest.
+        """Hash the blocks the requests that have arrived complete; compare with the manifest.
 
         Args:
-            arrived: ``(file, start, end, offset of start in buf)`` per request.
-            buf: the host buffer (uint8) the requests were read into.
+            arrived: ``(file, start, end, bytes [start, end), kept)`` per request; ``kept``:
+                the bytes stay put until the load ends (a destination), else they are copied
+                where a block needs them later (the buffer is reused by the next batch).
             pool: threads to hash on.
 
         Raises:
             ChecksumMismatchError: the first block (in request order) that differs.
         """
-        todo = []  # (file, offset, length, digest, where in buf)
-        for f, s, e, at in arrived:
-            if at < 0 or at + (e - s) > buf.numel():  # hashed by address: never outside
-                raise RuntimeError(f"request [{s}, {e}) at {at} is outside the "
-                                   f"{buf.numel()} B buffer")
+        todo = []  # (file, block start, length, digest, parts)
+        for f, s, e, view, kept in arrived:
             starts, ends, digests = self._blocks.get(f, ([], [], []))
             for k in self._overlapping(f, s, e):
-                if starts[k] < s or ends[k] > e or (f, starts[k]) in self._done:
-                    continue  # hashed already, or whole in another request
-                self._done.add((f, starts[k]))
-                todo.append((f, starts[k], ends[k] - starts[k], digests[k],
-                             at + starts[k] - s))
-        base, xxh3 = buf.data_ptr(), core().xxh3_64
-        got = list(pool.map(lambda b: xxh3(base + b[4], b[2]) & _MASK, todo))
+                key = (f, starts[k])
+                if key in self._done:
+                    continue
+                b0, b1 = starts[k], ends[k]
+                if s <= b0 and b1 <= e:  # whole in this request
+                    parts = [view[b0 - s:b1 - s]]
+                else:  # cut by a direct request: collect its parts
+                    a, z = max(s, b0), min(e, b1)
+                    got = self._parts.setdefault(key, {})
+                    got[a] = view[a - s:z - s] if kept else bytes(view[a - s:z - s])
+                    parts = self._complete(got, b0, b1)
+                    if parts is None:
+                        continue
+                    del self._parts[key]
+                self._done.add(key)
+                todo.append((f, b0, b1 - b0, digests[k], parts))
+        got = list(pool.map(lambda b: _digest(b[4]), todo))
         for (f, off, n, want, _), digest in zip(todo, got):
             if digest != want:
                 raise self.index.mismatch_error({"file_index": f, "offset": off, "length": n,
                                                  "got": digest, "expected": want})
             self.bytes_verified += n
+
+    @staticmethod
+    def _complete(got: Dict[int, object], b0: int, b1: int):
+        """The parts covering ``[b0, b1)`` in order, or None while some are missing."""
+        parts, at = [], b0
+        for start in sorted(got):
+            if start > at:
+                return None
+            part = got[start]
+            if start + len(part) <= at:
+                continue  # inside what the parts before already give
+            parts.append(memoryview(part)[at - start:])
+            at = start + len(part)
+        return parts if at >= b1 else None
+
+    def finish(self) -> None:
+        """After the last batch: every block a direct request cut was completed."""
+        if self._parts:
+            f, off = next(iter(self._parts))
+            raise RuntimeError(f"block at byte {off} of {self.index.files[f]} was never "
+                               "completed (a bug in the request plan)")
