@@ -44,6 +44,21 @@ def _sharding_types(plan) -> dict:
     return {t: ps.sharding_type for t, ps in plan.plan[""].items()}
 
 
+def _reload_table_wise(model, world_size, path, optimizer="EXACT_ROWWISE_ADAGRAD"):
+    """``model``'s state_dict saved by DCP at ``path``, loaded into a table-wise CPU model;
+    that model's local blocks."""
+    import torch.distributed.checkpoint as dcp
+
+    import metamat
+
+    dcp.save(model.state_dict(), checkpoint_id=path)
+    module, sharder, plan, _ = M.build_planned(ALL_TW, world_size, 2, device_type="cpu",
+                                               optimizer=optimizer)
+    back = metamat.shard_on_meta(module, plan=plan, sharders=[sharder])
+    metamat.materialize(back, path, device="cpu")
+    return M.local_blocks(back.state_dict())
+
+
 def _step(model, batch):
     out = model(batch).wait().values()
     (out * out).sum().backward()
@@ -52,7 +67,6 @@ def _step(model, batch):
 
 def worker_twcw_cpu(rank, world_size, tmp):
     import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
     from torchrec import EmbeddingBagCollection
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.types import ShardingEnv
@@ -71,12 +85,7 @@ def worker_twcw_cpu(rank, world_size, tmp):
     batch = M.batch(len(tables), seed=rank)
     res["out"], res["out_eager"] = _step(model, batch), _step(eager, batch)
     res["after"], res["after_eager"] = _state(model), _state(eager)
-    path = os.path.join(tmp, "twcw")
-    dcp.save(model.state_dict(), checkpoint_id=path)
-    fresh, fsharder, fplan, _ = M.build_planned(ALL_TW, world_size, 2, device_type="cpu")
-    fresh = metamat.shard_on_meta(fresh, plan=fplan, sharders=[fsharder])
-    metamat.materialize(fresh, path, device="cpu")
-    res["reloaded"] = M.local_blocks(fresh.state_dict())
+    res["reloaded"] = _reload_table_wise(model, world_size, os.path.join(tmp, "twcw"))
     return res
 
 
@@ -98,8 +107,6 @@ def test_table_column_wise_cpu_world4(tmp_path):
 
 
 def worker_grid_emulated(rank, world_size, tmp):
-    import torch.distributed.checkpoint as dcp
-
     import metamat
     from metamat.emulation import emulated_cuda
 
@@ -114,13 +121,8 @@ def worker_grid_emulated(rank, world_size, tmp):
     metamat.materialize(cpu, device="cpu", seed=SEED)
     res = dict(types=_sharding_types(plan), memory=report.bytes_by_memory, gpu=_state(gpu),
                cpu=_state(cpu), buffers=fbgemm_mismatches(gpu))
-    path = os.path.join(tmp, "grid")
-    dcp.save(gpu.state_dict(), checkpoint_id=path)
-    back, bsharder, bplan, _ = M.build_planned(ALL_TW, world_size, 2, device_type="cpu",
-                                               optimizer="EXACT_ADAGRAD")
-    back = metamat.shard_on_meta(back, plan=bplan, sharders=[bsharder])
-    metamat.materialize(back, path, device="cpu")
-    res["roundtrip"] = M.local_blocks(back.state_dict())
+    res["roundtrip"] = _reload_table_wise(gpu, world_size, os.path.join(tmp, "grid"),
+                                          "EXACT_ADAGRAD")
     return res
 
 
