@@ -322,3 +322,14 @@ def test_atomic_write_never_opens_an_existing_name(tmp_path, monkeypatch):
     with open(out, "rb") as f:
         assert f.read() == b"{}"
     assert sorted(os.listdir(tmp_path / "d")) == [".out.json.guessed.tmp", "out.json"]
+
+
+def test_a_checkpoint_directory_named_like_a_sidecar(bases, tmp_path):
+    """A DCP directory whose name ends in ``.xxh3.json`` is a checkpoint, not a sidecar: its
+    manifest is the one inside it."""
+    import shutil
+    path = str(tmp_path / "run.xxh3.json")
+    shutil.copytree(bases["dcp"], path)
+    written = write_manifest(path)
+    assert written == os.path.join(path, ".metamat-checksums.json")
+    assert read_manifest(path).chunks == read_manifest(written).chunks

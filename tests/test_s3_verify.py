@@ -144,24 +144,66 @@ def test_cli_checksum_verify(s3, tmp_path):
     assert r.returncode == 1 and "checksum mismatch" in r.stderr and "'lin.weight'" in r.stderr
 
 
+def _big(tmp_path, block_bytes=100_000):
+    """A 4096 x 256 fp32 tensor (1 KiB rows) in a safetensors file with its manifest; the
+    tensor, the path and its chunk."""
+    from safetensors.torch import save_file
+
+    big = torch.randn(4096, 256, generator=torch.Generator().manual_seed(3))
+    path = str(tmp_path / "big.safetensors")
+    save_file({"big": big}, path)
+    write_manifest(path, block_bytes=block_bytes)
+    return big, path, _chunk(path, "big")
+
+
+def _rows(r0, n, dtype=torch.float32):
+    from metamat.plan import Target
+
+    return Target("big", "big", (4096, 256), (r0, 0), (n, 256), dtype,
+                  tensor=torch.empty(n, 256, dtype=dtype))
+
+
+@pytest.mark.parametrize("order", ["direct-first", "buffered-first"])
+def test_a_block_shared_by_a_direct_and_a_buffered_read(s3, tmp_path, order):
+    """Rows 0-1999 read straight into place (2 MB fp32) and rows 2000-2099 converted to bf16
+    through the buffer share block 20: it is hashed once, from both requests' bytes."""
+    big, path, _ = _big(tmp_path)
+    url = _upload(s3, path, f"shared-{order}")
+    tg = [_rows(0, 2000), _rows(2000, 100, torch.bfloat16)]
+    tg = tg if order == "direct-first" else tg[::-1]
+    st = load_targets(tg, open_checkpoint(url, storage_options=s3.options()), verify=True)
+    by_rows = {t.offsets[0]: t.tensor for t in tg}
+    assert torch.equal(by_rows[0], big[:2000])
+    assert torch.equal(by_rows[2000], big[2000:2100].bfloat16())
+    assert st.bytes_verified == 22 * 100_000  # blocks 0..21
+    assert st.bytes_reread == 2_200_000 - 2100 * 1024  # the rest of block 21 only
+
+
+def test_long_buffered_reads_fetch_no_block_twice(s3, tmp_path):
+    """A converting load cut into many 250 kB requests (100 kB blocks straddle their ends):
+    each block is assembled from the requests that read it; only the two end blocks' outside
+    parts are extra."""
+    big, path, _ = _big(tmp_path)
+    url = _upload(s3, path, "long")
+    t = _rows(1001, 1999, torch.bfloat16)  # bytes [1,025,024, 3,072,000)
+    ck = open_checkpoint(url, storage_options=s3.options(part_bytes=250_000))
+    st = load_targets([t], ck, verify=True)
+    assert torch.equal(t.tensor, big[1001:3000].bfloat16())
+    assert st.bytes_verified == 21 * 100_000  # blocks 10..30
+    extra = (1001 * 1024 - 1_000_000) + (3_100_000 - 3000 * 1024)
+    assert st.bytes_reread == extra
+    assert st.bytes_read == st.bytes_needed + extra
+
+
 def test_direct_reads_hash_in_place_and_fetch_the_cut_blocks_edges(s3, tmp_path):
     """A large contiguous op is read straight into its destination (not widened): the blocks
     inside it are hashed there, and the two blocks its ends cut get their outside parts by
     extra requests; a flipped byte in either part is caught."""
-    from safetensors.torch import save_file
-
-    from metamat.plan import Target
-
-    big = torch.randn(4096, 256, generator=torch.Generator().manual_seed(3))  # 1 KiB rows
-    path = str(tmp_path / "big.safetensors")
-    save_file({"big": big}, path)
-    write_manifest(path, block_bytes=100_000)
-    ch = _chunk(path, "big")
+    big, path, ch = _big(tmp_path)
 
     def load(prefix):
         url = _upload(s3, path, prefix)
-        t = Target("big", "big", (4096, 256), (1001, 0), (2000, 256), torch.float32,
-                   tensor=torch.empty(2000, 256))  # rows 1001..3000: 2 MB, one direct op
+        t = _rows(1001, 2000)  # rows 1001..3000: 2 MB, one direct op
         return t, load_targets([t], open_checkpoint(url, storage_options=s3.options()),
                                verify=True)
 

@@ -244,7 +244,8 @@ def read_manifest(path, root: Optional[str] = None) -> Manifest:
         MissingFileError: no sidecar. InvalidHeaderError: it is not a valid manifest.
     """
     p = fs.abspath(os.fspath(path))
-    side = p if p.endswith(".json") and _is_sidecar(p) else sidecar_path(p)
+    is_side = p.endswith(".json") and _is_sidecar(p) and not fs.isdir(p)
+    side = p if is_side else sidecar_path(p)
     if root is None:
         root = fs.dirname(side)
     d = loads_json(read_metadata_file(side, "checksum manifest"), "checksum manifest", side)

@@ -190,7 +190,7 @@ def execute_plan_remote(plan: ReadPlan, *, staging_bytes: int = 256 << 20,
     if verify is not None:
         from .remote_verify import RemoteVerifier
         verifier = RemoteVerifier(verify, plan.files, [m[1] for m in metas], ops)
-        reqs = verifier.widen(reqs)
+        reqs = verifier.with_block_edges(reqs)
     for (f, s, e, _d) in reqs:
         size = metas[f][1]
         if e > size:

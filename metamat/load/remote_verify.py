@@ -2,14 +2,14 @@
 
 The file reader hashes each block as its threads read it (:mod:`.verify`). Ranged GETs land
 in a host buffer, or straight in a destination (large contiguous ops), so a block is hashed
-once all of its bytes have arrived:
-
-* a request through the buffer is widened to the whole blocks it touches, which are hashed
-  there once its batch has arrived, before a byte of the batch is copied into place;
-* a request read straight into a destination is not widened (the destination holds only the
-  op's bytes): the blocks inside it are hashed in place, and each block it cuts at an edge
-  gets an extra request for its outside part, read through the buffer (kept until the block
-  is complete). Such a destination is fresh memory that ``materialize`` discards on error.
+once all of its bytes have arrived. Requests are not widened (a destination holds only its
+op's bytes, and a request through the buffer would fetch the block it shares with the next
+request twice): the parts of the touched blocks that no request reads come by extra requests
+through the buffer. A block inside one request is hashed there; a block spread over several
+is assembled from its parts (those in the buffer copied out, since the next batch reuses it)
+once the last one has arrived. A request through the buffer is copied into place only after
+the blocks it completes were checked; a destination read directly is fresh memory that
+``materialize`` discards on error.
 
 Hashing is xxh3_64 (the ``xxhash`` package, which releases the GIL) on the fetch pool's
 threads. The first block that differs raises a
@@ -66,7 +66,7 @@ class RemoteVerifier:
             ends.append(off + n)
             digests.append(digest & _MASK)
         self._done: Set[Tuple[int, int]] = set()
-        # blocks cut by a direct request: (file, block start) -> {part start: bytes}
+        # blocks spread over several requests: (file, block start) -> {part start: bytes}
         self._parts: Dict[Tuple[int, int], Dict[int, object]] = {}
         self.bytes_verified = 0
         self.bytes_extra = 0  # read only to complete a block
@@ -81,24 +81,30 @@ class RemoteVerifier:
             i += 1
         return range(i, j)
 
-    def widen(self, reqs: Sequence[tuple]) -> List[tuple]:
-        """``(file, start, end, direct)`` requests: those through the buffer grown to the
-        whole blocks they touch; direct ones kept, with a request (through the buffer) for
-        the outside part of each block they cut, appended."""
-        out, edges = [], []
-        for f, s, e, d in reqs:
-            starts, ends, _ = self._blocks.get(f, ([], [], []))
-            hit = self._overlapping(f, s, e)
-            lo = min([s] + [starts[k] for k in hit])
-            hi = max([e] + [ends[k] for k in hit])
-            if d:
-                edges += [(f, lo, s, False)] if lo < s else []
-                edges += [(f, e, hi, False)] if hi > e else []
-                out.append((f, s, e, d))
-            else:
-                out.append((f, lo, hi, d))
-            self.bytes_extra += (s - lo) + (hi - e)
-        return out + edges
+    def with_block_edges(self, reqs: Sequence[tuple]) -> List[tuple]:
+        """``(file, start, end, direct)`` requests, with one more (through the buffer) for
+        each stretch of a touched block that none of them reads, appended."""
+        covered: Dict[int, List[Tuple[int, int]]] = {}
+        for f, s, e, _d in reqs:
+            covered.setdefault(f, []).append((s, e))
+        edges = []
+        for f, (starts, ends, _) in self._blocks.items():
+            spans = sorted(covered.get(f, []))
+            k = 0
+            for b0, b1 in zip(starts, ends):
+                at = b0
+                while k < len(spans) and spans[k][1] <= b0:
+                    k += 1
+                for s, e in spans[k:]:
+                    if s >= b1 or at >= b1:
+                        break
+                    if s > at:
+                        edges.append((f, at, s))
+                    at = max(at, e)
+                if at < b1:
+                    edges.append((f, at, b1))
+        self.bytes_extra = sum(e - s for _f, s, e in edges)
+        return list(reqs) + [(f, s, e, False) for f, s, e in edges]
 
     def check(self, arrived: Sequence[Tuple[int, int, int, memoryview, bool]],
               pool: Executor) -> None:
@@ -123,7 +129,8 @@ class RemoteVerifier:
                 b0, b1 = starts[k], ends[k]
                 if s <= b0 and b1 <= e:  # whole in this request
                     parts = [view[b0 - s:b1 - s]]
-                else:  # cut by a direct request: collect its parts
+                    self._parts.pop(key, None)  # parts another request brought: not needed
+                else:  # spread over several requests: collect its parts
                     a, z = max(s, b0), min(e, b1)
                     got = self._parts.setdefault(key, {})
                     got[a] = view[a - s:z - s] if kept else bytes(view[a - s:z - s])
@@ -155,7 +162,7 @@ class RemoteVerifier:
         return parts if at >= b1 else None
 
     def finish(self) -> None:
-        """After the last batch: every block a direct request cut was completed."""
+        """After the last batch: every block spread over several requests was completed."""
         if self._parts:
             f, off = next(iter(self._parts))
             raise RuntimeError(f"block at byte {off} of {self.index.files[f]} was never "

@@ -37,8 +37,10 @@ def load_manifest(ckpt: Checkpoint) -> Manifest:
         MissingFileError: there is none; the message names the path it is expected at.
         InvalidHeaderError: it does not parse.
     """
-    # an s3:// checkpoint: its sidecar is read with the options it was opened with
-    with fs.storage_for(ckpt.path).opening(ckpt.path, getattr(ckpt, "storage_options", None)):
+    # an s3:// checkpoint: its sidecar is read with the options it was opened with (those of
+    # the checkpoint a view stands for)
+    opts = getattr(getattr(ckpt, "ckpt", ckpt), "storage_options", None)
+    with fs.storage_for(ckpt.path).opening(ckpt.path, opts):
         side = sidecar_path(ckpt.path)
         if not fs.exists(side):
             raise MissingFileError(
