@@ -32,6 +32,7 @@ from .errors import ChecksumMismatchError, InvalidHeaderError
 from .limits import loads_json, short_repr
 
 __all__ = ["ALGORITHM", "DEFAULT_BLOCK_BYTES", "ChunkSum", "Manifest", "VerifyResult",
+           "block_span", "block_mismatch",
            "sidecar_path", "build_manifest", "write_manifest", "read_manifest",
            "verify_manifest", "verify_ranges", "reads_from_plan"]
 
@@ -268,25 +269,39 @@ def _verify_blocks(m: Manifest, c: ChunkSum, which: Iterable[int], res: VerifyRe
                 f"file is {size} B, the manifest recorded {want_size} B", file=path,
                 tensor=c.tensor)
         for i in which:
-            b0 = c.byte_offset + i * m.block_bytes
-            n = min(m.block_bytes, c.nbytes - i * m.block_bytes)
+            b0, n = block_span(m, c, i)
             got = _hash_range(fh, b0, n, path, c.tensor)
             res.bytes_hashed += n
             if got != c.blocks[i]:
-                raise ChecksumMismatchError(
-                    f"chunk at {tuple(c.offsets)}: bytes [{b0}, {b0 + n}) hash {got}, the "
-                    f"manifest says {c.blocks[i]} ({m.algorithm})", file=path, tensor=c.tensor,
-                    chunk=tuple(c.offsets), byte_range=(b0, b0 + n))
+                raise block_mismatch(m, c, i, got)
             res.blocks += 1
 
 
+def block_span(m: Manifest, c: ChunkSum, i: int) -> Tuple[int, int]:
+    """(first byte, length) of block ``i`` of chunk ``c`` in its file."""
+    return c.byte_offset + i * m.block_bytes, min(m.block_bytes, c.nbytes - i * m.block_bytes)
+
+
+def block_mismatch(m: Manifest, c: ChunkSum, i: int, got: str) -> ChecksumMismatchError:
+    """The named error for block ``i`` of chunk ``c`` hashing to ``got`` (hex)."""
+    b0, n = block_span(m, c, i)
+    return ChecksumMismatchError(
+        f"chunk at {tuple(c.offsets)}: bytes [{b0}, {b0 + n}) hash {got}, the manifest says "
+        f"{c.blocks[i]} ({m.algorithm})", file=m.abspath(c.file), tensor=c.tensor,
+        chunk=tuple(c.offsets), byte_range=(b0, b0 + n))
+
+
 def verify_manifest(m: Manifest) -> VerifyResult:
-    """Re-hash every block of every chunk.
+    """Re-hash every block of every chunk (of an ``s3://`` checkpoint: concurrent ranged GETs,
+    :mod:`.checksum_remote`).
 
     Raises:
         ChecksumMismatchError: the first block that differs (names file, tensor, chunk, bytes),
             or a file whose size changed. MissingFileError: a data file is gone.
     """
+    if not fs.storage_for(m.root).os_files:
+        from .checksum_remote import verify_remote
+        return verify_remote(m, VerifyResult())
     res = VerifyResult()
     for c in m.chunks:
         _verify_blocks(m, c, range(len(c.blocks)), res)
