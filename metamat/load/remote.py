@@ -37,7 +37,7 @@ from .execute import Executed
 from .ops import ReadOp, split_ops
 from .plan import ReadPlan
 
-__all__ = ["execute_plan_remote", "plan_requests", "RemoteStats"]
+__all__ = ["execute_plan_remote", "plan_requests", "batch_requests", "RemoteStats"]
 
 
 @dataclass
@@ -93,6 +93,24 @@ def plan_requests(ops: Sequence[ReadOp], gap: int, part: int,
         reqs.append([f, p.start, p.end, d])
         p.req = len(reqs) - 1
     return pieces, [tuple(r) for r in reqs]
+
+
+def batch_requests(reqs: Sequence[tuple], cap: int) -> List[List[int]]:
+    """Indexes of ``(file, start, end, direct)`` requests in batches of whole requests, in
+    order: each batch's staged ones fit the staging buffer, and a batch has at most ``cap``
+    bytes in flight (progress and KeyboardInterrupt land between batches)."""
+    batches: List[List[int]] = []
+    cur, used = [], 0
+    for i, (_, s, e, _d) in enumerate(reqs):
+        n = (e - s + (s % 64) + 63) & ~63
+        if cur and used + n > cap:
+            batches.append(cur)
+            cur, used = [], 0
+        cur.append(i)
+        used += n
+    if cur:
+        batches.append(cur)
+    return batches
 
 
 def _split(reqs, part: int):
@@ -199,19 +217,7 @@ def execute_plan_remote(plan: ReadPlan, *, staging_bytes: int = 256 << 20,
     devices = {t.tensor.device for t in plan.targets}
     pin = any(d.type == "cuda" for d in devices) and torch.cuda.is_available()
     cap = max(max((e - s for _, s, e, d in reqs if not d), default=0), int(staging_bytes))
-    # batches of whole requests: each batch's staged ones fit the staging buffer, and a batch
-    # has at most ``cap`` bytes in flight (progress and KeyboardInterrupt land between batches)
-    batches: List[List[int]] = []
-    cur, used = [], 0
-    for i, (_, s, e, d) in enumerate(reqs):
-        n = (e - s + (s % 64) + 63) & ~63
-        if cur and used + n > cap:
-            batches.append(cur)
-            cur, used = [], 0
-        cur.append(i)
-        used += n
-    if cur:
-        batches.append(cur)
+    batches = batch_requests(reqs, cap)
     by_req: Dict[int, List[_Piece]] = {}
     for p in pieces:
         by_req.setdefault(p.req, []).append(p)

@@ -133,7 +133,8 @@ class RemoteVerifier:
                 else:  # spread over several requests: collect its parts
                     a, z = max(s, b0), min(e, b1)
                     got = self._parts.setdefault(key, {})
-                    got[a] = view[a - s:z - s] if kept else bytes(view[a - s:z - s])
+                    if z - a > len(got.get(a, b"")):  # overlapping requests: the longest
+                        got[a] = view[a - s:z - s] if kept else bytes(view[a - s:z - s])
                     parts = self._complete(got, b0, b1)
                     if parts is None:
                         continue
