@@ -220,3 +220,15 @@ def test_direct_reads_hash_in_place_and_fetch_the_cut_blocks_edges(s3, tmp_path)
     _flip(ch.file, ch.byte_offset + 500_000)  # a block the load does not touch
     t, _ = load("direct-untouched")
     assert torch.equal(t.tensor, big[1001:3001])
+
+
+def test_two_targets_of_the_same_rows(s3, tmp_path):
+    """The same rows read twice, straight into place (fp32) and converted through the buffer
+    (bf16): overlapping requests; each block is verified once."""
+    big, path, _ = _big(tmp_path)
+    url = _upload(s3, path, "twice")
+    a, b = _rows(1001, 2000), _rows(1501, 1000, torch.bfloat16)
+    st = load_targets([a, b], open_checkpoint(url, storage_options=s3.options()), verify=True)
+    assert torch.equal(a.tensor, big[1001:3001])
+    assert torch.equal(b.tensor, big[1501:2501].bfloat16())
+    assert st.bytes_verified == 21 * 100_000  # blocks 10..30, once each
