@@ -2,7 +2,7 @@
 
     python -m metamat inspect CKPT [--json]
     python -m metamat plan CKPT --world-size N --sharding row_wise [--rank R] [--json]
-    python -m metamat checksum CKPT [--block-bytes N] [--json]   # write the sidecar manifest
+    python -m metamat checksum CKPT [--block-bytes N] [--out FILE] [--json]  # write the manifest
     python -m metamat checksum CKPT --verify [--json]            # check the files against it
 
 ``plan`` plans every rank of a world of up to 1,024 ranks and prints one line per rank up to
@@ -10,8 +10,8 @@
 all were planned); above 1,024 ranks it plans only those 16 (``--rank R`` plans any one).
 ``--world-size`` is at most 1,048,576 (``METAMAT_MAX_WORLD_SIZE`` raises it).
 
-CKPT may be an ``s3://`` URL (``checksum`` then only with ``--verify``: write the manifest
-of the local checkpoint before uploading it).
+CKPT may be an ``s3://`` URL; ``checksum`` of one writes the manifest to a local ``--out``
+(metamat does not write into the store: upload it as the checkpoint's sidecar).
 
 ``--trust-pickles``: the checkpoint's pickles (DCP ``.metadata``, torch.save ``data.pkl``) may
 name classes outside metamat's allow-list and run them (plain ``pickle``); only for a
@@ -28,7 +28,7 @@ import os
 import re
 import sys
 import time
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 
@@ -196,16 +196,16 @@ def _print_plan(info: Dict) -> None:
 
 
 def checksum_info(path: str, block_bytes: int, verify: bool,
-                  trust_pickles: bool = False) -> Dict:
-    """Write (or, ``verify``, check) the checksum sidecar of ``path`` (``trust_pickles``: as
-    :func:`metamat.open_checkpoint`'s).
+                  trust_pickles: bool = False, out: Optional[str] = None) -> Dict:
+    """Write (to ``out``, default the sidecar; or, ``verify``, check) the checksum manifest
+    of ``path`` (``trust_pickles``: as :func:`metamat.open_checkpoint`'s).
 
     Raises:
         CheckpointError: the checkpoint does not open; ``verify``: no manifest
             (MissingFileError naming it), or bytes differ (ChecksumMismatchError).
     """
-    from .checkpoint.checksum import (read_manifest, sidecar_path, verify_manifest,
-                                      write_manifest)
+    from .checkpoint.checksum import (build_manifest, read_manifest, save_manifest,
+                                      sidecar_path, verify_manifest)
 
     if verify:
         m = read_manifest(path)
@@ -216,9 +216,9 @@ def checksum_info(path: str, block_bytes: int, verify: bool,
     else:
         with open_checkpoint(path, trust_pickles=trust_pickles) as ckpt:
             t = time.perf_counter()  # hashing and writing, not parsing the metadata
-            side = write_manifest(ckpt, block_bytes=block_bytes)
+            m = build_manifest(ckpt, block_bytes)
+            side = save_manifest(m, out or sidecar_path(ckpt.path))
             secs = time.perf_counter() - t
-        m = read_manifest(side)
         hashed = sum(c.nbytes for c in m.chunks)
     return {"manifest": side, "verified" if verify else "written": True,
             "chunks": len(m.chunks), "files": len(m.files), "block_bytes": m.block_bytes,
@@ -256,6 +256,9 @@ def main(argv=None) -> int:
     pc.add_argument("ckpt")
     pc.add_argument("--block-bytes", type=int, default=None,
                     help="bytes per digest (default 4 MiB; writing only)")
+    pc.add_argument("--out", default=None,
+                    help="where to write the manifest (default: the checkpoint's sidecar; "
+                         "required for an s3:// checkpoint)")
     pc.add_argument("--verify", action="store_true",
                     help="check the files against an existing manifest instead of writing one")
     pc.add_argument("--json", action="store_true")
@@ -263,18 +266,20 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if a.cmd == "checksum":
         from .checkpoint.checksum import DEFAULT_BLOCK_BYTES
-        if a.ckpt.startswith("s3://") and not a.verify:
-            print("metamat: checksum does not write into S3: write the manifest next to the "
-                  "local checkpoint (python -m metamat checksum DIR) and upload it with the "
-                  "checkpoint; --verify checks an s3:// checkpoint against it", file=sys.stderr)
+        if a.ckpt.startswith("s3://") and not a.verify and not a.out:
+            print("metamat: checksum does not write into S3: give --out FILE (a local path) "
+                  "and upload FILE as the checkpoint's sidecar; --verify checks an s3:// "
+                  "checkpoint against it", file=sys.stderr)
             return 2
+        if a.verify and a.out:
+            p.error("--out applies when writing a manifest, not with --verify")
         if a.verify and a.block_bytes is not None:
             p.error("--block-bytes applies when writing a manifest, not with --verify")
         if a.block_bytes is not None and a.block_bytes <= 0:
             p.error("--block-bytes must be positive")
         try:
             info = checksum_info(a.ckpt, a.block_bytes or DEFAULT_BLOCK_BYTES, a.verify,
-                                 a.trust_pickles)
+                                 a.trust_pickles, out=a.out)
         except CheckpointError as e:
             from .checkpoint import ChecksumMismatchError, WriteError
             what = ("checksum mismatch" if isinstance(e, ChecksumMismatchError) else

@@ -6,6 +6,7 @@ ChecksumMismatchError naming the object and tensor, with the model left on meta;
 sidecar fails before anything is allocated; ``checksum --verify`` checks an S3 checkpoint."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -127,6 +128,38 @@ def test_row_block_and_column_slice_verify_whole_blocks(s3, tmp_path):
     load_targets(_targets(), open_checkpoint(url, storage_options=opts), verify=True)
 
 
+def test_manifest_of_a_checkpoint_only_in_s3(s3, tmp_path):
+    """A checkpoint written straight to S3 gets its manifest from there: ``checksum s3://...
+    --out FILE`` (the same digests as one built locally), uploaded as the sidecar, then a
+    verified load; metamat itself never writes into the store."""
+    path = _save("dcp", tmp_path)
+    url = upload_dir(s3, path, "only-s3")
+    out = str(tmp_path / "manifest.json")
+    env = _cli_env(s3)
+    run = [sys.executable, "-m", "metamat", "checksum", url]
+    r = subprocess.run(run, capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 2 and "--out" in r.stderr
+    r = subprocess.run(run + ["--out", out, "--block-bytes", "4096"], capture_output=True,
+                       text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    local = str(tmp_path / "local.json")
+    write_manifest(path, out=local, block_bytes=4096)
+    with open(out) as a, open(local) as b:
+        assert json.load(a)["chunks"] == json.load(b)["chunks"]
+    with pytest.raises(ValueError, match="does not write into S3"):
+        write_manifest(open_checkpoint(url, storage_options=s3.options()))
+    upload_dir(s3, out, "only-s3/.metamat-checksums.json")
+    model = _meta_net()
+    rep = metamat.materialize(model, url, device="cpu", verify=True,
+                              storage_options=s3.options())
+    assert rep.bytes_verified == rep.bytes_needed > 0
+
+
+def _cli_env(s3) -> dict:
+    return dict(os.environ, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
+                AWS_ENDPOINT_URL=s3.proxy.url, AWS_REGION="us-east-1", AWS_ALLOW_HTTP="true")
+
+
 def test_cli_checksum_verify(s3, tmp_path):
     path = _save("dcp", tmp_path)
     write_manifest(path)
@@ -134,8 +167,7 @@ def test_cli_checksum_verify(s3, tmp_path):
     ch = _chunk(path, "lin.weight")
     _flip(ch.file, ch.byte_offset + 7)
     bad = _upload(s3, path, "cli-bad")
-    env = dict(os.environ, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
-               AWS_ENDPOINT_URL=s3.proxy.url, AWS_REGION="us-east-1", AWS_ALLOW_HTTP="true")
+    env = _cli_env(s3)
     run = [sys.executable, "-m", "metamat", "checksum", "--verify"]
     r = subprocess.run(run + [url], capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 0, r.stderr

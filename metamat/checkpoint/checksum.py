@@ -33,7 +33,7 @@ from .limits import loads_json, short_repr
 
 __all__ = ["ALGORITHM", "DEFAULT_BLOCK_BYTES", "ChunkSum", "Manifest", "VerifyResult",
            "block_span", "block_mismatch",
-           "sidecar_path", "build_manifest", "write_manifest", "read_manifest",
+           "sidecar_path", "build_manifest", "write_manifest", "save_manifest", "read_manifest",
            "verify_manifest", "verify_ranges", "reads_from_plan"]
 
 ALGORITHM = "xxh3_64"
@@ -194,12 +194,17 @@ def build_manifest(ckpt: Union[Checkpoint, str, os.PathLike],
     if not isinstance(ckpt, Checkpoint):
         from .open import open_checkpoint
         ckpt = open_checkpoint(ckpt)
-    root = _root(ckpt.path)
+    # an s3:// checkpoint's prefix is listed with the options it was opened with
+    with fs.storage_for(ckpt.path).opening(ckpt.path, getattr(ckpt, "storage_options", None)):
+        root = _root(ckpt.path)
     m = Manifest(root, ckpt.format, int(block_bytes), {})
     by_file: Dict[str, List] = {}
     for e in ckpt.tensors().values():
         for c in e.chunks:
             by_file.setdefault(c.file, []).append((e.name, c))
+    if not fs.storage_for(ckpt.path).os_files:
+        from .checksum_remote import build_remote
+        return build_remote(ckpt, m, by_file)
     for f, items in sorted(by_file.items()):
         rel = os.path.relpath(f, root)
         with open_binary(f, "data file") as fh:
@@ -221,13 +226,26 @@ def write_manifest(ckpt: Union[Checkpoint, str, os.PathLike], out: Optional[str]
         The path written.
 
     Raises:
+        ValueError: an ``s3://`` checkpoint without a local ``out`` (metamat does not write
+            into the store: upload the file written as its sidecar).
         WriteError: ``out`` cannot be written (nothing is left behind).
     """
     if not isinstance(ckpt, Checkpoint):
         from .open import open_checkpoint
         ckpt = open_checkpoint(ckpt)
-    m = build_manifest(ckpt, block_bytes)
-    out = out or sidecar_path(ckpt.path)
+    if not fs.storage_for(out or ckpt.path).os_files:  # before hashing anything
+        raise ValueError("metamat does not write into S3: give a local out= and upload it as "
+                         "the checkpoint's sidecar (.metamat-checksums.json in its directory, "
+                         "FILE.xxh3.json beside a file)")
+    return save_manifest(build_manifest(ckpt, block_bytes), out or sidecar_path(ckpt.path))
+
+
+def save_manifest(m: Manifest, out: str) -> str:
+    """Write ``m`` to the local file ``out``, atomically; returns ``out``.
+
+    Raises:
+        WriteError: ``out`` cannot be written (nothing is left behind).
+    """
     # a random temporary name created O_EXCL|O_NOFOLLOW, renamed over `out`: a symlink
     # planted in the checkpoint directory is never followed
     atomic_write(out, json.dumps(m.to_json(), separators=(",", ":")).encode(),
