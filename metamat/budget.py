@@ -10,13 +10,31 @@ the last staging ring is kept for the next one (``metamat.release_staging_memory
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import List, Sequence
 
-__all__ = ["StagingBudget", "MIN_BOUNCE", "MAX_BOUNCE", "MIN_RING_BUFFER"]
+__all__ = ["StagingBudget", "MIN_BOUNCE", "MAX_BOUNCE", "MIN_RING_BUFFER", "groups_within"]
 
 MIN_BOUNCE = 16 << 10  # below this a bounce buffer costs a syscall per few rows
 MAX_BOUNCE = 8 << 20  # beyond this a thread's buffer stops paying off (and pins memory)
 MIN_RING_BUFFER = 64 << 10  # smaller device copies are dominated by their launch
 _ALIGN = 4096  # ring buffers and bounce buffers are whole pages (direct I/O, pinning)
+
+
+def groups_within(sizes: Sequence[int], cap: int) -> List[List[int]]:
+    """Indexes of ``sizes``, in order, cut into consecutive groups whose sizes add up to at
+    most ``cap`` (a single item larger than ``cap`` is a group of its own)."""
+    groups: List[List[int]] = []
+    cur: List[int] = []
+    used = 0
+    for i, n in enumerate(sizes):
+        if cur and used + n > cap:
+            groups.append(cur)
+            cur, used = [], 0
+        cur.append(i)
+        used += n
+    if cur:
+        groups.append(cur)
+    return groups
 
 
 def _floor(n: int) -> int:

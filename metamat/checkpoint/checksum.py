@@ -21,26 +21,25 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 from . import storage as fs
-from .access import contained_path, read_metadata_file
+from .access import read_metadata_file
 from .atomic import atomic_write
 from .base import Checkpoint, open_binary
 from .errors import ChecksumMismatchError, InvalidHeaderError
-from .limits import loads_json, short_repr
+from .limits import loads_json
+from .manifest import (ALGORITHM, ChunkSum, Manifest, VerifyResult, block_mismatch,
+                       block_span)
 
 __all__ = ["ALGORITHM", "DEFAULT_BLOCK_BYTES", "ChunkSum", "Manifest", "VerifyResult",
            "block_span", "block_mismatch",
            "sidecar_path", "build_manifest", "write_manifest", "save_manifest", "read_manifest",
            "verify_manifest", "verify_ranges", "reads_from_plan"]
 
-ALGORITHM = "xxh3_64"
 #: Big enough that hashing runs at memory speed, small enough that a row-block read
 #: re-hashes little beyond what it read.
 DEFAULT_BLOCK_BYTES = 4 << 20
-_VERSION = 1
 _SIDECAR_DIR = ".metamat-checksums.json"
 _SIDECAR_SUFFIX = ".xxh3.json"
 _PIECE = 8 << 20  # read size while hashing one block
@@ -53,107 +52,6 @@ def _xxh3():
         raise ImportError("metamat.checkpoint.checksum needs the 'xxhash' package "
                           "(pip install xxhash)") from e
     return xxhash.xxh3_64
-
-
-@dataclass(frozen=True)
-class ChunkSum:
-    """Checksums of one saved chunk.
-
-    Attributes:
-        file: data file, relative to the manifest root.
-        tensor: the fqn.
-        offsets: the chunk's position in the global tensor.
-        byte_offset: first byte of the chunk in ``file``.
-        nbytes: bytes of the chunk.
-        blocks: hex xxh3_64 of each block ``[byte_offset + i*B, +B)`` (B = block_bytes).
-    """
-
-    file: str
-    tensor: str
-    offsets: Tuple[int, ...]
-    byte_offset: int
-    nbytes: int
-    blocks: Tuple[str, ...]
-
-
-@dataclass
-class Manifest:
-    """A checkpoint's checksums.
-
-    Attributes:
-        root: directory the file names are relative to (absolute; not stored in the JSON).
-        format: the checkpoint format, as ``Checkpoint.format``.
-        block_bytes: block size of every chunk's digests.
-        files: relative file -> size in bytes when the manifest was written.
-        chunks: one entry per saved chunk.
-        algorithm: always ``"xxh3_64"`` for now.
-    """
-
-    root: str
-    format: str
-    block_bytes: int
-    files: Dict[str, int]
-    chunks: List[ChunkSum] = field(default_factory=list)
-    algorithm: str = ALGORITHM
-
-    def to_json(self) -> dict:
-        return {"version": _VERSION, "algorithm": self.algorithm, "format": self.format,
-                "block_bytes": self.block_bytes, "files": self.files,
-                "chunks": [{"file": c.file, "tensor": c.tensor, "offsets": list(c.offsets),
-                            "byte_offset": c.byte_offset, "nbytes": c.nbytes,
-                            "blocks": list(c.blocks)} for c in self.chunks]}
-
-    @classmethod
-    def from_json(cls, d, root: str, where: str) -> "Manifest":
-        """Parse :meth:`to_json` output; ``where`` names the sidecar in errors.
-
-        Raises:
-            InvalidHeaderError: not a manifest this version understands.
-        """
-        try:
-            if d["version"] != _VERSION or d["algorithm"] != ALGORITHM:
-                raise InvalidHeaderError(f"manifest version {short_repr(d['version'])} / "
-                                         f"algorithm {short_repr(d['algorithm'])} not "
-                                         "supported", file=where)
-            bb = d["block_bytes"]
-            files = {str(k): int(v) for k, v in d["files"].items()}
-            chunks = [ChunkSum(str(c["file"]), str(c["tensor"]),
-                               tuple(int(o) for o in c["offsets"]), int(c["byte_offset"]),
-                               int(c["nbytes"]), tuple(str(b) for b in c["blocks"]))
-                      for c in d["chunks"]]
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
-            raise InvalidHeaderError(f"malformed checksum manifest ({type(e).__name__}: {e})",
-                                     file=where) from None
-        if not isinstance(bb, int) or bb <= 0:
-            raise InvalidHeaderError(f"block_bytes {short_repr(bb)} must be a positive int",
-                                     file=where)
-        # names come from the sidecar: nothing outside the checkpoint is hashed or named
-        for rel in list(files) + [c.file for c in chunks]:
-            contained_path(root, rel, "manifest file name", where)
-        for c in chunks:
-            if c.byte_offset < 0 or c.nbytes < 0 or len(c.blocks) != -(-c.nbytes // bb):
-                raise InvalidHeaderError(f"chunk at {c.offsets} has {len(c.blocks)} digests "
-                                         f"for {c.nbytes} B", file=where, tensor=c.tensor)
-        return cls(root, str(d.get("format", "")), bb, files, chunks)
-
-    def abspath(self, rel: str) -> str:
-        return fs.normpath(fs.join(self.root, rel))
-
-
-@dataclass
-class VerifyResult:
-    """What a verification covered.
-
-    Attributes:
-        blocks: blocks hashed and found equal.
-        bytes_hashed: bytes read to hash them.
-        uncovered_bytes: bytes of the requested reads that no manifest chunk covers
-            (headers, or a different checkpoint): not verified.
-    """
-
-    blocks: int = 0
-    bytes_hashed: int = 0
-    uncovered_bytes: int = 0
 
 
 def _root(ckpt_path: str) -> str:
@@ -293,20 +191,6 @@ def _verify_blocks(m: Manifest, c: ChunkSum, which: Iterable[int], res: VerifyRe
             if got != c.blocks[i]:
                 raise block_mismatch(m, c, i, got)
             res.blocks += 1
-
-
-def block_span(m: Manifest, c: ChunkSum, i: int) -> Tuple[int, int]:
-    """(first byte, length) of block ``i`` of chunk ``c`` in its file."""
-    return c.byte_offset + i * m.block_bytes, min(m.block_bytes, c.nbytes - i * m.block_bytes)
-
-
-def block_mismatch(m: Manifest, c: ChunkSum, i: int, got: str) -> ChecksumMismatchError:
-    """The named error for block ``i`` of chunk ``c`` hashing to ``got`` (hex)."""
-    b0, n = block_span(m, c, i)
-    return ChecksumMismatchError(
-        f"chunk at {tuple(c.offsets)}: bytes [{b0}, {b0 + n}) hash {got}, the manifest says "
-        f"{c.blocks[i]} ({m.algorithm})", file=m.abspath(c.file), tensor=c.tensor,
-        chunk=tuple(c.offsets), byte_range=(b0, b0 + n))
 
 
 def verify_manifest(m: Manifest) -> VerifyResult:

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, Iterator, List, Sequence, Tuple
 
 from . import storage as fs
-from .checksum import ChunkSum, Manifest, VerifyResult, block_mismatch, block_span
+from .manifest import ChunkSum, Manifest, VerifyResult, block_mismatch, block_span
 from .errors import ChecksumMismatchError, MissingFileError
 
 __all__ = ["build_remote", "verify_remote"]

@@ -27,6 +27,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from ..budget import groups_within
 from ..checkpoint.errors import DtypeMismatchError
 from ..plan import Target
 
@@ -351,16 +352,8 @@ class QuantReads:
         index = {id(t): i for i, t in enumerate(self.pieces)}
         order = [index[id(t)] for t in self.plan.targets]  # plan target k is piece order[k]
         total, done = self.plan.src_bytes, 0
-        rounds, cur, used = [], [], 0
-        for k, i in enumerate(order):
-            n = self.pieces[i].local_shape[0] * self.pieces[i].local_shape[1]
-            if cur and used + n > scratch.numel():
-                rounds.append(cur)
-                cur, used = [], 0
-            cur.append(k)
-            used += n
-        if cur:
-            rounds.append(cur)
+        rounds = groups_within([self.pieces[i].local_shape[0] * self.pieces[i].local_shape[1]
+                                for i in order], scratch.numel())
         for keep in rounds:
             pos = 0
             for k in keep:

@@ -29,6 +29,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
+from ..budget import groups_within
 from ..checkpoint import storage as fs
 from ..checkpoint.errors import ReadError
 from ..checkpoint.storage import fetch_range
@@ -99,18 +100,7 @@ def batch_requests(reqs: Sequence[tuple], cap: int) -> List[List[int]]:
     """Indexes of ``(file, start, end, direct)`` requests in batches of whole requests, in
     order: each batch's staged ones fit the staging buffer, and a batch has at most ``cap``
     bytes in flight (progress and KeyboardInterrupt land between batches)."""
-    batches: List[List[int]] = []
-    cur, used = [], 0
-    for i, (_, s, e, _d) in enumerate(reqs):
-        n = (e - s + (s % 64) + 63) & ~63
-        if cur and used + n > cap:
-            batches.append(cur)
-            cur, used = [], 0
-        cur.append(i)
-        used += n
-    if cur:
-        batches.append(cur)
-    return batches
+    return groups_within([(e - s + (s % 64) + 63) & ~63 for _, s, e, _d in reqs], cap)
 
 
 def _split(reqs, part: int):
