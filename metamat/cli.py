@@ -273,6 +273,8 @@ def main(argv=None) -> int:
             return 2
         if a.verify and a.out:
             p.error("--out applies when writing a manifest, not with --verify")
+        if a.out and a.out.startswith("s3://"):
+            p.error("--out must be a local path (metamat does not write into S3)")
         if a.verify and a.block_bytes is not None:
             p.error("--block-bytes applies when writing a manifest, not with --verify")
         if a.block_bytes is not None and a.block_bytes <= 0:

@@ -111,6 +111,7 @@ def _load(seed: int, corrupt: bool, pool) -> str:
                 else:
                     where[i] = off + s % 64
                     off += (e - s + s % 64 + 63) & ~63
+                    assert off <= len(buf), "the test's buffer is too small for this batch"
                     buf[where[i]:where[i] + e - s] = served[f][s:e]
             mv = memoryview(buf)
             v.check([(f, s, e, views[i], True) if d else

@@ -105,8 +105,9 @@ def test_manifest_of_another_checkpoint_raises_before_reading(s3, tmp_path):
 
 
 def test_row_block_and_column_slice_verify_whole_blocks(s3, tmp_path):
-    """Rank-local reads widen to whole blocks: a flipped byte the targets do not need, in a
-    block they touch, is caught; one in a block they do not touch is never read."""
+    """Rank-local reads check whole blocks (their outside parts fetched too): a flipped byte
+    the targets do not need, in a block they touch, is caught; one in a block they do not
+    touch is never read."""
     path = _save("safetensors", tmp_path)
     write_manifest(path, block_bytes=3008)  # row 1000 starts inside block 63
     url = _upload(s3, path, "rows")
@@ -139,6 +140,9 @@ def test_manifest_of_a_checkpoint_only_in_s3(s3, tmp_path):
     run = [sys.executable, "-m", "metamat", "checksum", url]
     r = subprocess.run(run, capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 2 and "--out" in r.stderr
+    r = subprocess.run(run + ["--out", f"{url}/m.json"], capture_output=True, text=True,
+                       env=env, timeout=120)
+    assert r.returncode == 2 and "local path" in r.stderr
     r = subprocess.run(run + ["--out", out, "--block-bytes", "4096"], capture_output=True,
                        text=True, env=env, timeout=120)
     assert r.returncode == 0, r.stderr

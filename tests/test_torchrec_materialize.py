@@ -499,9 +499,10 @@ def test_ec_fused_world2(device_str):
 @pytest.mark.multiprocess
 def test_ec_dense_kernel_world2(tmp_path):
     """EmbeddingCollection on TorchRec's DENSE kernel (BatchedDenseEmbedding: autograd
-    weights, no fused optimizer), sharded and data-parallel: the fused kernel's values, saved by DCP and loaded back into
-    a fused-kernel model. No train step on the CPU: fbgemm's CPU dense TBE pools sequence
-    lookups (see the next test), so TorchRec's own eager model fails there too."""
+    weights, no fused optimizer), sharded and data-parallel: the fused kernel's values,
+    saved by DCP and loaded back into a fused-kernel model. No train step on the CPU:
+    fbgemm's CPU dense TBE pools sequence lookups (see the next test), so TorchRec's own
+    eager model fails there too."""
     kinds = {**EC_KINDS, "t3": "dp"}
     res = run_dist(worker_sharded, 2, "ec", "dense", kinds, "metamat", False, False,
                    str(tmp_path), False)
@@ -513,6 +514,7 @@ def test_ec_dense_kernel_world2(tmp_path):
     for r in res:
         assert r["reloaded"].keys() == r["blocks"].keys()
         for k, blocks in r["blocks"].items():
+            assert len(blocks) == len(r["reloaded"][k]), k
             for (o1, a), (o2, b) in zip(blocks, r["reloaded"][k]):
                 assert o1 == o2 and torch.equal(a, b), k
 

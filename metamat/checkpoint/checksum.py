@@ -30,7 +30,7 @@ from .base import Checkpoint, open_binary
 from .errors import ChecksumMismatchError, InvalidHeaderError
 from .limits import loads_json
 from .manifest import (ALGORITHM, ChunkSum, Manifest, VerifyResult, block_mismatch,
-                       block_span)
+                       block_span, xxh3_64)
 
 __all__ = ["ALGORITHM", "DEFAULT_BLOCK_BYTES", "ChunkSum", "Manifest", "VerifyResult",
            "block_span", "block_mismatch",
@@ -45,15 +45,6 @@ _SIDECAR_SUFFIX = ".xxh3.json"
 _PIECE = 8 << 20  # read size while hashing one block
 
 
-def _xxh3():
-    try:
-        import xxhash
-    except ImportError as e:  # a declared dependency; say which one is missing
-        raise ImportError("metamat.checkpoint.checksum needs the 'xxhash' package "
-                          "(pip install xxhash)") from e
-    return xxhash.xxh3_64
-
-
 def _root(ckpt_path: str) -> str:
     return ckpt_path if fs.isdir(ckpt_path) else fs.dirname(ckpt_path)
 
@@ -66,7 +57,7 @@ def sidecar_path(checkpoint_path) -> str:
 
 
 def _hash_range(fh, start: int, n: int, path: str, tensor: Optional[str]) -> str:
-    h = _xxh3()()
+    h = xxh3_64()()
     done = 0
     while done < n:
         b = fs.pread(fh, min(_PIECE, n - done), start + done)

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, Iterator, List, Sequence, Tuple
 
 from . import storage as fs
-from .manifest import ChunkSum, Manifest, VerifyResult, block_mismatch, block_span
+from .manifest import ChunkSum, Manifest, VerifyResult, block_mismatch, block_span, xxh3_64
 from .errors import ChecksumMismatchError, MissingFileError
 
 __all__ = ["build_remote", "verify_remote"]
@@ -22,13 +22,14 @@ __all__ = ["build_remote", "verify_remote"]
 def _hashes(pins: Dict[str, tuple], blocks: Sequence[Tuple[str, int, int]]) -> Iterator[str]:
     """xxh3_64 hex digests of ``(url, first byte, length)`` blocks, in order, fetched
     concurrently with each object's pin required."""
-    import xxhash
+    xxh3 = xxh3_64()
 
     def digest(block) -> str:
         url, b0, n = block
         sess, size, pin = pins[url]
-        data = fs.fetch_range(sess, url, b0, b0 + n, pin, what="data object", size=size)
-        return xxhash.xxh3_64_hexdigest(data)
+        h = xxh3()
+        h.update(fs.fetch_range(sess, url, b0, b0 + n, pin, what="data object", size=size))
+        return h.hexdigest()
 
     sess = next(iter(pins.values()))[0] if pins else fs.current()
     pool = ThreadPoolExecutor(max_workers=max(1, sess.max_concurrency),
@@ -42,7 +43,11 @@ def _hashes(pins: Dict[str, tuple], blocks: Sequence[Tuple[str, int, int]]) -> I
 def build_remote(ckpt, m: Manifest, by_file: Dict[str, List]) -> Manifest:
     """Fill ``m`` (root, format, block size set) with the chunks of ``by_file`` (object ->
     [(tensor name, Chunk)]), hashed from S3 under the pins the open recorded."""
-    pins = getattr(ckpt, "remote_meta", None) or {f: fs.remote_meta(f) for f in by_file}
+    pins = getattr(ckpt, "remote_meta", None)
+    if not pins:  # a checkpoint object built by hand: pin now, with its storage options
+        with fs.storage_for(ckpt.path).opening(ckpt.path,
+                                               getattr(ckpt, "storage_options", None)):
+            pins = {f: fs.remote_meta(f) for f in by_file}
     B = m.block_bytes
     blocks, chunks = [], []
     for f, items in sorted(by_file.items()):

@@ -12,10 +12,20 @@ from .errors import ChecksumMismatchError, InvalidHeaderError
 from .limits import short_repr
 
 __all__ = ["ALGORITHM", "ChunkSum", "Manifest", "VerifyResult", "block_span",
-           "block_mismatch"]
+           "block_mismatch", "xxh3_64"]
 
 ALGORITHM = "xxh3_64"
 _VERSION = 1
+
+
+def xxh3_64():
+    """The hasher class of :data:`ALGORITHM` (``xxhash.xxh3_64``: it releases the GIL)."""
+    try:
+        import xxhash
+    except ImportError as e:  # a declared dependency; say which one is missing
+        raise ImportError("metamat's checksum manifests need the 'xxhash' package "
+                          "(pip install xxhash)") from e
+    return xxhash.xxh3_64
 
 
 @dataclass(frozen=True)
@@ -117,7 +127,6 @@ class VerifyResult:
     blocks: int = 0
     bytes_hashed: int = 0
     uncovered_bytes: int = 0
-
 
 
 def block_span(m: Manifest, c: ChunkSum, i: int) -> Tuple[int, int]:

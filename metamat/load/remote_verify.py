@@ -22,7 +22,7 @@ import bisect
 from concurrent.futures import Executor
 from typing import Dict, List, Sequence, Set, Tuple
 
-from ..checkpoint.checksum import Manifest
+from ..checkpoint.manifest import Manifest, xxh3_64
 from .ops import ReadOp
 from .verify import BlockIndex
 
@@ -32,9 +32,7 @@ _MASK = (1 << 64) - 1
 
 
 def _digest(parts: Sequence) -> int:
-    import xxhash  # a declared dependency (checksum.py says so when it is missing)
-
-    h = xxhash.xxh3_64()
+    h = xxh3_64()()
     for p in parts:
         h.update(p)
     return h.intdigest()
