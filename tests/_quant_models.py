@@ -84,38 +84,39 @@ def propagate_device():
         gs.set_propogate_device(old)
 
 
-def sharder_for(kind: str, tables, ec: bool = False):
-    from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+def sharder_for(kind: str, tables, ec: bool = False, kernel: str = "quant"):
     from torchrec.distributed.test_utils.infer_utils import (TestQuantEBCSharder,
                                                               TestQuantECSharder)
 
     st = {"tw": "table_wise", "rw": "row_wise", "cw": "column_wise"}[kind]
     if ec:
-        return TestQuantECSharder(sharding_type=st, kernel_type=EmbeddingComputeKernel.QUANT.value)
-    return TestQuantEBCSharder(sharding_type=st, kernel_type=EmbeddingComputeKernel.QUANT.value,
+        return TestQuantECSharder(sharding_type=st, kernel_type=kernel)
+    return TestQuantEBCSharder(sharding_type=st, kernel_type=kernel,
                                shardable_params=[t.name for t in tables])
 
 
-def quant_plan(qmodel: nn.Module, sharder, world_size: int, min_partition: int = 8):
+def quant_plan(qmodel: nn.Module, sharder, world_size: int, min_partition: int = 8,
+               compute_device: str = "cpu"):
     from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
     from torchrec.distributed.planner.types import ParameterConstraints
 
     names = [n for n, _ in qmodel.coll.embedding_bags.items()] if hasattr(
         qmodel.coll, "embedding_bags") else [n for n, _ in qmodel.coll.embeddings.items()]
     return EmbeddingShardingPlanner(
-        topology=Topology(world_size=world_size, compute_device="cpu"), batch_size=1,
+        topology=Topology(world_size=world_size, compute_device=compute_device), batch_size=1,
         constraints={n: ParameterConstraints(min_partition=min_partition) for n in names},
     ).plan(qmodel, [sharder])
 
 
-def shard(qmodel: nn.Module, sharder, plan, world_size: int, device: str) -> nn.Module:
-    """``shard_quant_model`` of a copy: ``device="cpu"`` is TorchRec's real CPU sharding (its
-    tables zeros until loaded), ``"meta"`` the one metamat materializes."""
+def shard(qmodel: nn.Module, sharder, plan, world_size: int, device: str,
+          compute_device: str = "cpu") -> nn.Module:
+    """``shard_quant_model`` of a copy: ``device="cpu"`` (or ``"cuda"``) is TorchRec's real
+    sharding (its tables zeros until loaded), ``"meta"`` the one metamat materializes."""
     from torchrec.inference.modules import shard_quant_model
 
     with propagate_device() if device == "cpu" else contextlib.nullcontext():
         out, _ = shard_quant_model(copy.deepcopy(qmodel), world_size=world_size,
-                                   compute_device="cpu", sharding_device=device,
+                                   compute_device=compute_device, sharding_device=device,
                                    sharders=[sharder], sharding_plan=plan)
     return out
 

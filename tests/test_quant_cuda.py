@@ -76,16 +76,137 @@ def test_emulated_device_init_and_quantized_checkpoint(tmp_path):
     _same_bytes(q3, q2)
 
 
-def test_sharded_host_layout_refused_on_a_gpu(tmp_path):
+def _gpu_sharded(tables, kind, qdtype, world_size=1, ec=False, kernel="quant",
+                 compute_device="cuda"):
+    """(TorchRec's converted float model, the quant-sharded meta model planned for a GPU, the
+    sharder, the plan): ``shard_quant_model(..., compute_device="cuda",
+    sharding_device="meta")``, TorchRec's default for GPU inference."""
+    f = float_model(tables, seed=11, ec=ec)
+    qref = quantize(f, qdtype, True)
+    sharder = sharder_for(kind, tables, ec=ec, kernel=kernel)
+    plan = quant_plan(qref, sharder, world_size, compute_device=compute_device)
+    got = shard(meta_quant(tables, qdtype, True, ec=ec), sharder, plan, world_size, "meta",
+                compute_device=compute_device)
+    return f, qref, got, sharder, plan
+
+
+def _fbgemm_relayout(model, device):
+    """fbgemm's own move of a meta-sharded model's TBEs to a GPU layout (what TorchRec's
+    inference runtime does: ``reset_weights_placements_and_offsets`` to DEVICE, then
+    ``recompute_module_buffers``), on ``device``: the reference layout."""
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
+
+    for t in tbes(model):
+        t.reset_weights_placements_and_offsets(device, EmbeddingLocation.DEVICE.value)
+        t.recompute_module_buffers()
+    return model
+
+
+def _assert_padding_zero(model):
+    """Zero every table view of the state in place: the TBE storages must then be all zero
+    (the state's tensors alias weights_dev, and the row padding and table gaps are 0)."""
+    for parts in state_bytes(model).values():
+        for _, x in parts:
+            if x.dtype == torch.uint8 or x.dtype == torch.float16:
+                x.view(torch.uint8).zero_()
+    for t in tbes(model):
+        assert t.weights_dev.numel() and not t.weights_dev.any()
+
+
+@pytest.mark.parametrize("kind,qdtype", [("tw", "int8"), ("rw", "int4"), ("cw", "int8"),
+                                         ("tw", "int2"), ("cw", "int4")])
+def test_sharded_for_a_gpu_emulated(tmp_path, kind, qdtype):
+    """TorchRec's default GPU inference sharding (``shard_quant_model(compute_device="cuda",
+    sharding_device="meta")``, world size 1): HOST-placed TBEs on meta, laid out for the
+    device as fbgemm lays them out, the tables' bytes TorchRec's conversion's. (TorchRec's
+    quant sharding splits scale/bias, which it cannot do for FP16 tables: INT-N only.)"""
     tables = ebc_tables(dims=(16, 32, 48), rows=(37, 3, 100))
-    f = float_model(tables)
+    f, qref, got, sharder, plan = _gpu_sharded(tables, kind, qdtype)
     path = _save(f, str(tmp_path / "f.pt"))
-    qref = quantize(f, "int8", True)
-    sharder = sharder_for("rw", tables)
-    got = shard(meta_quant(tables, "int8", True), sharder, quant_plan(qref, sharder, 2), 2, "meta")
-    with emulated_cuda(), pytest.raises(metamat.UnsupportedError, match="device='cpu'"):
+    layout = _fbgemm_relayout(shard(meta_quant(tables, qdtype, True), sharder, plan, 1, "meta",
+                                    compute_device="cuda"), torch.device("cpu"))
+    with emulated_cuda():
+        r = metamat.materialize(got, path, device="cuda")
+    assert "emulated" in r.device and no_meta(got)
+    ref = shard(qref, sharder, plan, 1, "cpu")  # TorchRec's CPU sharding, its state loaded
+    ref.load_state_dict(qref.state_dict())
+    a, b = state_bytes(ref), state_bytes(got)
+    keys = [k for k in a if k.startswith("coll.")]
+    assert keys and keys == [k for k in b if k.startswith("coll.")]
+    for k in keys:
+        assert [o for o, _ in a[k]] == [o for o, _ in b[k]], k
+        for (_, x), (_, y) in zip(a[k], b[k]):
+            assert torch.equal(x.view(torch.uint8), y.view(torch.uint8)), k
+    for x, y in zip(tbes(layout), tbes(got)):
+        for name in ("embedding_specs", "row_alignment", "host_size", "dev_size", "uvm_size",
+                     "weights_physical_placements", "weights_physical_offsets",
+                     "weight_initialized", "feature_table_map", "pooling_mode"):
+            assert getattr(x, name) == getattr(y, name), name
+        assert not y.use_cpu and y.weights_host.numel() == 0
+        assert set(y.weights_placements.tolist()) == {0}  # EmbeddingLocation.DEVICE
+        for name in ("weights_offsets", "weights_placements"):
+            assert torch.equal(getattr(x, name), getattr(y, name)), name
+        bx, by = dict(x.named_buffers()), dict(y.named_buffers())
+        assert bx.keys() == by.keys()
+        for n in bx:  # fbgemm leaves the (unused) cache buffers on meta: compare the others
+            if not bx[n].is_meta:
+                assert torch.equal(bx[n], by[n]), n
+    if kind == "cw":
+        sd = got.state_dict()
+        placements = {str(s.placement) for s in sd["coll.embedding_bags.t2.weight"].metadata()
+                      .shards_metadata}
+        assert placements == {"cpu"}, placements  # the device (the CPU stands for it)
+    _assert_padding_zero(got)
+
+
+def test_sharded_ec_for_a_gpu_emulated(tmp_path):
+    from _quant_models import ec_tables
+
+    tables = ec_tables(rows=(37, 3, 100))
+    f, qref, got, sharder, plan = _gpu_sharded(tables, "cw", "int8", ec=True)
+    path = _save(f, str(tmp_path / "f.pt"))
+    with emulated_cuda():
+        metamat.materialize(got, path, device="cuda")
+    ref = shard(qref, sharder, plan, 1, "cpu")
+    ref.load_state_dict(qref.state_dict())
+    a, b = state_bytes(ref), state_bytes(got)
+    for k in (k for k in a if k.startswith("coll.")):
+        for (_, x), (_, y) in zip(a[k], b[k]):
+            assert torch.equal(x.view(torch.uint8), y.view(torch.uint8)), k
+    _assert_padding_zero(got)
+
+
+def test_sharded_for_a_gpu_init_is_the_cpu_init(tmp_path):
+    """No checkpoint: the same init bytes as the same model materialized on the CPU."""
+    tables = ebc_tables(dims=(16, 32, 48), rows=(37, 3, 100))
+    _, _, got, sharder, plan = _gpu_sharded(tables, "rw", "int8")
+    on_cpu = shard(meta_quant(tables, "int8", True), sharder, plan, 1, "meta",
+                   compute_device="cuda")
+    with emulated_cuda():
+        metamat.materialize(got, device="cuda", seed=3)
+    metamat.materialize(on_cpu, device="cpu", seed=3)
+    for x, y in zip(tbes(on_cpu), tbes(got)):  # same row alignment (16): the same bytes
+        assert torch.equal(x.weights_host, y.weights_dev)
+
+
+@pytest.mark.parametrize("case,match", [
+    ("cpu plan", "device='cpu'"),
+    ("two ranks", "rank 1, which TorchRec places on cuda:1"),
+    ("uvm kernel", "quant_uvm"),
+])
+def test_sharded_refused_on_a_gpu(tmp_path, case, match):
+    """What metamat cannot lay out on one GPU is refused by name, the model left on meta."""
+    tables = ebc_tables(dims=(16, 32, 48), rows=(37, 3, 100))
+    kw = {"cpu plan": dict(compute_device="cpu"), "two ranks": dict(world_size=2),
+          "uvm kernel": dict(kernel="quant_uvm")}[case]
+    f, _, got, _, _ = _gpu_sharded(tables, "tw" if case != "two ranks" else "rw", "int8", **kw)
+    path = _save(f, str(tmp_path / "f.pt"))
+    with emulated_cuda(), pytest.raises(metamat.UnsupportedError, match=match):
         metamat.materialize(got, path, device="cuda")
     assert not no_meta(got)
+    if case == "cpu plan":
+        metamat.materialize(got, path, device="cpu")  # what the message says to do
+        assert no_meta(got)
 
 
 # ------------------------------------------------------------------------------------------
@@ -113,3 +234,28 @@ def test_cuda_inference_tbes(tmp_path, qdtype, split):
     names, rows = feature_rows(tables)
     kjt = batch(names, rows).to(dev)
     assert torch.equal(ref(kjt).values(), q(kjt).values())
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kind,qdtype", [("tw", "int8"), ("rw", "int4"), ("cw", "int8"),
+                                         ("tw", "int2")])
+def test_cuda_sharded_inference(tmp_path, kind, qdtype):
+    """TorchRec's default GPU inference sharding built on meta and materialized on the GPU,
+    against the same plan sharded by TorchRec on the GPU (``sharding_device="cuda"``) with the
+    converted state loaded: every table byte, every TBE buffer and attribute, the forward."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    tables = ebc_tables(dims=(16, 32, 48), rows=(37, 3, 100))
+    f, qref, got, sharder, plan = _gpu_sharded(tables, kind, qdtype)
+    path = _save(f, str(tmp_path / "f.pt"))
+    ref = shard(qref, sharder, plan, 1, "cuda", compute_device="cuda")
+    ref.load_state_dict(qref.state_dict())
+    metamat.materialize(got, path, device="cuda")
+    assert no_meta(got)
+    assert_same_quant_state(ref, got, kind, prefix="coll.")
+    for k, v in ref.state_dict().items():
+        if hasattr(v, "metadata"):  # ShardedTensor placements: the same device named
+            assert [str(s.placement) for s in v.metadata().shards_metadata] == \
+                [str(s.placement) for s in got.state_dict()[k].metadata().shards_metadata], k
+    names, rows = feature_rows(tables)
+    kjt = batch(names, rows).to(dev)
+    assert torch.equal(ref.coll(kjt).values(), got.coll(kjt).values())

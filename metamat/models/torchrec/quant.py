@@ -27,7 +27,7 @@ from ...errors import UnsupportedError
 from ...load.quantize import KINDS, padded_row_bytes, unpadded_row_bytes
 
 __all__ = ["QuantTable", "QuantTBE", "quant_modules", "is_quantized", "find_tbes", "host_twin",
-           "TBE_HOST_ATTRS"]
+           "device_twin", "gpu_relayout_refusal", "TBE_HOST_ATTRS", "TBE_DEVICE_ATTRS"]
 
 #: Attributes of an inference TBE that differ between one built on meta and the same one
 #: built for the CPU (measured: everything else, buffers aside, is equal).
@@ -269,22 +269,16 @@ def find_tbes(name: str, m: nn.Module) -> List[QuantTBE]:
     return out
 
 
-def host_twin(tbe: Any) -> Any:
-    """The same inference TBE built for the CPU (HOST placement, same row alignment), without
-    its weights: every metadata buffer and layout attribute of the host layout, computed by
-    fbgemm itself (a few KiB; the weights are never allocated).
-
-    Raises:
-        UnsupportedError: fbgemm refuses the arguments, or the twin's layout differs.
-    """
-    from fbgemm_gpu.split_table_batched_embeddings_ops_common import (BoundsCheckMode,
-                                                                     EmbeddingLocation)
+def _twin(tbe: Any, location: Any, device: torch.device) -> Any:
+    """The same inference TBE built by fbgemm with every table at ``location``, on
+    ``device``, with the same row alignment; its layout checked against ``tbe``'s."""
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
     from fbgemm_gpu.split_embedding_configs import SparseType
 
-    specs = [(n, r, d, ty, EmbeddingLocation.HOST) for n, r, d, ty, _ in tbe.embedding_specs]
+    specs = [(n, r, d, ty, location) for n, r, d, ty, _ in tbe.embedding_specs]
     kwargs: Dict[str, Any] = dict(
         embedding_specs=specs, feature_table_map=list(tbe.feature_table_map),
-        pooling_mode=tbe.pooling_mode, device=torch.device("cpu"),
+        pooling_mode=tbe.pooling_mode, device=device,
         bounds_check_mode=BoundsCheckMode(tbe.bounds_check_mode_int),
         output_dtype=SparseType.from_int(tbe.output_dtype), row_alignment=tbe.row_alignment,
         scale_bias_size_in_bytes=tbe.scale_bias_size_in_bytes,
@@ -295,15 +289,85 @@ def host_twin(tbe: Any) -> Any:
     if tbe.fp8_exponent_bits >= 0:  # -1: not an FP8 table
         kwargs.update(fp8_exponent_bits=tbe.fp8_exponent_bits,
                       fp8_exponent_bias=tbe.fp8_exponent_bias)
+    where = "the CPU" if device.type == "cpu" else "a GPU"
     try:
         twin = type(tbe)(**kwargs)
     except Exception as e:  # noqa: BLE001 - fbgemm's own checks
-        raise UnsupportedError(f"cannot lay the inference TBE out for the CPU: {e}") from e
+        raise UnsupportedError(f"cannot lay the inference TBE out for {where}: {e}") from e
     twin.initialize_logical_weights_placements_and_offsets()
     if list(twin.weights_physical_offsets) != list(tbe.weights_physical_offsets) or \
-            twin.host_size != _weights_of(tbe).numel():
-        raise UnsupportedError("the inference TBE's CPU layout differs from the one built on meta")
+            twin.host_size + twin.dev_size != _weights_of(tbe).numel():
+        raise UnsupportedError(f"the inference TBE's layout for {where} differs from the one "
+                               "built on meta")
     return twin
+
+
+def host_twin(tbe: Any) -> Any:
+    """The same inference TBE built for the CPU (HOST placement, same row alignment), without
+    its weights: every metadata buffer and layout attribute of the host layout, computed by
+    fbgemm itself (a few KiB; the weights are never allocated).
+
+    Raises:
+        UnsupportedError: fbgemm refuses the arguments, or the twin's layout differs.
+    """
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
+
+    return _twin(tbe, EmbeddingLocation.HOST, torch.device("cpu"))
+
+
+def device_twin(tbe: Any) -> Any:
+    """The same inference TBE laid out by fbgemm for a GPU (DEVICE placement, same row
+    alignment), built on meta: its specs, sizes, placements and offsets, as fbgemm gives a
+    TBE built on a GPU (its buffers' values come from :func:`host_twin`: they do not depend
+    on the placement).
+
+    Raises:
+        UnsupportedError: fbgemm refuses the arguments, or the twin's layout differs.
+    """
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
+
+    return _twin(tbe, EmbeddingLocation.DEVICE, torch.device("meta"))
+
+
+#: Attributes of an inference TBE a GPU layout changes beyond the buffers: taken from
+#: :func:`device_twin` for a TBE that TorchRec's quant sharding left HOST-placed on meta.
+TBE_DEVICE_ATTRS = ("embedding_specs", "host_size", "dev_size", "uvm_size",
+                    "weights_physical_placements", "weights_physical_offsets", "row_alignment")
+
+
+def gpu_relayout_refusal(name: str, m: nn.Module, tbe: Any) -> Optional[str]:
+    """Whether a HOST-placed TBE of a quant-sharded collection can be laid out on the GPU this
+    call fills: None when TorchRec's plan put it there (every table's shard on ``cuda`` rank
+    0, compute kernel QUANT: the DEVICE placement TorchRec gives it when sharding on a GPU),
+    else why not."""
+    from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+
+    QEBC, QEC, SQEBC, SQEC = _classes()
+    where = name or "<root>"
+    if not isinstance(m, (SQEBC, SQEC)):
+        return (f"{where}: its inference TBEs are laid out for the CPU (HOST placement); "
+                "materialize it with device='cpu'")
+    from .upstream import quant_tbe_config
+
+    places, kernels = set(), set()
+    for t in quant_tbe_config(m, tbe).embedding_tables:
+        p = t.local_metadata.placement if t.local_metadata is not None else None
+        places.add((p.device().type, p.rank()) if p is not None else (None, None))
+        kernels.add(getattr(t.compute_kernel, "value", t.compute_kernel))
+    types = {d for d, _ in places}
+    if types != {"cuda"}:
+        return (f"{where}: sharded for {', '.join(sorted(map(str, types)))} "
+                "(shard_quant_model(compute_device='cpu')): materialize it with device='cpu'")
+    ranks = sorted({r for _, r in places})
+    if ranks != [0]:
+        return (f"{where}: shards of rank {ranks[-1]}, which TorchRec places on cuda:"
+                f"{ranks[-1]} of this process; metamat fills one GPU per call: shard with "
+                "shard_quant_model(world_size=1), or materialize with device='cpu'")
+    other = sorted(k for k in kernels if k != EmbeddingComputeKernel.QUANT.value)
+    if other:
+        return (f"{where}: compute kernel {other[0]} (unified memory) is not supported on a "
+                "GPU; metamat fills inference tables in device memory (kernel 'quant')")
+    return None
 
 
 def weights_bytes(tbe: Any) -> int:

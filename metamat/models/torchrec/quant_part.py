@@ -34,7 +34,8 @@ from ...support import fill_support
 from ..adapter import Adapter
 from .compat import check_versions
 from .graph import scan
-from .quant import QuantTBE, TBE_HOST_ATTRS, find_tbes, host_twin
+from .quant import (TBE_DEVICE_ATTRS, TBE_HOST_ATTRS, QuantTBE, device_twin, find_tbes,
+                    gpu_relayout_refusal, host_twin)
 from .quant_keys import QuantMatch, match_quant
 from .upstream import drop_quantized_weights, quantized_weights
 
@@ -54,14 +55,18 @@ class QuantPart(Adapter):
         self.device = device
         self.cuda = device.type == "cuda" or emulated  # CUDA inference TBEs (or emulated)
         self.tbes: List[QuantTBE] = [t for name, m in modules for t in find_tbes(name, m)]
+        # TBEs TorchRec's quant sharding left HOST-placed on meta for a GPU plan: laid out for
+        # the device here, as TorchRec lays them out when it shards on the GPU
+        self.relaid: Dict[int, object] = {}
         if self.cuda:
-            host = [t.owner for t in self.tbes if t.storage is not t.module.weights_dev]
-            if host:
-                raise UnsupportedError(
-                    f"{host[0] or '<root>'}: its inference TBEs are laid out for the CPU (HOST "
-                    "placement: TorchRec's quant sharding on meta does that); materialize it "
-                    "with device='cpu'. Into CUDA inference TBEs metamat loads the unsharded "
-                    "quantized collections built on meta (docs/QUANT.md)")
+            owners = dict(modules)
+            for t in self.tbes:
+                if t.storage is t.module.weights_dev:
+                    continue
+                why = gpu_relayout_refusal(t.owner, owners[t.owner], t.module)
+                if why is not None:
+                    raise UnsupportedError(why + " (docs/QUANT.md)")
+                self.relaid[id(t.module)] = device_twin(t.module)
         self.tables = [tb for t in self.tbes for tb in t.tables]
         self.twins = {id(t.module): host_twin(t.module) for t in self.tbes}
         self.graph = scan(*[m for _, m in modules])
@@ -217,6 +222,9 @@ class QuantPart(Adapter):
             if weights is None:
                 weights = alloc.view(t.storage)
             if self.cuda:
+                relaid = self.relaid.get(id(tbe))
+                for a in TBE_DEVICE_ATTRS if relaid is not None else ():
+                    setattr(tbe, a, getattr(relaid, a))
                 _device_layout(tbe, twin, weights, dev)
                 continue
             for a in TBE_HOST_ATTRS:
