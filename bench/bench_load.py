@@ -34,14 +34,12 @@ whole materialize); "x ceil" is that over the best raw row.
 from __future__ import annotations
 
 import gc
-import mmap
 import os
 import random
 import shutil
 import statistics
 import sys
 import tempfile
-import threading
 import time
 from typing import List
 
@@ -49,7 +47,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
-from _common import Row, finish, print_table, progress  # noqa: E402
+from _common import Row, finish, print_table, progress, raw_direct  # noqa: E402
 from _quiet import quiet  # noqa: E402
 from bench_dmp import _rss_gib, build_plan, sharder, table_configs  # noqa: E402
 
@@ -212,39 +210,6 @@ def _rank(rank: int, world: int, method: str, per_rank: int, n_tables: int, dim:
     return {"median_s": statistics.median(times), "peak_rss_growth": peak - start_rss,
             "bytes": nbytes, "amp": amp, "cache": how,
             "read_s": statistics.median(reads) if reads else float("nan")}
-
-
-def raw_direct(files: List[str], threads: int, req: int) -> int:
-    """Plain O_DIRECT preads of whole ``files`` (one after another, front to back) in ``req``
-    byte requests; ``threads`` threads take the next request from a shared cursor, so
-    ``threads`` requests are in flight. No metamat code. Returns the bytes read."""
-    work = []
-    fds = [os.open(f, os.O_RDONLY | os.O_DIRECT) for f in files]
-    for fd, f in zip(fds, files):
-        work += [(fd, off) for off in range(0, os.path.getsize(f), req)]
-    nxt, lock, done = [0], threading.Lock(), [0] * threads
-
-    def run(i):
-        buf = mmap.mmap(-1, req)  # page-aligned, reused: no page faults in the loop
-        while True:
-            with lock:
-                j = nxt[0]
-                nxt[0] += 1
-            if j >= len(work):
-                break
-            done[i] += os.preadv(work[j][0], [buf], work[j][1])
-        buf.close()
-
-    try:
-        ths = [threading.Thread(target=run, args=(i,)) for i in range(threads)]
-        for t in ths:
-            t.start()
-        for t in ths:
-            t.join()
-    finally:
-        for fd in fds:
-            os.close(fd)
-    return sum(done)
 
 
 def cold_rounds(configs, reps: int, seed: int, rank: int, ckpt: str, evictions: list):

@@ -18,14 +18,17 @@
 #                into pinned memory, best of several), pinned H2D, staged rows with their ratios,
 #                fp32 -> bf16 converted on the host vs the device, a bf16 checkpoint, and the
 #                ring size x reader threads sweep (STAGE_GIB 1, STAGE_REPS 3)
+#   gds      30  bench/bench_gds.py (log appended to stage.log): cold loads, metamat's staged
+#                pipeline vs GPUDirect Storage (cuFile through torch.cuda.gds, compatibility mode
+#                without nvidia-fs) vs the O_DIRECT read ceiling (GDS_GIB 1)
 #   ncu      15  if ncu is on PATH: pipe utilisation of fp32 Uniform/Normal, base vs split
 # A failing step never stops the later ones; a step that would start with under 8 s left is
 # SKIPPED. OUT gets at most 8 files: summary.json (steps, statuses, seconds, the GPU, and the
 # bench rows), summary.csv (the bench rows), env.txt, build.log, check.log, init.log,
-# stage.log, ncu.log (when ncu ran). kvikio (GDS) is not measured: no wheel on the GPU box.
+# stage.log (also the gds step's), ncu.log (when ncu ran).
 #
 # env: PYTHON (python3), BUDGET_S (240), RESERVE_S (5), STEPS (space-separated subset),
-#      INIT_GIB, ROUNDS, TABLES, STAGE_GIB, STAGE_REPS, METAMAT_CUDA_ARCHS (from the GPU).
+#      INIT_GIB, ROUNDS, TABLES, STAGE_GIB, STAGE_REPS, GDS_GIB, METAMAT_CUDA_ARCHS (from the GPU).
 #      GPU_SPEED_DRY=1 (tests, any machine): each step only prints its command.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -44,9 +47,12 @@ steps_tsv=$work/steps.tsv
 
 wanted() { [ -z "${STEPS:-}" ] || [[ " $STEPS " == *" $1 "* ]]; }
 # step NAME CAP LOG CMD...: runs CMD under `timeout` within the budget, logs to OUT/LOG
+# (+LOG: appends to it; OUT may hold 8 files)
 step() {
-  local name=$1 cap=$2 log=$3; shift 3
+  local name=$1 cap=$2 log=$3 append=0; shift 3
+  if [[ $log == +* ]]; then log=${log#+}; append=1; fi
   wanted "$name" || return 0
+  ((append)) || : >"$out/$log"
   local left=$((budget - reserve - (SECONDS - start)))
   local t=$((cap < left ? cap : left)) status rc t0=$SECONDS
   if [ "$t" -lt 8 ]; then
@@ -56,10 +62,10 @@ step() {
   fi
   echo "== $name (cap ${t}s): $*"
   if [ "$dry" = 1 ]; then
-    echo "dry run: $*" >"$out/$log"
+    echo "dry run: $*" >>"$out/$log"
     rc=0
   else
-    timeout -k 5 "$t" "$@" >"$out/$log" 2>&1
+    timeout -k 5 "$t" "$@" >>"$out/$log" 2>&1
     rc=$?
   fi
   case $rc in 0) status=PASS ;; 124|137) status=TIMEOUT ;; *) status=FAIL ;; esac
@@ -89,6 +95,8 @@ step init 45 init.log "$py" bench/bench_init_variants.py --size-gib "${INIT_GIB:
   --rounds "${ROUNDS:-7}" --tables "${TABLES:-10240}" --json "$work/init.json"
 step stage 50 stage.log "$py" bench/bench_stage.py --device cuda --size-gib "${STAGE_GIB:-1}" \
   --reps "${STAGE_REPS:-3}" --sweep --json "$work/stage.json"
+step gds 30 +stage.log "$py" bench/bench_gds.py --device cuda --size-gib "${GDS_GIB:-1}" \
+  --reps "${STAGE_REPS:-3}" --json "$work/gds.json"
 if command -v ncu >/dev/null || [ "$dry" = 1 ]; then
   step ncu 15 ncu.log ncu --kernel-name regex:fill_kernel --launch-count 4 \
     --metrics sm__inst_executed_pipe_fma.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_fmaheavy.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_alu.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_lsu.avg.pct_of_peak_sustained_active,sm__inst_issued.avg.pct_of_peak_sustained_active,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__warps_active.avg.pct_of_peak_sustained_active \

@@ -111,3 +111,28 @@ def test_summary_goals_from_bench_rows(tmp_path):
     assert g["staged load >= 0.9x read ceiling (same threads)"]["met"]
     assert not g["staged load >= 0.8x pinned H2D"]["met"]
     assert (out / "summary.csv").read_text().startswith("gpu,")
+
+
+def test_gds_bench_rows_and_summary(tmp_path):
+    # without a GPU: the O_DIRECT ceiling and metamat rows run into host memory, the GDS rows
+    # say why they did not; the summary turns the JSON into its goal line
+    out = tmp_path / "gds.json"
+    d = tmp_path / "files"
+    _run([sys.executable, "bench/bench_gds.py", "--device", "cpu", "--size-gib", "0.01",
+          "--reps", "1", "--threads", "1,2", "--chunk-mib", "1", "--dir", str(d),
+          "--json", str(out)])
+    res = json.loads(out.read_text())
+    names = [r["row"] for r in res["rows"]]
+    assert "metamat staged, io=auto, cold" in names
+    assert {"torch_gds", "nvidia_fs", "filesystem", "mode"} <= set(res["status"])
+    assert next(r for r in res["rows"] if r["row"] == "gds")["skipped"] == "no CUDA device"
+    assert not d.exists()  # the bench removes the directory it made
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "gds.json").write_text(out.read_text())
+    o = tmp_path / "o"
+    o.mkdir()
+    _run([sys.executable, "scripts/gpu_speed_summary.py", str(work), str(o), "1", "2"])
+    s = json.loads((o / "summary.json").read_text())
+    g = next(x for x in s["goals"] if x["goal"].startswith("cold load"))
+    assert g["staged_gbps"] > 0 and g["gds"] == "no CUDA device"
