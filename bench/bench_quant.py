@@ -20,7 +20,8 @@ checkpoint is read once before the runs): both methods read the same cached byte
 
 With ``--device cuda`` both build the quantized EBC on the GPU (TorchRec: the float EBC on the
 GPU, ``dcp.load`` into it, fbgemm's CUDA quantization; metamat: rows quantized on the host and
-copied to the device) and the GPU's peak allocation is reported too.
+copied to the device) and the GPU's peak allocation is reported too; a third row runs metamat
+with ``METAMAT_QUANT_ON=device`` (float rows uploaded, quantized by fbgemm's CUDA op).
 """
 from __future__ import annotations
 
@@ -45,7 +46,8 @@ from _common import Row, env_header, finish, print_table, progress  # noqa: E402
 QDTYPES = {"int8": torch.qint8, "int4": torch.quint4x2, "int2": torch.quint2x4,
            "fp16": torch.float16}
 METHODS = ("torchrec: float EBC + dcp.load + quantize_embeddings",
-           "metamat.materialize(quantized EBC on meta)")
+           "metamat.materialize(quantized EBC on meta)",
+           "metamat.materialize, quantized on the device")  # --device cuda only
 
 
 def _tables(size_bytes: int, n_tables: int, dim: int):
@@ -108,6 +110,8 @@ def child(method: int, ckpt: str, size: int, n_tables: int, dim: int, qdtype: st
         dcp.load(sd, checkpoint_id=ckpt)
         q = quantize_embeddings(m, dtype=QDTYPES[qdtype], inplace=True)
     else:
+        # method 2: float rows uploaded, fbgemm's op quantizes them on the GPU
+        os.environ["METAMAT_QUANT_ON"] = "device" if method == 2 else "host"
         m = torch.nn.Sequential(EmbeddingBagCollection(tables=tables, device=torch.device("meta")))
         q = quantize_embeddings(m, dtype=QDTYPES[qdtype], inplace=True)
         metamat.materialize(q, ckpt, io_threads=threads, device=dev)
@@ -150,9 +154,10 @@ def run_quant(a, device: torch.device) -> List[Row]:
         progress(f"quant: writing a {size / 2**30:.2f} GiB float checkpoint")
         ckpt = _write_checkpoint(root, size, a.tables, a.dim)
         nbytes = sum(os.path.getsize(os.path.join(ckpt, f)) for f in os.listdir(ckpt))
-        results = {i: [] for i in range(len(METHODS))}
+        methods = METHODS if device.type == "cuda" else METHODS[:2]
+        results = {i: [] for i in range(len(methods))}
         for rep in range(a.reps):  # interleaved: a shared machine drifts
-            for i, name in enumerate(METHODS):
+            for i, name in enumerate(methods):
                 progress(f"quant: {name} (rep {rep + 1}/{a.reps})")
                 out = subprocess.run(
                     [sys.executable, os.path.abspath(__file__), "--child", str(i), "--ckpt",
@@ -163,7 +168,7 @@ def run_quant(a, device: torch.device) -> List[Row]:
                     raise RuntimeError(f"{name} failed:\n{out.stderr[-4000:]}")
                 results[i].append(json.loads(out.stdout.strip().splitlines()[-1]))
         digests = {r["digest"] for rs in results.values() for r in rs}
-        for i, name in enumerate(METHODS):
+        for i, name in enumerate(methods):
             rs = results[i]
             grew = statistics.median(r["grew"] for r in rs)
             q = rs[0]["qbytes"]
@@ -178,10 +183,13 @@ def run_quant(a, device: torch.device) -> List[Row]:
         print_table(f"quant ({qdtype} on {device.type}, {a.tables} tables x dim {a.dim}, float checkpoint "
                     f"{nbytes / 2**30:.2f} GiB DCP, page cache warm, {threads} threads; peak = "
                     "VmHWM growth per process)", rows, METHODS[0], METHODS[0])
-        base, mm = rows
+        base, mm = rows[:2]
         print(f"metamat: {base.seconds / mm.seconds:.1f}x faster, peak memory "
               f"{mm.peak_rss_gib / base.peak_rss_gib:.2f}x TorchRec's "
               f"(goal: >= 5x faster, <= 0.3x memory at INT8)")
+        if len(rows) > 2:
+            print(f"quantized on the device: {mm.seconds / rows[2].seconds:.2f}x the host "
+                  "quantization's speed (METAMAT_QUANT_ON=device if > 1)")
         if len(digests) != 1 and device.type == "cpu":
             raise RuntimeError("the two methods gave different quantized bytes")
         if len(digests) != 1:  # fbgemm's CUDA quantization op against the host one's bytes

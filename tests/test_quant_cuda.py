@@ -214,11 +214,14 @@ def test_sharded_refused_on_a_gpu(tmp_path, case, match):
 # ------------------------------------------------------------------------------------------
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("where", ["host", "device"])
 @pytest.mark.parametrize("qdtype,split", [("int8", False), ("int4", True), ("int2", True),
                                           ("fp16", False)])
-def test_cuda_inference_tbes(tmp_path, qdtype, split):
+def test_cuda_inference_tbes(tmp_path, monkeypatch, qdtype, split, where):
     """Against TorchRec's conversion on the GPU (the float model on cuda, fbgemm's CUDA
-    quantization op), every buffer and attribute, and the forward pass on the GPU."""
+    quantization op), every buffer and attribute, and the forward pass on the GPU; the rows
+    quantized on the host, or on the device (METAMAT_QUANT_ON=device)."""
+    monkeypatch.setenv("METAMAT_QUANT_ON", where)
     dev = torch.device("cuda", torch.cuda.current_device())
     tables = ebc_tables()
     f = float_model(tables, seed=7)
@@ -259,3 +262,53 @@ def test_cuda_sharded_inference(tmp_path, kind, qdtype):
     names, rows = feature_rows(tables)
     kjt = batch(names, rows).to(dev)
     assert torch.equal(ref.coll(kjt).values(), got.coll(kjt).values())
+
+
+@pytest.mark.parametrize("qdtype", ["int8", "int4", "int2"])
+def test_quantized_on_the_device_emulated(tmp_path, monkeypatch, qdtype):
+    """METAMAT_QUANT_ON=device: float rows uploaded and quantized by fbgemm's op on the device
+    (here its CPU kernel on the emulated device), placed into the TBE rows: the same bytes as
+    the host kernel's, unsharded and column-wise sharded (the row's scale/bias in every
+    shard), from a checkpoint and from the init; a dim the op refuses (INT8 of 5 columns)
+    falls back to the host kernel."""
+    dims = (8, 16, 40) if qdtype != "int8" else (5, 16, 40)
+    tables = ebc_tables(dims=dims, rows=(37, 1, 100))
+    f = float_model(tables, seed=9)
+    path = _save(f, str(tmp_path / "f.pt"))
+    got = {}
+    for where in ("host", "device"):
+        monkeypatch.setenv("METAMAT_QUANT_ON", where)
+        q = meta_quant(tables, qdtype, False)
+        q_init = meta_quant(tables, qdtype, False)
+        with emulated_cuda():
+            metamat.materialize(q, path, device="cuda")
+            metamat.materialize(q_init, device="cuda", seed=2)
+        got[where] = [t.weights_dev.clone() for t in tbes(q) + tbes(q_init)]
+    assert all(torch.equal(a, b) for a, b in zip(got["host"], got["device"]))
+    if qdtype != "int8":  # TorchRec's conversion refuses odd INT8 dims
+        _same_bytes(quantize(f, qdtype, False), q)
+
+
+def test_quantized_on_the_device_sharded_emulated(tmp_path, monkeypatch):
+    tables = ebc_tables(dims=(16, 32, 48), rows=(37, 3, 100))
+    f, qref, _, sharder, plan = _gpu_sharded(tables, "cw", "int4")
+    path = _save(f, str(tmp_path / "f.pt"))
+    got = {}
+    for where in ("host", "device"):
+        monkeypatch.setenv("METAMAT_QUANT_ON", where)
+        q = shard(meta_quant(tables, "int4", True), sharder, plan, 1, "meta",
+                  compute_device="cuda")
+        with emulated_cuda():
+            metamat.materialize(q, path, device="cuda")
+        got[where] = [t.weights_dev.clone() for t in tbes(q)]
+    assert all(torch.equal(a, b) for a, b in zip(got["host"], got["device"]))
+
+
+def test_quant_on_is_checked_first(tmp_path, monkeypatch):
+    tables = ebc_tables()
+    path = _save(float_model(tables), str(tmp_path / "f.pt"))
+    q = meta_quant(tables, "int8", False)
+    monkeypatch.setenv("METAMAT_QUANT_ON", "gpu")
+    with emulated_cuda(), pytest.raises(ValueError, match="METAMAT_QUANT_ON='gpu'"):
+        metamat.materialize(q, path, device="cuda")
+    assert not no_meta(q)

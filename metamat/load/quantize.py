@@ -30,10 +30,11 @@ import torch
 from ..budget import groups_within
 from ..checkpoint.errors import DtypeMismatchError
 from ..plan import Target
+from .quantize_device import DeviceSink, device_quantizable, quant_on
 
 __all__ = ["KINDS", "INT_KINDS", "QuantizedCheckpointError", "refuse_quantized", "unpadded_row_bytes",
            "padded_row_bytes", "quantize_reference", "QuantOut", "QuantJob", "QuantReads",
-           "quantize_into", "DeviceSink", "plan_quant_reads", "rows_per_piece", "scratch_bytes_for", "SCRATCH_MAX", "PIECE_BYTES"]
+           "quantize_into", "DeviceSink", "quant_on", "plan_quant_reads", "rows_per_piece", "scratch_bytes_for", "SCRATCH_MAX", "PIECE_BYTES"]
 
 #: fbgemm ``SparseType`` value -> the core's kind code (the bit width).
 KINDS = {"int8": 8, "int4": 4, "int2": 2, "fp16": 16, "fp32": 32}
@@ -205,48 +206,6 @@ class QuantJob:
         return sum(self.rows * unpadded_row_bytes(o.kind, o.cols) for o in self.outs)
 
 
-class DeviceSink:
-    """Quantized rows for device memory: written on the host into one of two bounce buffers
-    (page-locked when CUDA is there), then copied to the device, ordered on the current
-    stream; a buffer is reused only after its last copy finished. The rows of one piece are
-    contiguous in the TBE's storage (``rows * stride`` bytes), so each piece is one copy."""
-
-    def __init__(self) -> None:
-        self.bufs: List[torch.Tensor] = []
-        self.events: List[object] = [None, None]
-        self.k = 0
-
-    def buffer(self, nbytes: int) -> torch.Tensor:
-        k = self.k = 1 - self.k
-        ev = self.events[k]
-        if ev is not None:
-            ev.synchronize()  # its previous copy is done: the buffer may be overwritten
-            self.events[k] = None
-        while len(self.bufs) <= k:
-            self.bufs.append(torch.empty(0, dtype=torch.uint8))
-        if self.bufs[k].numel() < nbytes:
-            pin = torch.cuda.is_available()
-            self.bufs[k] = torch.empty(max(nbytes, 1 << 20), dtype=torch.uint8, pin_memory=pin)
-        b = self.bufs[k][:nbytes]
-        b.zero_()  # row padding is zero, as fbgemm's storage
-        return b
-
-    def send(self, host: torch.Tensor, dst: torch.Tensor) -> None:
-        if dst.device.type == "cuda":
-            dst.copy_(host, non_blocking=True)
-            ev = torch.cuda.Event()
-            ev.record()
-            self.events[self.k] = ev
-        else:  # the emulated device: device memory is host memory
-            dst.copy_(host)
-
-    def finish(self) -> None:
-        for ev in self.events:
-            if ev is not None:
-                ev.synchronize()
-        self.events = [None, None]
-
-
 def quantize_into(src: torch.Tensor, job: QuantJob, row: int, *, threads: int = 1,
                   isa: str = "", sink: Optional[DeviceSink] = None) -> None:
     """Write ``src`` (float32 (n, cols), row stride ``src.stride(0)``), rows ``row`` ..
@@ -269,6 +228,8 @@ def quantize_into(src: torch.Tensor, job: QuantJob, row: int, *, threads: int = 
         return
     arr = np.empty((len(job.outs), 6), dtype=np.int64)
     sends = []
+    on_device = [o for o in job.outs if o.device_memory and sink is not None and
+                 sink.on_device and device_quantizable(o.kind, job.cols)]
     for i, o in enumerate(job.outs):
         if o.base is None:
             raise ValueError(f"{job.fqn}: destination not bound")
@@ -279,6 +240,8 @@ def quantize_into(src: torch.Tensor, job: QuantJob, row: int, *, threads: int = 
         if o.device_memory:
             if sink is None:
                 raise ValueError(f"{job.fqn}: device memory needs a DeviceSink")
+            if any(o is d for d in on_device):
+                continue
             host = sink.buffer(n * o.stride)
             sends.append((host, o.base[start:start + n * o.stride]))
             addr = host.data_ptr()
@@ -289,6 +252,8 @@ def quantize_into(src: torch.Tensor, job: QuantJob, row: int, *, threads: int = 
             core().quantize_rows(src.data_ptr(), n, job.cols, src.stride(0) if n > 1 else job.cols,
                                  arr[i:i + 1].ctypes.data, 1, threads, isa)
             sink.send(*sends.pop())
+    if on_device:  # METAMAT_QUANT_ON=device: fbgemm's op on the device
+        sink.quantize_on_device(src, row, on_device)
     host_rows = [i for i, o in enumerate(job.outs) if not o.device_memory]
     if host_rows:
         a = np.ascontiguousarray(arr[host_rows])
@@ -348,7 +313,7 @@ class QuantReads:
         scratch_bytes = scratch_bytes_for(staging_bytes, self.widest)
         scratch = torch.empty(scratch_bytes // 4, dtype=torch.float32)
         reader_bytes = max(int(staging_bytes) - scratch_bytes, threads * (64 << 10))
-        sink = DeviceSink()
+        sink = DeviceSink(on_device=quant_on() == "device")
         index = {id(t): i for i, t in enumerate(self.pieces)}
         order = [index[id(t)] for t in self.plan.targets]  # plan target k is piece order[k]
         total, done = self.plan.src_bytes, 0

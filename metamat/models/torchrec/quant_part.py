@@ -25,8 +25,8 @@ from torch import nn
 
 from ...allocate import Allocation
 from ...errors import MissingValueError, UnsupportedError
-from ...load.quantize import (DeviceSink, QuantJob, QuantOut, plan_quant_reads, quantize_into,
-                              rows_per_piece)
+from ...load.quantize import (DeviceSink, QuantJob, QuantOut, plan_quant_reads, quant_on,
+                              quantize_into, rows_per_piece)
 from ...plan import StorageGroup, Target, storage_key
 from ...rules import default_table_dist, dist_from_init_fn, match_init
 from ...spec import Dist
@@ -59,6 +59,7 @@ class QuantPart(Adapter):
         # the device here, as TorchRec lays them out when it shards on the GPU
         self.relaid: Dict[int, object] = {}
         if self.cuda:
+            quant_on()  # METAMAT_QUANT_ON checked before anything is allocated
             owners = dict(modules)
             for t in self.tbes:
                 if t.storage is t.module.weights_dev:
@@ -188,7 +189,7 @@ class QuantPart(Adapter):
 
         written = fill_support(self.storages, [], alloc)
         threads = default_io_threads()
-        sink = DeviceSink()
+        sink = DeviceSink(on_device=quant_on() == "device")
         for job in self.init_jobs:
             per = rows_per_piece(job.cols)
             scratch = torch.empty((min(per, job.rows), job.cols), dtype=torch.float32)
