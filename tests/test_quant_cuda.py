@@ -113,30 +113,68 @@ def _assert_padding_zero(model):
         assert t.weights_dev.numel() and not t.weights_dev.any()
 
 
-@pytest.mark.parametrize("kind,qdtype", [("tw", "int8"), ("rw", "int4"), ("cw", "int8"),
-                                         ("tw", "int2"), ("cw", "int4")])
-def test_sharded_for_a_gpu_emulated(tmp_path, kind, qdtype):
+def _manual_plan(qmodel, per_table, world_size=1):
+    """A plan from TorchRec's ``construct_module_sharding_plan`` (its generators fill in the
+    ``dense`` compute kernel, as TorchRec's own GPU inference tests build them)."""
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan
+    from torchrec.distributed.types import ShardingPlan
+
+    return ShardingPlan({"coll": construct_module_sharding_plan(
+        qmodel.coll, per_table, local_size=world_size, world_size=world_size,
+        device_type="cuda")})
+
+
+def _meta_devices(model) -> list:
+    """Device references to meta left in the model's objects."""
+    from metamat.models.torchrec.graph import scan
+
+    out = []
+    for holder, key in scan(model).device_refs:
+        v = holder.__dict__.get(key)
+        if (isinstance(v, torch.device) and v.type == "meta") or v == "meta":
+            out.append((type(holder).__name__, key))
+    return out
+
+
+@pytest.mark.parametrize("coll,kind,qdtype", [
+    ("ebc", "tw", "int8"), ("ebc", "rw", "int4"), ("ebc", "cw", "int8"), ("ebc", "tw", "int2"),
+    ("ebc", "cw", "int4"), ("ebc", "dense kernel", "int8"),
+    ("ec", "tw", "int8"), ("ec", "rw", "int4"), ("ec", "cw", "int8")])
+def test_sharded_for_a_gpu_emulated(tmp_path, coll, kind, qdtype):
     """TorchRec's default GPU inference sharding (``shard_quant_model(compute_device="cuda",
     sharding_device="meta")``, world size 1): HOST-placed TBEs on meta, laid out for the
     device as fbgemm lays them out, the tables' bytes TorchRec's conversion's. (TorchRec's
     quant sharding splits scale/bias, which it cannot do for FP16 tables: INT-N only.)"""
-    tables = ebc_tables(dims=(16, 32, 48), rows=(37, 3, 100))
-    f, qref, got, sharder, plan = _gpu_sharded(tables, kind, qdtype)
+    from _quant_models import ec_tables
+    from torchrec.distributed.sharding_plan import column_wise, table_wise
+
+    ec = coll == "ec"
+    tables = ec_tables(rows=(37, 3, 100)) if ec else ebc_tables(dims=(16, 32, 48),
+                                                                rows=(37, 3, 100))
+    f, qref, got, sharder, plan = _gpu_sharded(tables, "tw" if kind == "dense kernel" else kind,
+                                               qdtype, ec=ec)
+    if kind == "dense kernel":  # TW and CW tables, the kernel TorchRec's generators give
+        plan = _manual_plan(qref, {"t0": table_wise(rank=0), "t1": column_wise(ranks=[0, 0]),
+                                   "t2": table_wise(rank=0)})
+        assert {ps.compute_kernel for ps in plan.plan["coll"].values()} == {"dense"}
+        got = shard(meta_quant(tables, qdtype, True), sharder, plan, 1, "meta",
+                    compute_device="cuda")
     path = _save(f, str(tmp_path / "f.pt"))
-    layout = _fbgemm_relayout(shard(meta_quant(tables, qdtype, True), sharder, plan, 1, "meta",
-                                    compute_device="cuda"), torch.device("cpu"))
+    layout = _fbgemm_relayout(shard(meta_quant(tables, qdtype, True, ec=ec), sharder, plan, 1,
+                                    "meta", compute_device="cuda"), torch.device("cpu"))
     with emulated_cuda():
         r = metamat.materialize(got, path, device="cuda")
-    assert "emulated" in r.device and no_meta(got)
+    assert "emulated" in r.device and no_meta(got) and not _meta_devices(got)
     ref = shard(qref, sharder, plan, 1, "cpu")  # TorchRec's CPU sharding, its state loaded
     ref.load_state_dict(qref.state_dict())
     a, b = state_bytes(ref), state_bytes(got)
     keys = [k for k in a if k.startswith("coll.")]
-    assert keys and keys == [k for k in b if k.startswith("coll.")]
+    assert len(keys) >= 3 and keys == [k for k in b if k.startswith("coll.")]
     for k in keys:
         assert [o for o, _ in a[k]] == [o for o, _ in b[k]], k
         for (_, x), (_, y) in zip(a[k], b[k]):
             assert torch.equal(x.view(torch.uint8), y.view(torch.uint8)), k
+    assert len(tbes(layout)) == len(tbes(got)) > 0
     for x, y in zip(tbes(layout), tbes(got)):
         for name in ("embedding_specs", "row_alignment", "host_size", "dev_size", "uvm_size",
                      "weights_physical_placements", "weights_physical_offsets",
@@ -153,26 +191,10 @@ def test_sharded_for_a_gpu_emulated(tmp_path, kind, qdtype):
                 assert torch.equal(bx[n], by[n]), n
     if kind == "cw":
         sd = got.state_dict()
-        placements = {str(s.placement) for s in sd["coll.embedding_bags.t2.weight"].metadata()
+        attr = "embeddings" if ec else "embedding_bags"
+        placements = {str(s.placement) for s in sd[f"coll.{attr}.t2.weight"].metadata()
                       .shards_metadata}
         assert placements == {"cpu"}, placements  # the device (the CPU stands for it)
-    _assert_padding_zero(got)
-
-
-def test_sharded_ec_for_a_gpu_emulated(tmp_path):
-    from _quant_models import ec_tables
-
-    tables = ec_tables(rows=(37, 3, 100))
-    f, qref, got, sharder, plan = _gpu_sharded(tables, "cw", "int8", ec=True)
-    path = _save(f, str(tmp_path / "f.pt"))
-    with emulated_cuda():
-        metamat.materialize(got, path, device="cuda")
-    ref = shard(qref, sharder, plan, 1, "cpu")
-    ref.load_state_dict(qref.state_dict())
-    a, b = state_bytes(ref), state_bytes(got)
-    for k in (k for k in a if k.startswith("coll.")):
-        for (_, x), (_, y) in zip(a[k], b[k]):
-            assert torch.equal(x.view(torch.uint8), y.view(torch.uint8)), k
     _assert_padding_zero(got)
 
 
@@ -185,6 +207,7 @@ def test_sharded_for_a_gpu_init_is_the_cpu_init(tmp_path):
     with emulated_cuda():
         metamat.materialize(got, device="cuda", seed=3)
     metamat.materialize(on_cpu, device="cpu", seed=3)
+    assert len(tbes(on_cpu)) == len(tbes(got)) > 0
     for x, y in zip(tbes(on_cpu), tbes(got)):  # same row alignment (16): the same bytes
         assert torch.equal(x.weights_host, y.weights_dev)
 
@@ -192,14 +215,26 @@ def test_sharded_for_a_gpu_init_is_the_cpu_init(tmp_path):
 @pytest.mark.parametrize("case,match", [
     ("cpu plan", "device='cpu'"),
     ("two ranks", "rank 1, which TorchRec places on cuda:1"),
-    ("uvm kernel", "quant_uvm"),
+    ("uvm kernel", "'quant_uvm' keeps its tables outside device memory"),
+    ("uvm caching kernel", "'quant_uvm_caching' keeps its tables outside device memory"),
+    ("one table on the cpu", "placed on cpu, cuda"),
 ])
 def test_sharded_refused_on_a_gpu(tmp_path, case, match):
     """What metamat cannot lay out on one GPU is refused by name, the model left on meta."""
+    from torchrec.distributed.sharding_plan import table_wise
+
     tables = ebc_tables(dims=(16, 32, 48), rows=(37, 3, 100))
     kw = {"cpu plan": dict(compute_device="cpu"), "two ranks": dict(world_size=2),
-          "uvm kernel": dict(kernel="quant_uvm")}[case]
-    f, _, got, _, _ = _gpu_sharded(tables, "tw" if case != "two ranks" else "rw", "int8", **kw)
+          "uvm kernel": dict(kernel="quant_uvm"),
+          "uvm caching kernel": dict(kernel="quant_uvm_caching"),
+          "one table on the cpu": {}}[case]
+    f, qref, got, sharder, _ = _gpu_sharded(tables, "tw" if case != "two ranks" else "rw",
+                                            "int8", **kw)
+    if case == "one table on the cpu":
+        plan = _manual_plan(qref, {"t0": table_wise(rank=0, device="cpu"),
+                                   "t1": table_wise(rank=0), "t2": table_wise(rank=0)})
+        got = shard(meta_quant(tables, "int8", True), sharder, plan, 1, "meta",
+                    compute_device="cuda")
     path = _save(f, str(tmp_path / "f.pt"))
     with emulated_cuda(), pytest.raises(metamat.UnsupportedError, match=match):
         metamat.materialize(got, path, device="cuda")
@@ -207,6 +242,20 @@ def test_sharded_refused_on_a_gpu(tmp_path, case, match):
     if case == "cpu plan":
         metamat.materialize(got, path, device="cpu")  # what the message says to do
         assert no_meta(got)
+
+
+def test_sharded_for_a_gpu_goes_to_cuda_0():
+    """TorchRec sends rank 0's inputs to cuda:0: another GPU is refused before allocation."""
+    from metamat.models.torchrec.quant import quant_modules
+    from metamat.models.torchrec.quant_part import QuantPart
+
+    tables = ebc_tables(dims=(16, 32, 48), rows=(37, 3, 100))
+    _, _, got, _, _ = _gpu_sharded(tables, "tw", "int8")
+    with pytest.raises(metamat.UnsupportedError, match="device='cuda:0'"):
+        QuantPart(got, torch.device("cuda", 1), {}, modules=quant_modules(got), loading=True,
+                  emulated=True)
+    QuantPart(got, torch.device("cuda", 0), {}, modules=quant_modules(got), loading=True,
+              emulated=True)
 
 
 # ------------------------------------------------------------------------------------------

@@ -335,38 +335,45 @@ TBE_DEVICE_ATTRS = ("embedding_specs", "host_size", "dev_size", "uvm_size",
                     "weights_physical_placements", "weights_physical_offsets", "row_alignment")
 
 
-def gpu_relayout_refusal(name: str, m: nn.Module, tbe: Any) -> Optional[str]:
-    """Whether a HOST-placed TBE of a quant-sharded collection can be laid out on the GPU this
-    call fills: None when TorchRec's plan put it there (every table's shard on ``cuda`` rank
-    0, compute kernel QUANT: the DEVICE placement TorchRec gives it when sharding on a GPU),
-    else why not."""
-    from torchrec.distributed.embedding_types import EmbeddingComputeKernel
+#: Compute kernels TorchRec's quant sharding lays out in device memory on a GPU
+#: (``compute_kernel_to_embedding_location``: DEVICE, and a plain inference TBE).
+DEVICE_KERNELS = ("quant", "dense", "fused")
 
+
+def gpu_relayout_refusal(name: str, m: nn.Module) -> Optional[str]:
+    """Whether the HOST-placed TBEs of a quant-sharded collection can be laid out on the GPU this
+    call fills: None when TorchRec's plan put the collection there (every table's shard on
+    ``cuda`` rank 0, a compute kernel TorchRec keeps in device memory: the DEVICE placement TorchRec gives
+    it when sharding on a GPU), else why not."""
     QEBC, QEC, SQEBC, SQEC = _classes()
     where = name or "<root>"
     if not isinstance(m, (SQEBC, SQEC)):
         return (f"{where}: its inference TBEs are laid out for the CPU (HOST placement); "
                 "materialize it with device='cpu'")
-    from .upstream import quant_tbe_config
+    from .upstream import quant_tbe_config, quant_tbes
 
-    places, kernels = set(), set()
-    for t in quant_tbe_config(m, tbe).embedding_tables:
+    places, kernels = set(), set()  # over the whole collection: its TBEs are grouped by device
+    for t in (t for tb in quant_tbes(m) for t in quant_tbe_config(m, tb).embedding_tables):
         p = t.local_metadata.placement if t.local_metadata is not None else None
-        places.add((p.device().type, p.rank()) if p is not None else (None, None))
+        places.add((p.device().type, p.rank()) if p is not None else ("unplaced", None))
         kernels.add(getattr(t.compute_kernel, "value", t.compute_kernel))
-    types = {d for d, _ in places}
-    if types != {"cuda"}:
-        return (f"{where}: sharded for {', '.join(sorted(map(str, types)))} "
-                "(shard_quant_model(compute_device='cpu')): materialize it with device='cpu'")
+    types = sorted({d for d, _ in places})
+    if types != ["cuda"]:
+        if "cuda" not in types:
+            return (f"{where}: sharded for {', '.join(types)} (shard_quant_model("
+                    "compute_device='cpu')): materialize it with device='cpu'")
+        return (f"{where}: its tables are placed on {', '.join(types)}: metamat lays a "
+                "quant-sharded collection out on one GPU only")
     ranks = sorted({r for _, r in places})
     if ranks != [0]:
         return (f"{where}: shards of rank {ranks[-1]}, which TorchRec places on cuda:"
                 f"{ranks[-1]} of this process; metamat fills one GPU per call: shard with "
                 "shard_quant_model(world_size=1), or materialize with device='cpu'")
-    other = sorted(k for k in kernels if k != EmbeddingComputeKernel.QUANT.value)
+    other = sorted(k for k in kernels if k not in DEVICE_KERNELS)
     if other:
-        return (f"{where}: compute kernel {other[0]} (unified memory) is not supported on a "
-                "GPU; metamat fills inference tables in device memory (kernel 'quant')")
+        return (f"{where}: compute kernel {other[0]!r} keeps its tables outside device memory "
+                "(unified memory or a key-value store): not supported on a GPU; metamat fills "
+                f"inference tables in device memory (kernels {', '.join(DEVICE_KERNELS)})")
     return None
 
 

@@ -64,10 +64,15 @@ class QuantPart(Adapter):
             for t in self.tbes:
                 if t.storage is t.module.weights_dev:
                     continue
-                why = gpu_relayout_refusal(t.owner, owners[t.owner], t.module)
+                why = gpu_relayout_refusal(t.owner, owners[t.owner])
                 if why is not None:
                     raise UnsupportedError(why + " (docs/QUANT.md)")
                 self.relaid[id(t.module)] = device_twin(t.module)
+            if self.relaid and device.type == "cuda" and device.index not in (None, 0):
+                raise UnsupportedError(
+                    f"{self.tbes[0].owner or '<root>'}: TorchRec places the shards of rank 0 "
+                    f"on cuda:0 (its inputs go there), not on {device}: materialize it with "
+                    "device='cuda:0' (docs/QUANT.md)")
         self.tables = [tb for t in self.tbes for tb in t.tables]
         self.twins = {id(t.module): host_twin(t.module) for t in self.tbes}
         self.graph = scan(*[m for _, m in modules])
