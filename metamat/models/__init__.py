@@ -130,7 +130,8 @@ def find_parts(model: nn.Module, device: torch.device, init: Mapping, *, loading
     try:
         from .torchrec.quant import quant_modules
 
-        quant = quant_modules(root_of(model))  # TorchRec's quantized inference collections
+        # TorchRec's quantized inference collections (real ones too when loading: a refresh)
+        quant = quant_modules(root_of(model), live=loading)
         if quant and sharded:
             raise UnsupportedError("a model holding both TorchRec training collections and "
                                    "quantized inference ones on meta is not supported")

@@ -129,9 +129,10 @@ def _has_meta(m: nn.Module) -> bool:
     return any(_weights_of(t).is_meta for t in _tbe_of_module(m))
 
 
-def quant_modules(root: nn.Module) -> List[Tuple[str, nn.Module]]:
-    """(name, module) of every quantized TorchRec module of ``root`` whose tables are on meta
-    ([] when torchrec was never imported: a model without it holds none).
+def quant_modules(root: nn.Module, live: bool = False) -> List[Tuple[str, nn.Module]]:
+    """(name, module) of every quantized TorchRec module of ``root`` whose tables are on meta,
+    and with ``live`` (a checkpoint to load) those whose tables are real too ([] when torchrec
+    was never imported: a model without it holds none).
 
     Raises:
         UnsupportedError: a quantized module metamat does not handle (feature-processed
@@ -158,7 +159,7 @@ def quant_modules(root: nn.Module) -> List[Tuple[str, nn.Module]]:
 
             upstream.BOUNDARY.require("quant")  # the first use of their internals
             upstream.check_quant([(name, m)])
-            if _has_meta(m):
+            if live or _has_meta(m):
                 out.append((name, m))
     return out
 

@@ -55,6 +55,13 @@ class QuantPart(Adapter):
         self.device = device
         self.cuda = device.type == "cuda" or emulated  # CUDA inference TBEs (or emulated)
         self.tbes: List[QuantTBE] = [t for name, m in modules for t in find_tbes(name, m)]
+        # a live model (real TBE storages, a checkpoint given): each storage is planned as a
+        # meta stand-in, like a model on meta; its shadow starts as a copy of the live bytes,
+        # takes the reads, and is copied in once every read succeeded (register)
+        self.live: Dict[int, torch.Tensor] = {}  # stand-in storage key -> the live storage
+        for t in self.tbes:
+            if not t.storage.is_meta:
+                self._stand_in(t, device, emulated)
         # TBEs TorchRec's quant sharding left HOST-placed on meta for a GPU plan: laid out for
         # the device here, as TorchRec lays them out when it shards on the GPU
         self.relaid: Dict[int, object] = {}
@@ -62,7 +69,7 @@ class QuantPart(Adapter):
             quant_on()  # METAMAT_QUANT_ON checked before anything is allocated
             owners = dict(modules)
             for t in self.tbes:
-                if t.storage is t.module.weights_dev:
+                if t.storage is t.module.weights_dev or self._is_live(t.storage):
                     continue
                 why = gpu_relayout_refusal(t.owner, owners[t.owner])
                 if why is not None:
@@ -74,7 +81,8 @@ class QuantPart(Adapter):
                     f"on cuda:0 (its inputs go there), not on {device}: materialize it with "
                     "device='cuda:0' (docs/QUANT.md)")
         self.tables = [tb for t in self.tbes for tb in t.tables]
-        self.twins = {id(t.module): host_twin(t.module) for t in self.tbes}
+        self.twins = {id(t.module): host_twin(t.module) for t in self.tbes
+                      if not self._is_live(t.storage)}
         self.graph = scan(*[m for _, m in modules])
         self.keys = {storage_key(t.storage) for t in self.tbes}
         self.storages = [StorageGroup(k, self._nbytes(k), kind="zeros")
@@ -88,6 +96,24 @@ class QuantPart(Adapter):
         self.match: Optional[QuantMatch] = None
         self.init_jobs: List[QuantJob] = []
         self._loaded_names: Set[str] = set()
+
+    def _stand_in(self, t: QuantTBE, device: torch.device, emulated: bool) -> None:
+        real = t.storage
+        where = t.owner or "<root>"
+        if real.dim() != 1 or real.storage_offset() or not real.is_contiguous():
+            raise UnsupportedError(f"{where}: its inference TBE's weights are not one whole "
+                                   "storage: cannot load into it")
+        if real.device.type != device.type and not (emulated and real.device.type == "cpu"):
+            raise UnsupportedError(f"{where}: its tables live on {real.device}, the call "
+                                   f"materializes on {device}: pass device='{real.device}'")
+        standin = torch.empty(real.shape, dtype=real.dtype, device="meta")
+        t.storage = standin
+        for tb in t.tables:
+            tb.storage = standin
+        self.live[storage_key(standin)] = real
+
+    def _is_live(self, x: torch.Tensor) -> bool:
+        return bool(self.live) and x.is_meta and storage_key(x) in self.live
 
     def _nbytes(self, key: int) -> int:
         return next(t.storage.untyped_storage().nbytes() for t in self.tbes
@@ -149,8 +175,8 @@ class QuantPart(Adapter):
         not a distribution metamat draws)."""
         missing, jobs = [], {}
         for t in self.tables:
-            if t.fqn in self._loaded_names:
-                continue
+            if t.fqn in self._loaded_names or self._is_live(t.storage):
+                continue  # loaded, or live and not in the checkpoint: left as it is
             dist = match_init(init, (t.fqn, t.name))
             if dist is None:
                 fn = getattr(t.config, "init_fn", None)
@@ -182,8 +208,10 @@ class QuantPart(Adapter):
             for o in job.outs:
                 o.base = alloc.full(o.storage)
                 o.device_memory = self.cuda  # quantized on the host, copied to the device
-        for tg in self.targets:
-            if tg.tensor.is_meta:
+        for tg in self.targets:  # (the report's: a live table not loaded is unchanged)
+            if self._is_live(tg.tensor):
+                tg.tensor = self.live[storage_key(tg.tensor)]
+            elif tg.tensor.is_meta:
                 tg.tensor = alloc.view(tg.tensor)
 
     def fill(self, alloc: Allocation, seed: int, loaded: Set[int]) -> int:
@@ -192,7 +220,9 @@ class QuantPart(Adapter):
         from ...load.ops import default_io_threads
         from .tables import fill_targets
 
-        written = fill_support(self.storages, [], alloc)
+        written = fill_support([g for g in self.storages if g.key not in self.live], [], alloc)
+        for key, real in self.live.items():  # a shadow starts as the live bytes
+            alloc.full(key).copy_(real.view(-1))
         threads = default_io_threads()
         sink = DeviceSink(on_device=quant_on() == "device")
         for job in self.init_jobs:
@@ -223,6 +253,10 @@ class QuantPart(Adapter):
                 n += 1
         dev = alloc.device
         for t in self.tbes:
+            if self._is_live(t.storage):  # the shadow's bytes into the live storage
+                with torch.no_grad():
+                    self.live[storage_key(t.storage)].copy_(alloc.full(storage_key(t.storage)))
+                continue
             tbe, twin = t.module, self.twins[id(t.module)]
             weights = twins.get(id(t.storage))
             if weights is None:
@@ -240,8 +274,10 @@ class QuantPart(Adapter):
             tbe.weights_host = weights
             tbe.weights_dev = twin.weights_dev
             tbe.weights_uvm = twin.weights_uvm
-        for _, m in self.modules:
-            drop_quantized_weights(m)  # meta copies the constructor kept
+        live = {t.owner for t in self.tbes if self._is_live(t.storage)}
+        for name, m in self.modules:
+            if name not in live:
+                drop_quantized_weights(m)  # meta copies the constructor kept
         for holder, key in self.graph.device_refs:
             d = holder.__dict__
             v = d.get(key)

@@ -1,0 +1,166 @@
+"""A live quantized model refreshed from a new checkpoint: ``materialize(qmodel, ckpt)`` on a
+model whose inference TBEs are real (served, say) quantizes the new float rows into a shadow of
+each TBE storage and copies it in only after every read succeeded: the same bytes as
+TorchRec's conversion of the new float model, nothing changed when the load fails."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("torchrec")
+pytest.importorskip("fbgemm_gpu")
+
+import metamat  # noqa: E402
+from metamat.emulation import emulated_cuda  # noqa: E402
+
+from _quant_models import (batch, ebc_tables, feature_rows, float_model, forward,  # noqa: E402
+                           meta_quant, quant_plan, quantize, shard, sharder_for, state_bytes,
+                           tbes)
+
+
+def _save(model, path):
+    torch.save({k: v.detach().cpu().clone() for k, v in model.state_dict().items()}, path)
+    return path
+
+
+def _same_state(a, b) -> bool:
+    x, y = state_bytes(a), state_bytes(b)
+    keys = [k for k in x if k.startswith("coll.")]
+    assert keys and all(k in y for k in keys)
+    return all(torch.equal(u.view(torch.uint8), v.view(torch.uint8))
+               for k in keys for (_, u), (_, v) in zip(x[k], y[k]))
+
+
+def _storages(model):
+    return [(t.weights_host.clone(), t.weights_dev.clone()) for t in tbes(model)]
+
+
+@pytest.mark.parametrize("qdtype,split", [("int8", False), ("int4", True), ("fp16", False)])
+def test_refresh_from_a_new_float_checkpoint(tmp_path, qdtype, split):
+    tables = ebc_tables()
+    served = quantize(float_model(tables, seed=1), qdtype, split)  # live, TorchRec-converted
+    new = float_model(tables, seed=2)
+    r = metamat.materialize(served, _save(new, str(tmp_path / "new.pt")))
+    want = quantize(new, qdtype, split)
+    assert _same_state(want, served)
+    assert [n for n in r.loaded if n.startswith("coll.")] == \
+        [f"coll.embedding_bags.t{i}.weight" for i in range(3)] and not r.unchanged
+    names, rows = feature_rows(tables)
+    kjt = batch(names, rows)
+    assert torch.equal(forward(want, kjt), forward(served, kjt))
+
+
+def test_refresh_from_a_quantized_checkpoint_and_a_partial_one(tmp_path):
+    tables = ebc_tables()
+    served = quantize(float_model(tables, seed=1), "int8", True)
+    new_q = quantize(float_model(tables, seed=3), "int8", True)
+    path = str(tmp_path / "q.pt")
+    torch.save({k: v.clone() for k, v in new_q.state_dict().items()}, path)
+    metamat.materialize(served, path)
+    assert _same_state(new_q, served)
+    # a checkpoint holding t1 only: t0 and t2 keep their bytes (strict=False), reported so
+    before = {k: [(o, x.clone()) for o, x in v] for k, v in state_bytes(served).items()}
+    newer = float_model(tables, seed=4)
+    sd = {k: v.detach().clone() for k, v in newer.state_dict().items() if ".t1." in k}
+    torch.save(sd, str(tmp_path / "t1.pt"))
+    r = metamat.materialize(served, str(tmp_path / "t1.pt"), strict=False)
+    after = state_bytes(served)
+    assert r.loaded == ["coll.embedding_bags.t1.weight"]
+    assert set(r.unchanged) >= {"coll.embedding_bags.t0.weight", "coll.embedding_bags.t2.weight"}
+    for k in before:
+        same = all(torch.equal(a, b) for (_, a), (_, b) in zip(before[k], after[k]))
+        assert same == (".t1." not in k), k
+    want = state_bytes(quantize(newer, "int8", True))
+    assert all(torch.equal(a, b) for (_, a), (_, b) in
+               zip(want["coll.embedding_bags.t1.weight"], after["coll.embedding_bags.t1.weight"]))
+
+
+def test_refresh_sharded(tmp_path):
+    tables = ebc_tables(dims=(16, 32, 48), rows=(37, 3, 100))
+    old, new = float_model(tables, seed=1), float_model(tables, seed=2)
+    qold, qnew = quantize(old, "int4", True), quantize(new, "int4", True)
+    sharder = sharder_for("cw", tables)
+    plan = quant_plan(qold, sharder, 2)
+    served = shard(qold, sharder, plan, 2, "cpu")  # TorchRec's CPU sharding, loaded
+    served.load_state_dict(qold.state_dict())
+    metamat.materialize(served, _save(new, str(tmp_path / "new.pt")))
+    want = shard(qnew, sharder, plan, 2, "cpu")
+    want.load_state_dict(qnew.state_dict())
+    assert _same_state(want, served)
+
+
+@pytest.mark.parametrize("how", ["cut", "flipped byte"])
+def test_a_failed_refresh_changes_nothing(tmp_path, monkeypatch, how):
+    """A checkpoint that fails: a DCP data file cut short (found before any read), or a byte
+    flipped near its end, caught by ``verify=True`` after the first tables were quantized into
+    the shadows. The error, and the live model's bytes as they were."""
+    import torch.distributed.checkpoint as dcp
+
+    from metamat.checkpoint.checksum import write_manifest
+
+    tables = ebc_tables(dims=(8, 16, 40), rows=(2000, 1, 3000))
+    served = quantize(float_model(tables, seed=1), "int8", False)
+    before = _storages(served)
+    path = str(tmp_path / "dcp")
+    dcp.save(float_model(tables, seed=2).state_dict(), checkpoint_id=path)
+    (data,) = [os.path.join(path, f) for f in os.listdir(path) if f.endswith(".distcp")]
+    if how == "cut":
+        os.truncate(data, os.path.getsize(data) // 2)
+    else:
+        write_manifest(path, block_bytes=4096)
+        with open(data, "r+b") as f:
+            f.seek(os.path.getsize(data) - 100_000)  # inside t2, read in a later round
+            b = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([b[0] ^ 0x40]))
+    import metamat.load.quantize as quantize_mod
+
+    rows = []
+    real = quantize_mod.quantize_into
+    monkeypatch.setattr(quantize_mod, "quantize_into",
+                        lambda src, *a, **k: rows.append(len(src)) or real(src, *a, **k))
+    with pytest.raises(metamat.CheckpointError):
+        metamat.materialize(served, path, verify=how != "cut", staging_bytes=1 << 20)
+    assert (sum(rows) > 0) == (how != "cut")  # rows were quantized before the flip was met
+    after = _storages(served)
+    assert all(torch.equal(a, c) and torch.equal(b, d) for (a, b), (c, d) in zip(before, after))
+
+
+def test_refresh_on_the_emulated_device(tmp_path):
+    tables = ebc_tables()
+    served = meta_quant(tables, "int8", False)
+    with emulated_cuda():
+        metamat.materialize(served, _save(float_model(tables, seed=1), str(tmp_path / "a.pt")),
+                            device="cuda")
+        new = float_model(tables, seed=2)
+        metamat.materialize(served, _save(new, str(tmp_path / "b.pt")), device="cuda")
+    want = quantize(new, "int8", False)
+    for x, y in zip(tbes(want), tbes(served)):
+        assert y.weights_host.numel() == 0 and torch.equal(x.weights_host, y.weights_dev)
+
+
+@pytest.mark.cuda
+def test_refresh_on_a_gpu(tmp_path):
+    """A model TorchRec converted on the GPU, refreshed there: the shadow in device memory,
+    the bytes TorchRec's GPU conversion of the new model gives (rows quantized on the host)."""
+    from _quant_models import Model, assert_same_quant_state
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    tables = ebc_tables()
+
+    def on_gpu(f):
+        m = Model(tables, dev)
+        m.load_state_dict(f.state_dict())
+        return quantize(m, "int8", False)
+
+    served = on_gpu(float_model(tables, seed=1))
+    new = float_model(tables, seed=2)
+    r = metamat.materialize(served, _save(new, str(tmp_path / "new.pt")))
+    assert r.device.startswith("cuda")
+    want = on_gpu(new)
+    assert_same_quant_state(want, served, "refresh", prefix="coll.")
+    names, rows = feature_rows(tables)
+    kjt = batch(names, rows).to(dev)
+    assert torch.equal(want(kjt).values(), served(kjt).values())
