@@ -1,15 +1,16 @@
 """--mode quant: a training checkpoint (float tables, DCP) into a quantized inference model
-(TorchRec's quantized EmbeddingBagCollection, INT8 by default), two ways, same checkpoint,
-same run:
+(TorchRec's quantized EmbeddingBagCollection, INT8 by default), same checkpoint, same run:
 
 * TorchRec's path (the baseline): build the float model on the CPU (``EmbeddingBagCollection
   (device="cpu")``: allocated and initialised), ``dcp.load`` the whole checkpoint into it,
   then ``quantize_embeddings`` (fbgemm's row-wise op per table);
 * metamat: the quantized model built on meta (``quantize_embeddings`` of the float model on
   meta: nothing allocated), then ``metamat.materialize(qmodel, ckpt)``: rows read in pieces
-  into a bounded scratch buffer and quantized into place by the C++ core.
+  into a bounded scratch buffer and quantized into place by the C++ core;
+* metamat refreshing a live quantized model (made before the clock starts) from the same
+  checkpoint: the rows quantized into a shadow of each TBE storage, copied in at the end.
 
-Both end with the same bytes (checked). Each repetition runs in its own process; the time is
+All end with the same bytes (checked). Each repetition runs in its own process; the time is
 from building the model to the quantized model ready; the peak is the process's VmHWM growth
 over its RSS before the model is built (``/proc/self/clear_refs`` resets the high-water mark
 after the imports), so it is that method's memory alone. The page cache is warm (the
@@ -47,6 +48,7 @@ QDTYPES = {"int8": torch.qint8, "int4": torch.quint4x2, "int2": torch.quint2x4,
            "fp16": torch.float16}
 METHODS = ("torchrec: float EBC + dcp.load + quantize_embeddings",
            "metamat.materialize(quantized EBC on meta)",
+           "metamat refresh of a live quantized EBC",
            "metamat.materialize, quantized on the device")  # --device cuda only
 
 
@@ -101,17 +103,25 @@ def child(method: int, ckpt: str, size: int, n_tables: int, dim: int, qdtype: st
     cuda = dev.type == "cuda"
     if cuda:
         torch.zeros(1, device=dev)  # the CUDA context is not the method's
+    served = None
+    if method == 2:  # a live model to refresh, made before the clock starts
+        m = torch.nn.Sequential(EmbeddingBagCollection(tables=tables, device=torch.device("meta")))
+        served = quantize_embeddings(m, dtype=QDTYPES[qdtype], inplace=True)
+        metamat.materialize(served, device=dev)
     resettable = _reset_peak()
     before = _status("VmRSS:")
     t0 = time.perf_counter()
-    if method == 0:
+    if method == 2:
+        q = served
+        metamat.materialize(q, ckpt, io_threads=threads, device=dev)
+    elif method == 0:
         m = torch.nn.Sequential(EmbeddingBagCollection(tables=tables, device=dev))
         sd = m.state_dict()
         dcp.load(sd, checkpoint_id=ckpt)
         q = quantize_embeddings(m, dtype=QDTYPES[qdtype], inplace=True)
     else:
-        # method 2: float rows uploaded, fbgemm's op quantizes them on the GPU
-        os.environ["METAMAT_QUANT_ON"] = "device" if method == 2 else "host"
+        # method 3: float rows uploaded, fbgemm's op quantizes them on the GPU
+        os.environ["METAMAT_QUANT_ON"] = "device" if method == 3 else "host"
         m = torch.nn.Sequential(EmbeddingBagCollection(tables=tables, device=torch.device("meta")))
         q = quantize_embeddings(m, dtype=QDTYPES[qdtype], inplace=True)
         metamat.materialize(q, ckpt, io_threads=threads, device=dev)
@@ -154,7 +164,7 @@ def run_quant(a, device: torch.device) -> List[Row]:
         progress(f"quant: writing a {size / 2**30:.2f} GiB float checkpoint")
         ckpt = _write_checkpoint(root, size, a.tables, a.dim)
         nbytes = sum(os.path.getsize(os.path.join(ckpt, f)) for f in os.listdir(ckpt))
-        methods = METHODS if device.type == "cuda" else METHODS[:2]
+        methods = METHODS if device.type == "cuda" else METHODS[:3]
         results = {i: [] for i in range(len(methods))}
         for rep in range(a.reps):  # interleaved: a shared machine drifts
             for i, name in enumerate(methods):
@@ -187,8 +197,11 @@ def run_quant(a, device: torch.device) -> List[Row]:
         print(f"metamat: {base.seconds / mm.seconds:.1f}x faster, peak memory "
               f"{mm.peak_rss_gib / base.peak_rss_gib:.2f}x TorchRec's "
               f"(goal: >= 5x faster, <= 0.3x memory at INT8)")
-        if len(rows) > 2:
-            print(f"quantized on the device: {mm.seconds / rows[2].seconds:.2f}x the host "
+        print(f"refresh of a live model: {rows[2].seconds / mm.seconds:.2f}x the time of "
+              f"materializing from meta, peak {rows[2].peak_rss_gib / mm.peak_rss_gib:.2f}x "
+              "(the shadow of the quantized storages)")
+        if len(rows) > 3:
+            print(f"quantized on the device: {mm.seconds / rows[3].seconds:.2f}x the host "
                   "quantization's speed (METAMAT_QUANT_ON=device if > 1)")
         if len(digests) != 1 and device.type == "cpu":
             raise RuntimeError("the two methods gave different quantized bytes")

@@ -20,7 +20,7 @@
 #                ring size x reader threads sweep (STAGE_GIB 1, STAGE_REPS 3)
 #   gds      30  bench/bench_gds.py (log appended to stage.log): cold loads, metamat's staged
 #                pipeline vs GPUDirect Storage (cuFile through torch.cuda.gds, compatibility mode
-#                without nvidia-fs) vs the O_DIRECT read ceiling (GDS_GIB 1)
+#                without nvidia-fs) vs the O_DIRECT read ceiling (GDS_GIB 0.5, GDS_REPS 2)
 #   ncu      15  if ncu is on PATH: pipe utilisation of fp32 Uniform/Normal, base vs split
 # A failing step never stops the later ones; a step that would start with under 8 s left is
 # SKIPPED. OUT gets at most 8 files: summary.json (steps, statuses, seconds, the GPU, and the
@@ -28,7 +28,8 @@
 # stage.log (also the gds step's), ncu.log (when ncu ran).
 #
 # env: PYTHON (python3), BUDGET_S (240), RESERVE_S (5), STEPS (space-separated subset),
-#      INIT_GIB, ROUNDS, TABLES, STAGE_GIB, STAGE_REPS, GDS_GIB, METAMAT_CUDA_ARCHS (from the GPU).
+#      INIT_GIB, ROUNDS, TABLES, STAGE_GIB, STAGE_REPS, GDS_GIB, GDS_REPS, METAMAT_CUDA_ARCHS
+#      (from the GPU).
 #      GPU_SPEED_DRY=1 (tests, any machine): each step only prints its command.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -95,8 +96,8 @@ step init 45 init.log "$py" bench/bench_init_variants.py --size-gib "${INIT_GIB:
   --rounds "${ROUNDS:-7}" --tables "${TABLES:-10240}" --json "$work/init.json"
 step stage 50 stage.log "$py" bench/bench_stage.py --device cuda --size-gib "${STAGE_GIB:-1}" \
   --reps "${STAGE_REPS:-3}" --sweep --json "$work/stage.json"
-step gds 30 +stage.log "$py" bench/bench_gds.py --device cuda --size-gib "${GDS_GIB:-1}" \
-  --reps "${STAGE_REPS:-3}" --json "$work/gds.json"
+step gds 30 +stage.log "$py" bench/bench_gds.py --device cuda --size-gib "${GDS_GIB:-0.5}" \
+  --reps "${GDS_REPS:-2}" --json "$work/gds.json"
 if command -v ncu >/dev/null || [ "$dry" = 1 ]; then
   step ncu 15 ncu.log ncu --kernel-name regex:fill_kernel --launch-count 4 \
     --metrics sm__inst_executed_pipe_fma.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_fmaheavy.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_alu.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_lsu.avg.pct_of_peak_sustained_active,sm__inst_issued.avg.pct_of_peak_sustained_active,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__warps_active.avg.pct_of_peak_sustained_active \

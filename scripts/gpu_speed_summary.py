@@ -81,7 +81,8 @@ def gds_goal(gds) -> list:
     (the io= choice keeps the faster) and the O_DIRECT read ceiling."""
     rows = (gds or {}).get("rows", [])
     staged = next((r for r in rows if r["row"].startswith("metamat staged, io=auto")), None)
-    runs = [r for r in rows if r["row"].startswith("gds cuFile") and "gbps" in r]
+    runs = [r for r in rows if r["row"].startswith("gds cuFile") and "gbps" in r
+            and r.get("bytes_ok", True)]  # a row whose bytes were wrong is no candidate
     ceil = max((r["gbps"] for r in rows if r["row"].startswith("O_DIRECT")), default=None)
     if not staged:
         return []
@@ -91,11 +92,10 @@ def gds_goal(gds) -> list:
     if runs:
         best = max(runs, key=lambda r: r["gbps"])
         g.update(best=round(best["gbps"], 2), best_variant=best["row"],
-                 bytes_ok=all(r.get("bytes_ok", True) for r in runs),
                  faster="gds" if best["gbps"] > staged["gbps"] else "staged")
     else:
-        g["gds"] = next((r.get("skipped") or r.get("error") for r in rows
-                         if r["row"].startswith("gds")), "no row")
+        g["gds"] = next((r.get("skipped") or r.get("error") or "bytes differ from the file"
+                         for r in rows if r["row"].startswith("gds")), "no row")
     return [g]
 
 

@@ -121,12 +121,12 @@ def test_gds_bench_rows_and_summary(tmp_path):
     _run([sys.executable, "bench/bench_gds.py", "--device", "cpu", "--size-gib", "0.01",
           "--reps", "1", "--threads", "1,2", "--chunk-mib", "1", "--dir", str(d),
           "--json", str(out)])
+    assert not d.exists() and not (ROOT / "cufile.log").exists()
     res = json.loads(out.read_text())
     names = [r["row"] for r in res["rows"]]
     assert "metamat staged, io=auto, cold" in names
     assert {"torch_gds", "nvidia_fs", "filesystem", "mode"} <= set(res["status"])
     assert next(r for r in res["rows"] if r["row"] == "gds")["skipped"] == "no CUDA device"
-    assert not d.exists()  # the bench removes the directory it made
     work = tmp_path / "work"
     work.mkdir()
     (work / "gds.json").write_text(out.read_text())
@@ -136,3 +136,29 @@ def test_gds_bench_rows_and_summary(tmp_path):
     s = json.loads((o / "summary.json").read_text())
     g = next(x for x in s["goals"] if x["goal"].startswith("cold load"))
     assert g["staged_gbps"] > 0 and g["gds"] == "no CUDA device"
+
+
+def test_gds_bench_keeps_rows_and_cleans_up_when_killed(tmp_path):
+    # gpu_speed.sh's `timeout` sends SIGTERM: the rows measured so far stay in the JSON and
+    # the file the bench wrote is removed
+    import signal
+    import time
+
+    out, d = tmp_path / "gds.json", tmp_path / "files"
+    d.mkdir()
+    p = subprocess.Popen([sys.executable, "bench/bench_gds.py", "--device", "cpu",
+                          "--size-gib", "0.05", "--reps", "200", "--threads", "1",
+                          "--dir", str(d), "--json", str(out)], cwd=ROOT,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if out.exists() and json.loads(out.read_text() or "{}").get("rows"):
+            break
+        time.sleep(0.2)
+    p.send_signal(signal.SIGTERM)
+    p.communicate(timeout=60)  # closes the pipe
+    assert p.returncode != 0
+    rows = json.loads(out.read_text())["rows"]
+    assert rows and rows[0]["row"].startswith("O_DIRECT read ceiling")
+    assert d.exists() and not list(d.iterdir())  # its file removed, the caller's folder kept

@@ -289,12 +289,15 @@ def test_cuda_inference_tbes(tmp_path, monkeypatch, qdtype, split, where):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("where", ["host", "device"])
 @pytest.mark.parametrize("kind,qdtype", [("tw", "int8"), ("rw", "int4"), ("cw", "int8"),
                                          ("tw", "int2")])
-def test_cuda_sharded_inference(tmp_path, kind, qdtype):
+def test_cuda_sharded_inference(tmp_path, monkeypatch, kind, qdtype, where):
     """TorchRec's default GPU inference sharding built on meta and materialized on the GPU,
     against the same plan sharded by TorchRec on the GPU (``sharding_device="cuda"``) with the
-    converted state loaded: every table byte, every TBE buffer and attribute, the forward."""
+    converted state loaded: every table byte, every TBE buffer and attribute, the forward;
+    the rows quantized on the host or on the device."""
+    monkeypatch.setenv("METAMAT_QUANT_ON", where)
     dev = torch.device("cuda", torch.cuda.current_device())
     tables = ebc_tables(dims=(16, 32, 48), rows=(37, 3, 100))
     f, qref, got, sharder, plan = _gpu_sharded(tables, kind, qdtype)
@@ -361,3 +364,69 @@ def test_quant_on_is_checked_first(tmp_path, monkeypatch):
     with emulated_cuda(), pytest.raises(ValueError, match="METAMAT_QUANT_ON='gpu'"):
         metamat.materialize(q, path, device="cuda")
     assert not no_meta(q)
+
+
+@pytest.mark.parametrize("kind", [8, 4, 2])
+@pytest.mark.parametrize("sb_last", [False, True])
+def test_device_quantization_against_the_host_kernel(kind, sb_last):
+    """DeviceSink.quantize_on_device (fbgemm's op, then the placement) against the host
+    kernel through the bounce buffers, byte for byte: whole rows and two column shards of
+    one job (the row's scale/bias in each), both scale/bias placements, padded rows, a
+    nonzero row offset; a shard not on whole bytes falls back to the host kernel's error."""
+    from metamat.load.quantize import QuantJob, QuantOut, quantize_into
+    from metamat.load.quantize_device import DeviceSink
+
+    cols, rows = 48, 9
+    src = torch.randn(rows, cols, generator=torch.Generator().manual_seed(kind))
+    src[3] = 0.0  # a zero row: its range is 0
+    src[4, ::2] = -0.0
+
+    def outs():
+        split = 16
+        return [QuantOut(0, cols, kind, 1, 64, cols * kind // 8 + 4 + 12, sb_last),
+                QuantOut(0, split, kind, 2, 0, split * kind // 8 + 4, sb_last),
+                QuantOut(split, cols - split, kind, 3, 32, (cols - split) * kind // 8 + 8,
+                         sb_last)]
+
+    got = {}
+    for on_device in (False, True):
+        job = QuantJob("t", "t", (rows + 2, cols), 0, rows + 2, outs())
+        for o in job.outs:
+            o.base = torch.zeros(o.offset + (rows + 2) * o.stride, dtype=torch.uint8)
+            o.device_memory = True
+        sink = DeviceSink(on_device=on_device)
+        quantize_into(src, job, 2, sink=sink)  # rows 2.. of the job
+        sink.finish()
+        got[on_device] = [o.base for o in job.outs]
+    for a, b in zip(got[False], got[True]):
+        assert torch.equal(a, b)
+    if kind != 8:
+        bad = QuantJob("t", "t", (rows, cols), 0, rows,
+                       [QuantOut(1, cols - 8, kind, 4, 0, cols, sb_last)])
+        bad.outs[0].base = torch.zeros(rows * cols, dtype=torch.uint8)
+        bad.outs[0].device_memory = True
+        with pytest.raises(RuntimeError, match="whole bytes"):
+            quantize_into(src, bad, 0, sink=DeviceSink(on_device=True))
+
+
+@pytest.mark.cuda
+def test_cuda_many_small_pieces(tmp_path, monkeypatch):
+    """Tables of a few MiB cut into 4 KiB pieces: the bounce buffers turn over hundreds of
+    times with the copies truly asynchronous; host and device quantization both give the
+    bytes of TorchRec's GPU conversion."""
+    import metamat.load.quantize as quantize_mod
+
+    monkeypatch.setattr(quantize_mod, "PIECE_BYTES", 4096)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    tables = ebc_tables(dims=(64, 128), rows=(20000, 7000))
+    f = float_model(tables, seed=8)
+    path = _save(f, str(tmp_path / "f.pt"))
+    fc = Model(tables, dev)
+    fc.load_state_dict(f.state_dict())
+    ref = quantize(fc, "int4", False)
+    for where in ("host", "device"):
+        monkeypatch.setenv("METAMAT_QUANT_ON", where)
+        q = meta_quant(tables, "int4", False)
+        metamat.materialize(q, path, device="cuda", staging_bytes=1 << 20)
+        for x, y in zip(tbes(ref), tbes(q)):
+            assert torch.equal(x.weights_dev, y.weights_dev), where

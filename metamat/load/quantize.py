@@ -229,7 +229,7 @@ def quantize_into(src: torch.Tensor, job: QuantJob, row: int, *, threads: int = 
     arr = np.empty((len(job.outs), 6), dtype=np.int64)
     sends = []
     on_device = [o for o in job.outs if o.device_memory and sink is not None and
-                 sink.on_device and device_quantizable(o.kind, job.cols)]
+                 sink.on_device and device_quantizable(o.kind, job.cols, o.col0, o.cols)]
     for i, o in enumerate(job.outs):
         if o.base is None:
             raise ValueError(f"{job.fqn}: destination not bound")

@@ -16,6 +16,7 @@ CPU op standing for its CUDA kernel.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import List, Sequence
 
@@ -39,10 +40,15 @@ def quant_on() -> str:
     return v
 
 
-def device_quantizable(kind: int, cols: int) -> bool:
-    """Whether fbgemm's op quantizes rows of ``cols`` floats into ``kind`` bits: INT-N rows
-    whose packed data is a whole number of 2-byte words (its scale/bias alignment)."""
-    return kind in (8, 4, 2) and cols * kind % 16 == 0
+def device_quantizable(kind: int, cols: int, col0: int = 0, out_cols: int = 0) -> bool:
+    """Whether fbgemm's op quantizes rows of ``cols`` floats into ``kind`` bits (INT-N rows
+    whose packed data is a whole number of 2-byte words: its scale/bias alignment) and the
+    destination's columns ``[col0, col0 + out_cols)`` start and end on whole bytes of them
+    (others go to the host kernel, which refuses them by name)."""
+    if kind not in (8, 4, 2) or cols * kind % 16:
+        return False
+    per = 8 // kind
+    return col0 % per == 0 and out_cols % per == 0
 
 
 class DeviceSink:
@@ -75,13 +81,17 @@ class DeviceSink:
 
     def send(self, host: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy bounce buffer ``host`` to ``dst``; the buffer is free again once it is done."""
-        if dst.device.type == "cuda":
-            dst.copy_(host, non_blocking=True)
+        dst.copy_(host, non_blocking=dst.device.type == "cuda")
+        self._mark(dst.device)
+
+    def _mark(self, dev: torch.device) -> None:
+        """The current buffer is free once ``dev``'s current stream got here (the stream the
+        copy to ``dev`` and the work after it ran on, whatever the current device)."""
+        if dev.type == "cuda":
             ev = torch.cuda.Event()
-            ev.record()
+            ev.record(torch.cuda.current_stream(dev))
             self.events[self.k] = ev
-        else:  # the emulated device: device memory is host memory
-            dst.copy_(host)
+        # the emulated device: device memory is host memory, every copy is done already
 
     def quantize_on_device(self, src: torch.Tensor, row: int, outs: Sequence) -> None:
         """Rows ``src`` (CPU float32 ``(n, cols)``), job rows ``row`` .. ``row + n``, quantized
@@ -93,8 +103,20 @@ class DeviceSink:
         dev = outs[0].base.device
         host = self.buffer(n * cols * 4, zero=False).view(torch.float32).view(n, cols)
         host.copy_(src)
-        rows = torch.empty((n, cols), dtype=torch.float32, device=dev)
-        self.send(host, rows)
+        guard = torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext()
+        with guard:  # the op and the copies on dev's current stream, whatever device is current
+            rows = torch.empty((n, cols), dtype=torch.float32, device=dev)
+            rows.copy_(host, non_blocking=dev.type == "cuda")
+            self._place(rows, row, outs)
+            self._mark(dev)  # after the placement: finish() waits for all of it
+
+    @staticmethod
+    def _place(rows: torch.Tensor, row: int, outs: Sequence) -> None:
+        """fbgemm's op on ``rows`` (once per bit width), each destination's bytes copied into
+        its rows."""
+        import fbgemm_gpu  # noqa: F401 - registers the op (TorchRec imported it already)
+
+        n = rows.shape[0]
         op = torch.ops.fbgemm.FloatOrHalfToFusedNBitRowwiseQuantizedSBHalf
         by_kind = {}
         for o in outs:
@@ -115,8 +137,8 @@ class DeviceSink:
                 dst[:, 4:].copy_(data)
 
     def finish(self) -> None:
-        """Wait for every copy out of the bounce buffers (and the device work queued after
-        them on the same stream, for the caller's next use of its sources)."""
+        """Wait for every copy out of the bounce buffers and the device quantization queued
+        after them."""
         for ev in self.events:
             if ev is not None:
                 ev.synchronize()
