@@ -164,3 +164,34 @@ def test_refresh_on_a_gpu(tmp_path):
     names, rows = feature_rows(tables)
     kjt = batch(names, rows).to(dev)
     assert torch.equal(want(kjt).values(), served(kjt).values())
+
+
+def test_refresh_refuses_a_checkpoint_that_does_not_fit(tmp_path):
+    """Rows of another shape: the error names the tensor, before anything is read."""
+    tables = ebc_tables()
+    served = quantize(float_model(tables, seed=1), "int8", False)
+    before = _storages(served)
+    other = float_model(ebc_tables(rows=(38, 1, 100)), seed=2)
+    with pytest.raises(metamat.CheckpointError, match="t0"):
+        metamat.materialize(served, _save(other, str(tmp_path / "other.pt")))
+    after = _storages(served)
+    assert all(torch.equal(a, c) and torch.equal(b, d) for (a, b), (c, d) in zip(before, after))
+
+
+def test_refresh_sharded_for_a_gpu_emulated(tmp_path):
+    """TorchRec's default GPU sharding, materialized on the (emulated) device, then refreshed:
+    the live storage is weights_dev."""
+    tables = ebc_tables(dims=(16, 32, 48), rows=(37, 3, 100))
+    sharder = sharder_for("cw", tables)
+    qold = quantize(float_model(tables, seed=1), "int8", True)
+    plan = quant_plan(qold, sharder, 1, compute_device="cuda")
+    served = shard(meta_quant(tables, "int8", True), sharder, plan, 1, "meta",
+                   compute_device="cuda")
+    new = float_model(tables, seed=2)
+    with emulated_cuda():
+        metamat.materialize(served, _save(float_model(tables, seed=1), str(tmp_path / "a.pt")),
+                            device="cuda")
+        metamat.materialize(served, _save(new, str(tmp_path / "b.pt")), device="cuda")
+    want = shard(quantize(new, "int8", True), sharder, plan, 1, "cpu")
+    want.load_state_dict(quantize(new, "int8", True).state_dict())
+    assert _same_state(want, served)
