@@ -216,7 +216,8 @@ def materialize(
         init_map = check_init_map(init)
         dev, emulated = resolve_device(model, device)
         report.device = "cuda (emulated on the CPU)" if emulated else str(dev)
-        parts = find_parts(model, dev, init_map, loading=loading, emulated=emulated)
+        parts = find_parts(model, dev, init_map, loading=loading, emulated=emulated,
+                           inplace=inplace)
         sec["plan"] = time.perf_counter() - t
         t = time.perf_counter()
         if loading:
@@ -271,7 +272,8 @@ def materialize(
         report.ranks = ranks.agree(err, "fill", payload=mine)
     except BaseException as e:  # noqa: BLE001
         _undo(parts)
-        live = sorted({t.fqn for t in ld.reads.targets if _is_live(t, alloc)}) \
+        live = sorted({t.fqn for t in ld.reads.targets if _is_live(t, alloc)}
+                      | {n for p in parts for n in p.written_in_place()}) \
             if reading and inplace else []
         if live:
             raise PartialLoadError(

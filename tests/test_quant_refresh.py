@@ -45,6 +45,7 @@ def test_refresh_from_a_new_float_checkpoint(tmp_path, qdtype, split):
     r = metamat.materialize(served, _save(new, str(tmp_path / "new.pt")))
     want = quantize(new, qdtype, split)
     assert _same_state(want, served)
+    assert r.bytes_allocated >= sum(t.weights_host.numel() for t in tbes(served))  # shadows
     assert [n for n in r.loaded if n.startswith("coll.")] == \
         [f"coll.embedding_bags.t{i}.weight" for i in range(3)] and not r.unchanged
     names, rows = feature_rows(tables)
@@ -195,3 +196,48 @@ def test_refresh_sharded_for_a_gpu_emulated(tmp_path):
     want = shard(quantize(new, "int8", True), sharder, plan, 1, "cpu")
     want.load_state_dict(quantize(new, "int8", True).state_dict())
     assert _same_state(want, served)
+
+
+@pytest.mark.parametrize("qdtype,quantized_ckpt", [("int8", False), ("fp16", False),
+                                                   ("int4", True)])
+def test_refresh_in_place(tmp_path, qdtype, quantized_ckpt):
+    """inplace=True: the reads go into the live storages themselves (no shadow allocated)."""
+    tables = ebc_tables()
+    served = quantize(float_model(tables, seed=1), qdtype, True)
+    storages = [t.weights_host for t in tbes(served)]
+    new = float_model(tables, seed=2)
+    want = quantize(new, qdtype, True)
+    path = str(tmp_path / "new.pt")
+    if quantized_ckpt:  # INT4 weights as their uint8 bytes (TorchRec's wrapper's .elem)
+        from _quant_models import raw
+
+        torch.save({k: raw(v).clone() for k, v in want.state_dict().items()}, path)
+    else:
+        _save(new, path)
+    r = metamat.materialize(served, path, inplace=True)
+    assert _same_state(want, served)
+    assert all(t.weights_host is s for t, s in zip(tbes(served), storages))
+    assert r.bytes_allocated < sum(s.numel() for s in storages)  # no shadow of the tables
+
+
+def test_a_failed_refresh_in_place_says_what_changed(tmp_path):
+    """inplace=True and a flipped byte met after rows were written: PartialLoadError names the
+    tables that may have changed."""
+    import torch.distributed.checkpoint as dcp
+
+    from metamat.checkpoint.checksum import write_manifest
+
+    tables = ebc_tables(dims=(8, 16, 40), rows=(2000, 1, 3000))
+    served = quantize(float_model(tables, seed=1), "int8", False)
+    path = str(tmp_path / "dcp")
+    dcp.save(float_model(tables, seed=2).state_dict(), checkpoint_id=path)
+    (data,) = [os.path.join(path, f) for f in os.listdir(path) if f.endswith(".distcp")]
+    write_manifest(path, block_bytes=4096)
+    with open(data, "r+b") as f:
+        f.seek(os.path.getsize(data) - 100_000)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0x40]))
+    with pytest.raises(metamat.PartialLoadError) as e:
+        metamat.materialize(served, path, verify=True, staging_bytes=1 << 20, inplace=True)
+    assert "coll.embedding_bags.t2.weight" in e.value.written

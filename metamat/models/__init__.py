@@ -108,9 +108,10 @@ class ModulesPart(Adapter):
 
 
 def find_parts(model: nn.Module, device: torch.device, init: Mapping, *, loading: bool,
-               emulated: bool = False) -> List[Adapter]:
+               emulated: bool = False, inplace: bool = False) -> List[Adapter]:
     """The adapters for ``model``: TorchRec's sharded modules (if any) and ordinary modules.
     ``emulated``: ``device`` is the CPU standing in for a CUDA device (:mod:`metamat.emulation`).
+    ``inplace``: a checkpoint loads into live quantized tables in place (no shadow).
 
     Raises:
         UnsupportedError: (and subclasses) anything an adapter cannot handle, before
@@ -147,7 +148,7 @@ def find_parts(model: nn.Module, device: torch.device, init: Mapping, *, loading
             from .torchrec.quant_part import QuantPart
 
             parts.append(QuantPart(model, device, init, modules=quant, loading=loading,
-                                   emulated=emulated))
+                                   emulated=emulated, inplace=inplace))
         parts.append(modules)
     except BaseException:
         if undo is not None:

@@ -113,6 +113,11 @@ class Adapter(Protocol):
     def after_load(self) -> None:
         """After the reads (averaged optimizer state stored)."""
 
+    def written_in_place(self) -> List[str]:
+        """Names of the live tensors this adapter's own writes (not the read plan's targets)
+        go into in place (``inplace=True``): what a failed load may have changed."""
+        return []
+
     # -- register, report ----------------------------------------------------------------------
     @abstractmethod
     def register(self, alloc: "Allocation", loaded: bool = False) -> int:

@@ -49,7 +49,7 @@ class QuantPart(Adapter):
     kind = "torchrec_quant"
 
     def __init__(self, model: nn.Module, device: torch.device, init, *, modules: list,
-                 loading: bool, emulated: bool = False) -> None:
+                 loading: bool, emulated: bool = False, inplace: bool = False) -> None:
         check_versions()
         self.modules = modules
         self.device = device
@@ -57,8 +57,10 @@ class QuantPart(Adapter):
         self.tbes: List[QuantTBE] = [t for name, m in modules for t in find_tbes(name, m)]
         # a live model (real TBE storages, a checkpoint given): each storage is planned as a
         # meta stand-in, like a model on meta; its shadow starts as a copy of the live bytes,
-        # takes the reads, and is copied in once every read succeeded (register)
+        # takes the reads, and is copied in once every read succeeded (register). With
+        # inplace=True the reads go into the live storage itself (no shadow).
         self.live: Dict[int, torch.Tensor] = {}  # stand-in storage key -> the live storage
+        self.inplace = inplace
         for t in self.tbes:
             if not t.storage.is_meta:
                 self._stand_in(t, device, emulated)
@@ -86,7 +88,8 @@ class QuantPart(Adapter):
         self.graph = scan(*[m for _, m in modules])
         self.keys = {storage_key(t.storage) for t in self.tbes}
         self.storages = [StorageGroup(k, self._nbytes(k), kind="zeros")
-                         for k in dict.fromkeys(storage_key(t.storage) for t in self.tbes)]
+                         for k in dict.fromkeys(storage_key(t.storage) for t in self.tbes)
+                         if not (inplace and k in self.live)]  # in place: nothing to allocate
         self._check_meta()
         # one report target per table block (Report.loaded / initialized name them)
         self.targets: List[Target] = [
@@ -206,13 +209,35 @@ class QuantPart(Adapter):
         jobs = self.init_jobs + (self.match.jobs if self.match is not None else [])
         for job in jobs:
             for o in job.outs:
-                o.base = alloc.full(o.storage)
+                o.base = self._full(alloc, o.storage)
                 o.device_memory = self.cuda  # quantized on the host, copied to the device
         for tg in self.targets:  # (the report's: a live table not loaded is unchanged)
             if self._is_live(tg.tensor):
                 tg.tensor = self.live[storage_key(tg.tensor)]
             elif tg.tensor.is_meta:
                 tg.tensor = alloc.view(tg.tensor)
+        if self.inplace and self.match is not None:  # the plain reads, into the live bytes
+            for tg in self.match.load:
+                if self._is_live(tg.tensor):
+                    tg.tensor = self._live_view(tg.tensor)
+
+    def _live_view(self, x: torch.Tensor) -> torch.Tensor:
+        """The live storage viewed as meta stand-in view ``x`` views the stand-in."""
+        real = self.live[storage_key(x)]
+        return torch.empty((0,), dtype=x.dtype, device=real.device).set_(
+            real.untyped_storage(), x.storage_offset(), x.shape, x.stride())
+
+    def _full(self, alloc: Allocation, key: int) -> torch.Tensor:
+        """Storage ``key`` as uint8 bytes: the live one in place, else the allocated one."""
+        if self.inplace and key in self.live:
+            return self.live[key].view(-1)
+        return alloc.full(key)
+
+    def written_in_place(self) -> List[str]:
+        if not self.inplace or self.match is None:
+            return []
+        return sorted({j.fqn for j in self.match.jobs
+                       if any(o.storage in self.live for o in j.outs)})
 
     def fill(self, alloc: Allocation, seed: int, loaded: Set[int]) -> int:
         """Zero the storages (unless born zero), draw and quantize the tables no checkpoint
@@ -222,7 +247,8 @@ class QuantPart(Adapter):
 
         written = fill_support([g for g in self.storages if g.key not in self.live], [], alloc)
         for key, real in self.live.items():  # a shadow starts as the live bytes
-            alloc.full(key).copy_(real.view(-1))
+            if not self.inplace:
+                alloc.full(key).copy_(real.view(-1))
         threads = default_io_threads()
         sink = DeviceSink(on_device=quant_on() == "device")
         for job in self.init_jobs:
@@ -254,8 +280,10 @@ class QuantPart(Adapter):
         dev = alloc.device
         for t in self.tbes:
             if self._is_live(t.storage):  # the shadow's bytes into the live storage
-                with torch.no_grad():
-                    self.live[storage_key(t.storage)].copy_(alloc.full(storage_key(t.storage)))
+                if not self.inplace:
+                    with torch.no_grad():
+                        self.live[storage_key(t.storage)].copy_(
+                            alloc.full(storage_key(t.storage)))
                 continue
             tbe, twin = t.module, self.twins[id(t.module)]
             weights = twins.get(id(t.storage))
