@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from ._gcpause import gc_paused
-from .allocate import allocate
+from .allocate import DEVICE, allocate
 from .checkpoint.base import Checkpoint
 from .checkpoint.view import Rename
 from .collective import Agreement, defer_sigint, rank
@@ -310,7 +310,6 @@ def _is_live(t: Target, alloc) -> bool:
 
 
 def _read(ld: "LoadMatch", io_threads, staging_bytes, progress, io, alloc):
-    from .allocate import DEVICE
     from .load import execute
 
     def in_device_memory(t: Target) -> bool:
@@ -334,9 +333,15 @@ def _read(ld: "LoadMatch", io_threads, staging_bytes, progress, io, alloc):
 def _fill_report(report: Report, parts: Sequence[Adapter], ld: "LoadMatch", executed, alloc,
                  shadows) -> None:
     targets = [t for p in parts for t in p.targets]
-    report.bytes_allocated = alloc.nbytes
+    shadowed = sum(p.transient_bytes() for p in parts)  # adapters' own shadows (live tables)
+    report.bytes_allocated = alloc.nbytes - shadowed
     report.bytes_by_memory = alloc.bytes_by_memory()
-    report.bytes_transient = sum(s.untyped_storage().nbytes() for _l, s, _f in shadows)
+    if shadowed:
+        left = report.bytes_by_memory.get(DEVICE, 0) - shadowed
+        report.bytes_by_memory = {k: v for k, v in {**report.bytes_by_memory,
+                                                    DEVICE: left}.items() if v > 0}
+    report.bytes_transient = sum(s.untyped_storage().nbytes() for _l, s, _f in shadows) \
+        + shadowed
     report.num_targets = len(targets)
     report.warnings = [w for p in parts for w in p.warnings]
     report.warnings += list(getattr(executed, "warnings", ()))  # e.g. s3 objects nothing pins

@@ -45,7 +45,7 @@ def test_refresh_from_a_new_float_checkpoint(tmp_path, qdtype, split):
     r = metamat.materialize(served, _save(new, str(tmp_path / "new.pt")))
     want = quantize(new, qdtype, split)
     assert _same_state(want, served)
-    assert r.bytes_allocated >= sum(t.weights_host.numel() for t in tbes(served))  # shadows
+    assert r.bytes_transient >= sum(t.weights_host.numel() for t in tbes(served))  # shadows
     assert [n for n in r.loaded if n.startswith("coll.")] == \
         [f"coll.embedding_bags.t{i}.weight" for i in range(3)] and not r.unchanged
     names, rows = feature_rows(tables)
@@ -241,3 +241,75 @@ def test_a_failed_refresh_in_place_says_what_changed(tmp_path):
     with pytest.raises(metamat.PartialLoadError) as e:
         metamat.materialize(served, path, verify=True, staging_bytes=1 << 20, inplace=True)
     assert "coll.embedding_bags.t2.weight" in e.value.written
+
+
+def test_refresh_from_its_own_state_with_registered_tbes(tmp_path):
+    """A quantized model with ``register_tbes`` (its state_dict holds the TBEs' metadata
+    buffers, ``coll.tbes.0.*``): strict refresh from such a state works, the metadata taken
+    as read (metamat lays the TBEs out itself)."""
+    import copy
+
+    from torchrec.distributed.test_utils.infer_utils import quantize as trec_quantize
+
+    tables = ebc_tables()
+    served = trec_quantize(copy.deepcopy(float_model(tables, seed=1)), inplace=False,
+                           register_tbes=True)
+    new = trec_quantize(copy.deepcopy(float_model(tables, seed=2)), inplace=False,
+                        register_tbes=True)
+    sd = {k: v.clone() for k, v in new.state_dict().items()}
+    assert any(".tbes.0." in k for k in sd)
+    path = str(tmp_path / "q.pt")
+    torch.save(sd, path)
+    metamat.materialize(served, path)  # strict
+    assert _same_state(new, served)
+
+
+def test_refresh_touches_only_what_the_checkpoint_loads(tmp_path):
+    """A checkpoint of the dense part only: no shadow, the tables untouched; a refresh
+    reports its shadows as transient bytes, not allocated ones."""
+    tables = ebc_tables()
+    served = quantize(float_model(tables, seed=1), "int8", False)
+    before = _storages(served)
+    new = float_model(tables, seed=2)
+    path = str(tmp_path / "dense.pt")
+    torch.save({k: v.detach().clone() for k, v in new.state_dict().items()
+                if k.startswith("dense.")}, path)
+    r = metamat.materialize(served, path, strict=False)
+    assert r.bytes_allocated < 100 and r.bytes_transient < 100  # the dense layer's
+    assert all(torch.equal(a, c) for (a, _), (c, _) in zip(before, _storages(served)))
+    r = metamat.materialize(served, _save(new, str(tmp_path / "all.pt")))
+    tables_bytes = sum(t.weights_host.numel() for t in tbes(served))
+    assert r.bytes_transient >= tables_bytes > r.bytes_allocated
+
+
+def test_a_pruned_live_table_loads_as_before(tmp_path):
+    """A live module metamat does not refresh (a pruned table) loads as plain tensors, as
+    before: from its own quantized state, bytes equal."""
+    import copy
+
+    from torchrec.distributed.test_utils.infer_utils import quantize as trec_quantize
+    from torchrec.quant.embedding_modules import MODULE_ATTR_EMB_CONFIG_NAME_TO_NUM_ROWS_POST_PRUNING_DICT as PRUNE
+
+    tables = ebc_tables()
+    f = float_model(tables, seed=1)
+    setattr(f.coll, PRUNE, {"t0": 20})
+    served = trec_quantize(copy.deepcopy(f), inplace=False)
+    f2 = float_model(tables, seed=2)
+    setattr(f2.coll, PRUNE, {"t0": 20})
+    new = trec_quantize(copy.deepcopy(f2), inplace=False)
+    path = str(tmp_path / "q.pt")
+    torch.save({k: v.clone() for k, v in new.state_dict().items()}, path)
+    metamat.materialize(served, path)
+    assert _same_state(new, served)
+
+
+def test_refresh_refuses_another_device(tmp_path):
+    """A live model laid out for the CPU, refreshed with device='cuda' (the emulated GPU): its
+    tables are in host memory, refused by name as a GPU would, the model unchanged."""
+    tables = ebc_tables()
+    served = quantize(float_model(tables, seed=1), "int8", False)
+    before = _storages(served)
+    path = _save(float_model(tables, seed=2), str(tmp_path / "new.pt"))
+    with emulated_cuda(), pytest.raises(metamat.UnsupportedError, match="host placement"):
+        metamat.materialize(served, path, device="cuda")
+    assert all(torch.equal(a, c) for (a, _), (c, _) in zip(before, _storages(served)))

@@ -26,7 +26,8 @@ from torch import nn
 from ...errors import UnsupportedError
 from ...load.quantize import KINDS, padded_row_bytes, unpadded_row_bytes
 
-__all__ = ["QuantTable", "QuantTBE", "quant_modules", "is_quantized", "find_tbes", "host_twin",
+__all__ = ["QuantTable", "QuantTBE", "quant_modules", "refreshable", "is_quantized", "find_tbes",
+           "host_twin",
            "device_twin", "gpu_relayout_refusal", "TBE_HOST_ATTRS", "TBE_DEVICE_ATTRS"]
 
 #: Attributes of an inference TBE that differ between one built on meta and the same one
@@ -162,6 +163,20 @@ def quant_modules(root: nn.Module, live: bool = False) -> List[Tuple[str, nn.Mod
             if live or _has_meta(m):
                 out.append((name, m))
     return out
+
+
+def refreshable(name: str, m: nn.Module) -> bool:
+    """Whether a real quantized module is one metamat refreshes from a checkpoint (its TBEs
+    and tables of the layouts :func:`find_tbes` takes, a supported TorchRec); else it loads as
+    plain tensors, as before the refresh existed."""
+    from .compat import check_versions
+
+    try:
+        check_versions()
+        find_tbes(name, m)
+    except UnsupportedError:
+        return False
+    return True
 
 
 def _weights_of(tbe: Any) -> torch.Tensor:

@@ -59,7 +59,8 @@ class QuantPart(Adapter):
         # meta stand-in, like a model on meta; its shadow starts as a copy of the live bytes,
         # takes the reads, and is copied in once every read succeeded (register). With
         # inplace=True the reads go into the live storage itself (no shadow).
-        self.live: Dict[int, torch.Tensor] = {}  # stand-in storage key -> the live storage
+        self.real: Dict[int, torch.Tensor] = {}  # stand-in storage key -> the live storage
+        self.touched: Set[int] = set()  # those the checkpoint loads into (decide)
         self.inplace = inplace
         for t in self.tbes:
             if not t.storage.is_meta:
@@ -89,7 +90,7 @@ class QuantPart(Adapter):
         self.keys = {storage_key(t.storage) for t in self.tbes}
         self.storages = [StorageGroup(k, self._nbytes(k), kind="zeros")
                          for k in dict.fromkeys(storage_key(t.storage) for t in self.tbes)
-                         if not (inplace and k in self.live)]  # in place: nothing to allocate
+                         if not (inplace and k in self.real)]  # in place: nothing to allocate
         self._check_meta()
         # one report target per table block (Report.loaded / initialized name them)
         self.targets: List[Target] = [
@@ -106,17 +107,29 @@ class QuantPart(Adapter):
         if real.dim() != 1 or real.storage_offset() or not real.is_contiguous():
             raise UnsupportedError(f"{where}: its inference TBE's weights are not one whole "
                                    "storage: cannot load into it")
-        if real.device.type != device.type and not (emulated and real.device.type == "cpu"):
-            raise UnsupportedError(f"{where}: its tables live on {real.device}, the call "
-                                   f"materializes on {device}: pass device='{real.device}'")
+        in_device = real is t.module.weights_dev  # DEVICE placement, else HOST
+        if in_device != self.cuda or (not emulated and real.device != device):
+            raise UnsupportedError(
+                f"{where}: its tables live on {real.device} ("
+                f"{'device' if in_device else 'host'} placement), the call materializes on "
+                f"{'the emulated GPU' if emulated else device}: pass device='{real.device}'")
         standin = torch.empty(real.shape, dtype=real.dtype, device="meta")
         t.storage = standin
         for tb in t.tables:
             tb.storage = standin
-        self.live[storage_key(standin)] = real
+        self.real[storage_key(standin)] = real
 
     def _is_live(self, x: torch.Tensor) -> bool:
-        return bool(self.live) and x.is_meta and storage_key(x) in self.live
+        """``x`` views the stand-in of a live storage."""
+        return bool(self.real) and x.is_meta and storage_key(x) in self.real
+
+    def _shadowed(self) -> Set[int]:
+        """Live storages written through a shadow: those the checkpoint loads into."""
+        return set() if self.inplace else self.touched
+
+    def transient_bytes(self) -> int:
+        """Bytes of the shadows of live storages (freed when the call returns)."""
+        return sum(self._nbytes(k) for k in self._shadowed())
 
     def _nbytes(self, key: int) -> int:
         return next(t.storage.untyped_storage().nbytes() for t in self.tbes
@@ -158,9 +171,17 @@ class QuantPart(Adapter):
 
     def match_checkpoint(self, keys: Mapping[str, object], found: Mapping[str, str], *,
                          ckpt_path: str) -> QuantMatch:
-        """What the checkpoint gives each table (:func:`.quant_keys.match_quant`)."""
+        """What the checkpoint gives each table (:func:`.quant_keys.match_quant`). The TBE
+        metadata a quantized model's own state_dict holds (``register_tbes``: ``<module>.tbes.
+        <i>.<buffer>``) is taken as read: metamat lays every TBE out itself."""
         self.match = match_quant(self.tables, keys, found, path=ckpt_path)
         self._loaded_names = set(self.match.tables)
+        prefix = next((found[t.fqn][:len(found[t.fqn]) - len(t.fqn)] for t in self.tables
+                       if t.fqn in found and found[t.fqn].endswith(t.fqn)), "")
+        for name, m in self.modules:
+            head = f"{prefix}{name}." if name else prefix
+            self.match.used |= {head + b for b, _ in m.named_buffers()
+                                if b.startswith("tbes.") and head + b in keys}
         return self.match
 
     def plan_reads(self, view, dtype):
@@ -200,6 +221,12 @@ class QuantPart(Adapter):
                 f"metamat.Uniform(...)}}): {', '.join(sorted(set(missing))[:20])}",
                 names=sorted(set(missing)))
         self.init_jobs = list(jobs.values())
+        # live storages the checkpoint does not touch: no shadow, nothing copied
+        touched = {o.storage for j in (self.match.jobs if self.match else []) for o in j.outs}
+        touched |= {storage_key(tg.tensor) for tg in (self.match.load if self.match else [])}
+        self.touched = touched & set(self.real)
+        self.storages = [g for g in self.storages
+                         if g.key not in self.real or g.key in self.touched]
 
     def bind(self, alloc: Allocation, device: Optional[torch.device] = None) -> None:
         """Point the jobs at the new storages; twins of every meta view of them."""
@@ -213,7 +240,7 @@ class QuantPart(Adapter):
                 o.device_memory = self.cuda  # quantized on the host, copied to the device
         for tg in self.targets:  # (the report's: a live table not loaded is unchanged)
             if self._is_live(tg.tensor):
-                tg.tensor = self.live[storage_key(tg.tensor)]
+                tg.tensor = self.real[storage_key(tg.tensor)]
             elif tg.tensor.is_meta:
                 tg.tensor = alloc.view(tg.tensor)
         if self.inplace and self.match is not None:  # the plain reads, into the live bytes
@@ -223,21 +250,21 @@ class QuantPart(Adapter):
 
     def _live_view(self, x: torch.Tensor) -> torch.Tensor:
         """The live storage viewed as meta stand-in view ``x`` views the stand-in."""
-        real = self.live[storage_key(x)]
+        real = self.real[storage_key(x)]
         return torch.empty((0,), dtype=x.dtype, device=real.device).set_(
             real.untyped_storage(), x.storage_offset(), x.shape, x.stride())
 
     def _full(self, alloc: Allocation, key: int) -> torch.Tensor:
         """Storage ``key`` as uint8 bytes: the live one in place, else the allocated one."""
-        if self.inplace and key in self.live:
-            return self.live[key].view(-1)
+        if self.inplace and key in self.real:
+            return self.real[key].view(-1)
         return alloc.full(key)
 
     def written_in_place(self) -> List[str]:
         if not self.inplace or self.match is None:
             return []
         return sorted({j.fqn for j in self.match.jobs
-                       if any(o.storage in self.live for o in j.outs)})
+                       if any(o.storage in self.real for o in j.outs)})
 
     def fill(self, alloc: Allocation, seed: int, loaded: Set[int]) -> int:
         """Zero the storages (unless born zero), draw and quantize the tables no checkpoint
@@ -245,10 +272,9 @@ class QuantPart(Adapter):
         from ...load.ops import default_io_threads
         from .tables import fill_targets
 
-        written = fill_support([g for g in self.storages if g.key not in self.live], [], alloc)
-        for key, real in self.live.items():  # a shadow starts as the live bytes
-            if not self.inplace:
-                alloc.full(key).copy_(real.view(-1))
+        written = fill_support([g for g in self.storages if g.key not in self.real], [], alloc)
+        for key in self._shadowed():  # a shadow starts as the live bytes
+            alloc.full(key).copy_(self.real[key].view(-1))
         threads = default_io_threads()
         sink = DeviceSink(on_device=quant_on() == "device")
         for job in self.init_jobs:
@@ -280,10 +306,10 @@ class QuantPart(Adapter):
         dev = alloc.device
         for t in self.tbes:
             if self._is_live(t.storage):  # the shadow's bytes into the live storage
-                if not self.inplace:
+                key = storage_key(t.storage)
+                if key in self._shadowed():
                     with torch.no_grad():
-                        self.live[storage_key(t.storage)].copy_(
-                            alloc.full(storage_key(t.storage)))
+                        self.real[key].copy_(alloc.full(key))
                 continue
             tbe, twin = t.module, self.twins[id(t.module)]
             weights = twins.get(id(t.storage))
@@ -302,10 +328,11 @@ class QuantPart(Adapter):
             tbe.weights_host = weights
             tbe.weights_dev = twin.weights_dev
             tbe.weights_uvm = twin.weights_uvm
-        live = {t.owner for t in self.tbes if self._is_live(t.storage)}
+        untouched = {t.owner for t in self.tbes
+                     if self._is_live(t.storage) and storage_key(t.storage) not in self.touched}
         for name, m in self.modules:
-            if name not in live:
-                drop_quantized_weights(m)  # meta copies the constructor kept
+            if name not in untouched:  # meta copies the constructor kept, or stale old rows
+                drop_quantized_weights(m)
         for holder, key in self.graph.device_refs:
             d = holder.__dict__
             v = d.get(key)
