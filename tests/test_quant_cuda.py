@@ -198,6 +198,30 @@ def test_sharded_for_a_gpu_emulated(tmp_path, coll, kind, qdtype):
     _assert_padding_zero(got)
 
 
+@pytest.mark.parametrize("coll,kind", [("ebc", "tw"), ("ebc", "rw"), ("ebc", "cw"),
+                                       ("ec", "rw"), ("ec", "cw")])
+def test_sharded_for_a_gpu_forward_emulated(tmp_path, coll, kind):
+    """The sharded module after its TBEs were laid out for the device runs TorchRec's forward
+    (input dist, lookups, output dist): its TBEs' rows shown to fbgemm's CPU kernel (which
+    refuses DEVICE placements) as HOST ones, the outputs equal TorchRec's CPU sharding's."""
+    from _quant_models import ec_tables, forward
+
+    ec = coll == "ec"
+    tables = ec_tables(rows=(37, 3, 100)) if ec else ebc_tables(dims=(16, 32, 48),
+                                                                rows=(37, 3, 100))
+    f, qref, got, sharder, plan = _gpu_sharded(tables, kind, "int8", ec=ec)
+    with emulated_cuda():
+        metamat.materialize(got, _save(f, str(tmp_path / "f.pt")), device="cuda")
+    for t in tbes(got):  # the device's rows as host ones, for the CPU kernel
+        t.weights_host, t.host_size, t.dev_size = t.weights_dev, t.dev_size, 0
+        t.weights_placements = torch.full_like(t.weights_placements, 3)  # HOST
+        t.weights_physical_placements = [3] * len(t.weights_physical_placements)
+    ref = shard(qref, sharder, plan, 1, "cpu")
+    ref.load_state_dict(qref.state_dict())
+    kjt = batch(*feature_rows(tables))
+    assert torch.equal(forward(ref, kjt), forward(got, kjt))
+
+
 def test_sharded_for_a_gpu_init_is_the_cpu_init(tmp_path):
     """No checkpoint: the same init bytes as the same model materialized on the CPU."""
     tables = ebc_tables(dims=(16, 32, 48), rows=(37, 3, 100))
