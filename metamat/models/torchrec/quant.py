@@ -13,7 +13,8 @@ Modules (built on meta, all their tables' storage meta):
   fbgemm ``IntNBitTableBatchedEmbeddingBagsCodegen`` per rank and group, HOST placement.
 
 The TorchRec/fbgemm inference internals read here are declared in :mod:`.upstream` (group
-"quant", with the versions they were checked on) and checked when the modules are found.
+"quant", with the versions they were checked on) and checked when the modules are found. How a
+TBE is laid out for the CPU or a GPU at register time: :mod:`.quant_layout`.
 """
 from __future__ import annotations
 
@@ -27,15 +28,7 @@ from ...errors import UnsupportedError
 from ...load.quantize import KINDS, padded_row_bytes, unpadded_row_bytes
 
 __all__ = ["QuantTable", "QuantTBE", "quant_modules", "refreshable", "is_quantized", "find_tbes",
-           "host_twin",
-           "device_twin", "gpu_relayout_refusal", "TBE_HOST_ATTRS", "TBE_DEVICE_ATTRS"]
-
-#: Attributes of an inference TBE that differ between one built on meta and the same one
-#: built for the CPU (measured: everything else, buffers aside, is equal).
-TBE_HOST_ATTRS = ("current_device", "use_cpu", "embedding_specs", "host_size", "dev_size",
-                  "uvm_size", "weights_physical_placements", "weights_physical_offsets",
-                  "weights_offsets", "weights_placements", "row_alignment")
-
+           "quant_classes", "weights_of"]
 
 @dataclasses.dataclass
 class QuantTable:
@@ -93,7 +86,7 @@ class QuantTBE:
     tables: List[QuantTable]
 
 
-def _classes():
+def quant_classes():
     from torchrec.distributed.quant_embedding import ShardedQuantEmbeddingCollection
     from torchrec.distributed.quant_embeddingbag import ShardedQuantEmbeddingBagCollection
     from torchrec.quant.embedding_modules import EmbeddingBagCollection as QEBC
@@ -123,11 +116,11 @@ def _tbe_of_module(m: nn.Module) -> List[Any]:
 
 def is_quantized(m: nn.Module) -> bool:
     """True for TorchRec's quantized collections, sharded or not (this adapter's modules)."""
-    return isinstance(m, _classes() + _unsupported_classes())
+    return isinstance(m, quant_classes() + _unsupported_classes())
 
 
 def _has_meta(m: nn.Module) -> bool:
-    return any(_weights_of(t).is_meta for t in _tbe_of_module(m))
+    return any(weights_of(t).is_meta for t in _tbe_of_module(m))
 
 
 def quant_modules(root: nn.Module, live: bool = False) -> List[Tuple[str, nn.Module]]:
@@ -145,7 +138,7 @@ def quant_modules(root: nn.Module, live: bool = False) -> List[Tuple[str, nn.Mod
         return []
     from ..modules import named_modules_pruned
 
-    kinds = _classes()
+    kinds = quant_classes()
     unsupported = _unsupported_classes()
     out = []
     for name, m in named_modules_pruned(root, lambda _n, m: isinstance(m, kinds)):
@@ -179,7 +172,7 @@ def refreshable(name: str, m: nn.Module) -> bool:
     return True
 
 
-def _weights_of(tbe: Any) -> torch.Tensor:
+def weights_of(tbe: Any) -> torch.Tensor:
     """The TBE's weights storage tensor (its placements must agree)."""
     from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
 
@@ -219,7 +212,7 @@ def _kind_of(ty: Any, table: str, where: str) -> int:
 
 
 def _tables_attr(m: nn.Module) -> str:
-    QEBC, QEC, SQEBC, SQEC = _classes()
+    QEBC, QEC, SQEBC, SQEC = quant_classes()
     return "embeddings" if isinstance(m, (QEC, SQEC)) else "embedding_bags"
 
 
@@ -227,7 +220,7 @@ def _configs(name: str, m: nn.Module, tbe: Any) -> List[Tuple[Any, int, int, int
     """Per table of ``tbe``: (config, row0, col0, global rows, global cols)."""
     from .upstream import quant_groups, quant_tbe_config, quant_tbes
 
-    QEBC, QEC, SQEBC, SQEC = _classes()
+    QEBC, QEC, SQEBC, SQEC = quant_classes()
     if isinstance(m, (SQEBC, SQEC)):
         out = []
         for t in quant_tbe_config(m, tbe).embedding_tables:
@@ -257,7 +250,7 @@ def find_tbes(name: str, m: nn.Module) -> List[QuantTBE]:
     for j, tbe in enumerate(_tbe_of_module(m)):
         where = f"{name or '<root>'} (TBE {j})"
         _check_tbe(tbe, where)
-        storage = _weights_of(tbe)
+        storage = weights_of(tbe)
         configs = _configs(name, m, tbe)
         if len(configs) != len(tbe.embedding_specs):
             raise UnsupportedError(f"{where}: {len(tbe.embedding_specs)} tables in the TBE, "
@@ -285,117 +278,9 @@ def find_tbes(name: str, m: nn.Module) -> List[QuantTBE]:
     return out
 
 
-def _twin(tbe: Any, location: Any, device: torch.device) -> Any:
-    """The same inference TBE built by fbgemm with every table at ``location``, on
-    ``device``, with the same row alignment; its layout checked against ``tbe``'s."""
-    from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
-    from fbgemm_gpu.split_embedding_configs import SparseType
-
-    specs = [(n, r, d, ty, location) for n, r, d, ty, _ in tbe.embedding_specs]
-    kwargs: Dict[str, Any] = dict(
-        embedding_specs=specs, feature_table_map=list(tbe.feature_table_map),
-        pooling_mode=tbe.pooling_mode, device=device,
-        bounds_check_mode=BoundsCheckMode(tbe.bounds_check_mode_int),
-        output_dtype=SparseType.from_int(tbe.output_dtype), row_alignment=tbe.row_alignment,
-        scale_bias_size_in_bytes=tbe.scale_bias_size_in_bytes,
-        reverse_qparam=tbe.reverse_qparam,
-        feature_names_per_table=tbe.feature_names_per_table,
-        indices_dtype=tbe.indices_dtype,
-        uvm_host_mapped=tbe.uvm_host_mapped)
-    if tbe.fp8_exponent_bits >= 0:  # -1: not an FP8 table
-        kwargs.update(fp8_exponent_bits=tbe.fp8_exponent_bits,
-                      fp8_exponent_bias=tbe.fp8_exponent_bias)
-    where = "the CPU" if device.type == "cpu" else "a GPU"
-    try:
-        twin = type(tbe)(**kwargs)
-    except Exception as e:  # noqa: BLE001 - fbgemm's own checks
-        raise UnsupportedError(f"cannot lay the inference TBE out for {where}: {e}") from e
-    twin.initialize_logical_weights_placements_and_offsets()
-    if list(twin.weights_physical_offsets) != list(tbe.weights_physical_offsets) or \
-            twin.host_size + twin.dev_size != _weights_of(tbe).numel():
-        raise UnsupportedError(f"the inference TBE's layout for {where} differs from the one "
-                               "built on meta")
-    return twin
-
-
-def host_twin(tbe: Any) -> Any:
-    """The same inference TBE built for the CPU (HOST placement, same row alignment), without
-    its weights: every metadata buffer and layout attribute of the host layout, computed by
-    fbgemm itself (a few KiB; the weights are never allocated).
-
-    Raises:
-        UnsupportedError: fbgemm refuses the arguments, or the twin's layout differs.
-    """
-    from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
-
-    return _twin(tbe, EmbeddingLocation.HOST, torch.device("cpu"))
-
-
-def device_twin(tbe: Any) -> Any:
-    """The same inference TBE laid out by fbgemm for a GPU (DEVICE placement, same row
-    alignment), built on meta: its specs, sizes, placements and offsets, as fbgemm gives a
-    TBE built on a GPU (its buffers' values come from :func:`host_twin`: they do not depend
-    on the placement).
-
-    Raises:
-        UnsupportedError: fbgemm refuses the arguments, or the twin's layout differs.
-    """
-    from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
-
-    return _twin(tbe, EmbeddingLocation.DEVICE, torch.device("meta"))
-
-
-#: Attributes of an inference TBE a GPU layout changes beyond the buffers: taken from
-#: :func:`device_twin` for a TBE that TorchRec's quant sharding left HOST-placed on meta.
-TBE_DEVICE_ATTRS = ("embedding_specs", "host_size", "dev_size", "uvm_size",
-                    "weights_physical_placements", "weights_physical_offsets", "row_alignment")
-
-
-#: Compute kernels TorchRec's quant sharding lays out in device memory on a GPU
-#: (``compute_kernel_to_embedding_location``: DEVICE, and a plain inference TBE).
-DEVICE_KERNELS = ("quant", "dense", "fused")
-
-
-def gpu_relayout_refusal(name: str, m: nn.Module) -> Optional[str]:
-    """Whether the HOST-placed TBEs of a quant-sharded collection can be laid out on the GPU this
-    call fills: None when TorchRec's plan put the collection there (every table's shard on
-    ``cuda`` rank 0, a compute kernel TorchRec keeps in device memory: the DEVICE placement TorchRec gives
-    it when sharding on a GPU), else why not."""
-    QEBC, QEC, SQEBC, SQEC = _classes()
-    where = name or "<root>"
-    if not isinstance(m, (SQEBC, SQEC)):
-        return (f"{where}: its inference TBEs are laid out for the CPU (HOST placement); "
-                "materialize it with device='cpu'")
-    from .upstream import quant_tbe_config, quant_tbes
-
-    places, kernels = set(), set()  # over the whole collection: its TBEs are grouped by device
-    for t in (t for tb in quant_tbes(m) for t in quant_tbe_config(m, tb).embedding_tables):
-        p = t.local_metadata.placement if t.local_metadata is not None else None
-        places.add((p.device().type, p.rank()) if p is not None else ("unplaced", None))
-        kernels.add(getattr(t.compute_kernel, "value", t.compute_kernel))
-    types = sorted({d for d, _ in places})
-    if types != ["cuda"]:
-        if "cuda" not in types:
-            return (f"{where}: sharded for {', '.join(types)} (shard_quant_model("
-                    "compute_device='cpu')): materialize it with device='cpu'")
-        return (f"{where}: its tables are placed on {', '.join(types)}: metamat lays a "
-                "quant-sharded collection out on one GPU only")
-    ranks = sorted({r for _, r in places})
-    if ranks != [0]:
-        return (f"{where}: shards of rank {ranks[-1]}, which TorchRec places on cuda:"
-                f"{ranks[-1]} of this process; metamat fills one GPU per call: shard with "
-                "shard_quant_model(world_size=1), or materialize with device='cpu'")
-    other = sorted(k for k in kernels if k not in DEVICE_KERNELS)
-    if other:
-        return (f"{where}: compute kernel {other[0]!r} keeps its tables outside device memory "
-                "(unified memory or a key-value store): not supported on a GPU; metamat fills "
-                f"inference tables in device memory (kernels {', '.join(DEVICE_KERNELS)})")
-    return None
-
-
 def weights_bytes(tbe: Any) -> int:
     """Bytes of the TBE's weights storage."""
-    return int(_weights_of(tbe).numel())
+    return int(weights_of(tbe).numel())
 
 
 def tbe_storages(tbe: Any) -> Dict[str, torch.Tensor]:

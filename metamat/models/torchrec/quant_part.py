@@ -8,7 +8,7 @@ checkpoint (:mod:`.quant_keys`), fill what no checkpoint gives, register.
   (``init=``, its ``init_fn`` or TorchRec's default), drawn as the float table's values (plan
   invariant: a pure function of seed, table, global row and column) and quantized the same
   way;
-* metadata: the TBE laid out for the CPU by fbgemm itself (:func:`.quant.host_twin`): its
+* metadata: the TBE laid out for the CPU by fbgemm itself (:func:`.quant_layout.host_twin`): its
   buffers and layout attributes replace the meta ones at register time; meta devices
   (TBEs, modules, shard placements) become the CPU;
 * on a GPU (``device="cuda"``, or the emulated device): unsharded collections built on meta
@@ -34,8 +34,9 @@ from ...support import fill_support
 from ..adapter import Adapter
 from .compat import check_versions
 from .graph import scan
-from .quant import (TBE_DEVICE_ATTRS, TBE_HOST_ATTRS, QuantTBE, device_twin, find_tbes,
-                    gpu_relayout_refusal, host_twin)
+from .quant import QuantTBE, find_tbes
+from .quant_layout import (device_layout, device_twin, gpu_relayout_refusal, host_layout,
+                           host_twin)
 from .quant_keys import QuantMatch, match_quant
 from .upstream import drop_quantized_weights, quantized_weights
 
@@ -316,18 +317,9 @@ class QuantPart(Adapter):
             if weights is None:
                 weights = alloc.view(t.storage)
             if self.cuda:
-                relaid = self.relaid.get(id(tbe))
-                for a in TBE_DEVICE_ATTRS if relaid is not None else ():
-                    setattr(tbe, a, getattr(relaid, a))
-                _device_layout(tbe, twin, weights, dev)
-                continue
-            for a in TBE_HOST_ATTRS:
-                setattr(tbe, a, getattr(twin, a))
-            for name, buf in twin._buffers.items():
-                tbe._buffers[name] = buf
-            tbe.weights_host = weights
-            tbe.weights_dev = twin.weights_dev
-            tbe.weights_uvm = twin.weights_uvm
+                device_layout(tbe, twin, weights, dev, self.relaid.get(id(tbe)))
+            else:
+                host_layout(tbe, twin, weights)
         untouched = {t.owner for t in self.tbes
                      if self._is_live(t.storage) and storage_key(t.storage) not in self.touched}
         for name, m in self.modules:
@@ -341,20 +333,3 @@ class QuantPart(Adapter):
             elif isinstance(v, str) and v == "meta":
                 d[key] = str(dev)
         return n
-
-
-def _device_layout(tbe, twin, weights: torch.Tensor, dev: torch.device) -> None:
-    """A TBE built on meta for a GPU (DEVICE placement) as fbgemm builds it on ``dev``: the
-    weights in ``weights_dev``, the metadata the host twin computed (the layout is the same:
-    offsets and sizes do not depend on the placement), placements DEVICE."""
-    for name, buf in twin._buffers.items():
-        tbe._buffers[name] = buf.to(dev)
-    tbe.weights_offsets = twin.weights_offsets.to(dev)
-    tbe.weights_placements = torch.tensor(
-        [tbe.weights_physical_placements[t] for t in tbe.feature_table_map],
-        dtype=torch.int32, device=dev)
-    tbe.current_device = dev
-    tbe.use_cpu = False
-    tbe.weights_dev = weights
-    tbe.weights_host = torch.zeros(0, dtype=torch.uint8, device=dev)
-    tbe.weights_uvm = torch.empty(0, dtype=torch.uint8, device=dev)

@@ -222,7 +222,7 @@ DECLARED: Tuple[Private, ...] = (
     *[_fb(INFER_TBE, n, "attr", "quant.py reads it; quant_part.py lays the TBE out for the "
           "CPU", "quant") for n in _INFER_ATTRS],
     _fb(INFER_TBE, "initialize_logical_weights_placements_and_offsets", "method",
-        "quant.host_twin", "quant"),
+        "quant_layout.host_twin", "quant"),
     _fb(INFERENCE, "rounded_row_size_in_bytes", "function", "quant.find_tbes: fbgemm's row "
         "size", "quant"),
 )
