@@ -230,7 +230,8 @@ def test_sharded_for_a_gpu_init_is_the_cpu_init(tmp_path):
                    compute_device="cuda")
     with emulated_cuda():
         metamat.materialize(got, device="cuda", seed=3)
-    metamat.materialize(on_cpu, device="cpu", seed=3)
+    with pytest.warns(UserWarning, match="quant-sharded for a GPU .* laid out on the CPU"):
+        metamat.materialize(on_cpu, device="cpu", seed=3)  # said: its lookups stay GPU ones
     assert len(tbes(on_cpu)) == len(tbes(got)) > 0
     for x, y in zip(tbes(on_cpu), tbes(got)):  # same row alignment (16): the same bytes
         assert torch.equal(x.weights_host, y.weights_dev)

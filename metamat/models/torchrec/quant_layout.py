@@ -11,7 +11,7 @@
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Set, Tuple
 
 import torch
 from torch import nn
@@ -20,7 +20,7 @@ from ...errors import UnsupportedError
 from .quant import quant_classes, weights_of
 
 __all__ = ["TBE_HOST_ATTRS", "TBE_DEVICE_ATTRS", "DEVICE_KERNELS", "host_twin", "device_twin",
-           "gpu_relayout_refusal", "host_layout", "device_layout"]
+           "gpu_relayout_refusal", "planned_for_gpu", "host_layout", "device_layout"]
 
 #: Attributes of an inference TBE that differ between one built on meta and the same one
 #: built for the CPU (measured: everything else, buffers aside, is equal).
@@ -100,23 +100,36 @@ TBE_DEVICE_ATTRS = ("embedding_specs", "host_size", "dev_size", "uvm_size",
 DEVICE_KERNELS = ("quant", "dense", "fused")
 
 
+def _placements(m: nn.Module) -> Tuple[Set[Tuple[str, Optional[int]]], Set[str]]:
+    """((device type, rank) of every table shard, compute kernels) of a quant-sharded
+    collection, over all its TBEs (TorchRec groups them by device)."""
+    from .upstream import quant_tbe_config, quant_tbes
+
+    places, kernels = set(), set()
+    for t in (t for tb in quant_tbes(m) for t in quant_tbe_config(m, tb).embedding_tables):
+        p = t.local_metadata.placement if t.local_metadata is not None else None
+        places.add((p.device().type, p.rank()) if p is not None else ("unplaced", None))
+        kernels.add(getattr(t.compute_kernel, "value", t.compute_kernel))
+    return places, kernels
+
+
+def planned_for_gpu(m: nn.Module) -> bool:
+    """A quant-sharded collection whose every shard TorchRec's plan put on a GPU."""
+    QEBC, QEC, SQEBC, SQEC = quant_classes()
+    return isinstance(m, (SQEBC, SQEC)) and {d for d, _ in _placements(m)[0]} == {"cuda"}
+
+
 def gpu_relayout_refusal(name: str, m: nn.Module) -> Optional[str]:
-    """Whether the HOST-placed TBEs of a quant-sharded collection can be laid out on the GPU this
-    call fills: None when TorchRec's plan put the collection there (every table's shard on
-    ``cuda`` rank 0, a compute kernel TorchRec keeps in device memory: the DEVICE placement TorchRec gives
-    it when sharding on a GPU), else why not."""
+    """Whether the HOST-placed TBEs of a quant-sharded collection can be laid out on the GPU
+    this call fills: None when TorchRec's plan put the collection there (every table's shard
+    on ``cuda`` rank 0, a compute kernel TorchRec keeps in device memory: the DEVICE placement
+    TorchRec gives it when sharding on a GPU), else why not."""
     QEBC, QEC, SQEBC, SQEC = quant_classes()
     where = name or "<root>"
     if not isinstance(m, (SQEBC, SQEC)):
         return (f"{where}: its inference TBEs are laid out for the CPU (HOST placement); "
                 "materialize it with device='cpu'")
-    from .upstream import quant_tbe_config, quant_tbes
-
-    places, kernels = set(), set()  # over the whole collection: its TBEs are grouped by device
-    for t in (t for tb in quant_tbes(m) for t in quant_tbe_config(m, tb).embedding_tables):
-        p = t.local_metadata.placement if t.local_metadata is not None else None
-        places.add((p.device().type, p.rank()) if p is not None else ("unplaced", None))
-        kernels.add(getattr(t.compute_kernel, "value", t.compute_kernel))
+    places, kernels = _placements(m)
     types = sorted({d for d, _ in places})
     if types != ["cuda"]:
         if "cuda" not in types:

@@ -36,7 +36,7 @@ from .compat import check_versions
 from .graph import scan
 from .quant import QuantTBE, find_tbes
 from .quant_layout import (device_layout, device_twin, gpu_relayout_refusal, host_layout,
-                           host_twin)
+                           host_twin, planned_for_gpu)
 from .quant_keys import QuantMatch, match_quant
 from .upstream import drop_quantized_weights, quantized_weights
 
@@ -97,7 +97,12 @@ class QuantPart(Adapter):
         self.targets: List[Target] = [
             Target(t.fqn, t.name, t.global_shape, (t.row0, t.col0), (t.rows, t.cols),
                    torch.uint8, tensor=t.storage) for t in self.tables]
-        self.warnings: List[str] = []
+        self.warnings: List[str] = [
+            f"{name or '<root>'}: quant-sharded for a GPU (shard_quant_model's default "
+            "compute_device='cuda') and laid out on the CPU: its lookups keep TorchRec's GPU "
+            "path; for a model that runs on the CPU shard it with compute_device='cpu'"
+            for name, m in modules if not self.cuda and planned_for_gpu(m)
+            and not any(self._is_live(t.storage) for t in self.tbes if t.owner == name)]
         self.match: Optional[QuantMatch] = None
         self.init_jobs: List[QuantJob] = []
         self._loaded_names: Set[str] = set()
