@@ -230,6 +230,7 @@ def quantize_into(src: torch.Tensor, job: QuantJob, row: int, *, threads: int = 
     sends = []
     on_device = [o for o in job.outs if o.device_memory and sink is not None and
                  sink.on_device and device_quantizable(o.kind, job.cols, o.col0, o.cols)]
+    quantized_there = {id(o) for o in on_device}
     for i, o in enumerate(job.outs):
         if o.base is None:
             raise ValueError(f"{job.fqn}: destination not bound")
@@ -240,7 +241,7 @@ def quantize_into(src: torch.Tensor, job: QuantJob, row: int, *, threads: int = 
         if o.device_memory:
             if sink is None:
                 raise ValueError(f"{job.fqn}: device memory needs a DeviceSink")
-            if any(o is d for d in on_device):
+            if id(o) in quantized_there:
                 continue
             host = sink.buffer(n * o.stride)
             sends.append((host, o.base[start:start + n * o.stride]))

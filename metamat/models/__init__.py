@@ -129,13 +129,12 @@ def find_parts(model: nn.Module, device: torch.device, init: Mapping, *, loading
         undo = relayout_for_cuda(model, sharded, device)
         sharded = sharded_modules(root_of(model))
     try:
-        from .torchrec.quant import quant_modules, refreshable
+        from .torchrec.quant import has_meta_tables, quant_modules, refreshable
 
-        quant = quant_modules(root_of(model))  # TorchRec's quantized inference collections
-        if loading and not sharded:  # real ones too, when metamat can refresh them from it
-            meta = {n for n, _ in quant}
-            quant += [(n, m) for n, m in quant_modules(root_of(model), live=True)
-                      if n not in meta and refreshable(n, m)]
+        # TorchRec's quantized inference collections on meta; real ones too when loading, if
+        # metamat can refresh them (else they load as plain tensors)
+        quant = [(n, m) for n, m in quant_modules(root_of(model), live=loading and not sharded)
+                 if has_meta_tables(m) or refreshable(n, m)]
         if quant and sharded:
             raise UnsupportedError("a model holding both TorchRec training collections and "
                                    "quantized inference ones on meta is not supported")

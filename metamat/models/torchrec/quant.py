@@ -28,7 +28,7 @@ from ...errors import UnsupportedError
 from ...load.quantize import KINDS, padded_row_bytes, unpadded_row_bytes
 
 __all__ = ["QuantTable", "QuantTBE", "quant_modules", "refreshable", "is_quantized", "find_tbes",
-           "quant_classes", "weights_of"]
+           "quant_classes", "weights_of", "has_meta_tables"]
 
 @dataclasses.dataclass
 class QuantTable:
@@ -119,7 +119,8 @@ def is_quantized(m: nn.Module) -> bool:
     return isinstance(m, quant_classes() + _unsupported_classes())
 
 
-def _has_meta(m: nn.Module) -> bool:
+def has_meta_tables(m: nn.Module) -> bool:
+    """Whether a quantized collection's tables are on meta (else real: a live model)."""
     return any(weights_of(t).is_meta for t in _tbe_of_module(m))
 
 
@@ -153,7 +154,7 @@ def quant_modules(root: nn.Module, live: bool = False) -> List[Tuple[str, nn.Mod
 
             upstream.BOUNDARY.require("quant")  # the first use of their internals
             upstream.check_quant([(name, m)])
-            if live or _has_meta(m):
+            if live or has_meta_tables(m):
                 out.append((name, m))
     return out
 
