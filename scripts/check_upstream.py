@@ -5,7 +5,7 @@ Every private name metamat uses is declared in :mod:`metamat.models.torch_upstre
 how a version gets into those ``checked`` tuples: it runs every group's check (modules,
 classes, methods, patch sites) and builds small models on meta the way metamat's users do
 (``shard_on_meta`` of an EBC with TW/RW/CW/TWRW/DP tables, FUSED and DENSE kernels, CPU and
-CUDA layouts; an EC; quantized EBC/EC, unsharded and sharded; FSDP2 and a DTensor; a
+CUDA layouts; an EC; a managed-collision EBC; quantized EBC/EC, unsharded and sharded; FSDP2 and a DTensor; a
 ShardedTensor), then checks the declared instance attributes on every object the adapters
 would read. Nothing is materialized: no compiled core is needed, nothing big is allocated.
 
@@ -96,6 +96,7 @@ def build_training(env, seen):
                                                     "fused", sh), sharders=[sh])
     tr.check_sharded(sharded_modules(dmp.module))
     seen.update(_objects(dmp))
+    seen.update(_managed_collision(env))
     # a ShardedTensor (the state_dict of a sharded table)
     for v in dmp.module.state_dict().values():
         if hasattr(v, "local_shards"):
@@ -176,6 +177,35 @@ def build_dtensor(seen):
             state = sub._get_fsdp_state()
             seen.add(state)
             seen.update(tu._param_groups(state))
+
+
+def _managed_collision(env):
+    """The objects of a managed-collision EBC (an MCH module per table) sharded row-wise on
+    meta, and its unsharded MC collection (which the sharder reads)."""
+    import metamat
+    from torchrec import EmbeddingBagCollection
+    from torchrec.distributed.mc_embeddingbag import ManagedCollisionEmbeddingBagCollectionSharder
+    from torchrec.modules.mc_embedding_modules import ManagedCollisionEmbeddingBagCollection
+    from torchrec.modules.mc_modules import (DistanceLFU_EvictionPolicy,
+                                             ManagedCollisionCollection,
+                                             MCHManagedCollisionModule)
+
+    tables = _tables(2)
+    meta = torch.device("meta")
+    mcs = {t.name: MCHManagedCollisionModule(zch_size=t.num_embeddings, device=meta,
+                                             eviction_policy=DistanceLFU_EvictionPolicy(),
+                                             eviction_interval=1, input_hash_size=1000)
+           for t in tables}
+    module = ManagedCollisionEmbeddingBagCollection(
+        EmbeddingBagCollection(tables=tables, device=meta),
+        ManagedCollisionCollection(mcs, embedding_configs=tables), return_remapped_features=False)
+    sh = ManagedCollisionEmbeddingBagCollectionSharder()
+    dmp = metamat.shard_on_meta(module, env, plan=_plan(module, {"t0": "rw", "t1": "rw"},
+                                                        "fused", sh), sharders=[sh])
+    from metamat.models.torchrec.managed_collision import mc_collections, mc_targets
+
+    mc_targets(mc_collections(dmp.module), False, set())  # the adapter's checks
+    return _objects(dmp) + [module._managed_collision_collection]
 
 
 def _objects(model):

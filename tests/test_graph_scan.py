@@ -368,7 +368,9 @@ def test_tuple_held_equals_the_python_walks():
     assert id(m.lin.weight) not in g.tuple_held()
 
 
-def test_a_sharded_models_meta_tensor_in_a_tuple_is_refused_before_allocation(world1_env):
+def test_a_sharded_models_meta_tensor_in_a_nested_tuple_is_refused_before_allocation(
+        world1_env):
+    """A tuple inside a tuple cannot be rebuilt where it is held: refused, nothing changed."""
     import metamat
     from metamat.errors import UnsupportedError
 
@@ -377,10 +379,33 @@ def test_a_sharded_models_meta_tensor_in_a_tuple_is_refused_before_allocation(wo
     sharder, plan = bs.sharder_and_plan(bs.ebc(3))
     dmp = metamat.shard_on_meta(bs.ebc(3), env=world1_env, plan=plan, sharders=[sharder])
     weights = [t for t in scan(dmp).meta_tensors() if t.dim() == 1 and t.is_floating_point()]
-    dmp.frozen = (weights[0],)
-    with pytest.raises(UnsupportedError, match=r"frozen\[0\] is held in an immutable container"):
+    dmp.frozen = ((weights[0],),)
+    with pytest.raises(UnsupportedError, match=r"frozen\[0\]\[0\] is held in an immutable "
+                                               r"container"):
         metamat.materialize(dmp, device="cpu")
-    assert weights[0].is_meta
+    assert weights[0].is_meta and dmp.frozen[0][0] is weights[0]
+
+
+def test_a_sharded_models_meta_tensor_in_a_plain_tuple_is_swapped(world1_env):
+    """TorchRec's ``(tbe, index tensor)`` pairs: a new tuple goes where the old one was held,
+    in every holder, its other items kept."""
+    import metamat
+
+    from metamat.models.torchrec import testing as bs
+
+    sharder, plan = bs.sharder_and_plan(bs.ebc(3))
+    dmp = metamat.shard_on_meta(bs.ebc(3), env=world1_env, plan=plan, sharders=[sharder])
+    weights = [t for t in scan(dmp).meta_tensors() if t.dim() == 1 and t.is_floating_point()]
+    home = scan(dmp).slots[id(weights[0])][0]  # where the model itself holds it
+    pair = (weights[0], "kept", weights[0])
+    dmp.pairs = {"a": pair}
+    dmp.again = [pair]
+    metamat.materialize(dmp, device="cpu")
+    new = dmp.pairs["a"]
+    assert type(new) is tuple and new[1] == "kept" and dmp.again[0] is new
+    assert not new[0].is_meta and new[0] is new[2]
+    holder, kind, key = home
+    assert (holder.__dict__[key] if kind == "attr" else holder[key]) is new[0]
 
 
 def test_a_materialized_model_is_freed(world1_env):

@@ -759,30 +759,3 @@ def test_shard_on_meta_without_a_plan_world2():
         key, rows = f"embedding_bags.t{i}.weight", 64 + 3 * i
         assert torch.equal(assemble([r["blocks"] for r in res], key, (rows, 8)),
                            reference_table(f"t{i}", rows, 8, SEED)), key
-
-
-def test_managed_collision_is_refused_before_anything_is_built():
-    """TorchRec's MC sharder reads each rank's zch size back from tensors on the DMP's device
-    (``Cannot copy out of meta tensor`` on meta): shard_on_meta names the module instead."""
-    from torchrec import EmbeddingCollection, EmbeddingConfig
-    from torchrec.modules.mc_embedding_modules import ManagedCollisionEmbeddingCollection
-    from torchrec.modules.mc_modules import (DistanceLFU_EvictionPolicy,
-                                             ManagedCollisionCollection,
-                                             MCHManagedCollisionModule)
-
-    from metamat import UnsupportedError
-
-    tables = [EmbeddingConfig(name="t0", embedding_dim=8, num_embeddings=64,
-                              feature_names=["f0"])]
-    mch = MCHManagedCollisionModule(zch_size=64, device=torch.device("meta"),
-                                    eviction_policy=DistanceLFU_EvictionPolicy(),
-                                    eviction_interval=1, input_hash_size=1000)
-    module = ManagedCollisionEmbeddingCollection(
-        EmbeddingCollection(tables=tables, device=torch.device("meta")),
-        ManagedCollisionCollection({"t0": mch}, embedding_configs=tables),
-        return_remapped_features=False)
-    before = {n: (t.device, t.shape) for n, t in module.state_dict().items()}
-    with pytest.raises(UnsupportedError, match="_managed_collision_collection: "
-                                               "ManagedCollisionCollection"):
-        metamat_shard_on_meta(module)
-    assert {n: (t.device, t.shape) for n, t in module.state_dict().items()} == before

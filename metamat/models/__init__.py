@@ -138,7 +138,11 @@ def find_parts(model: nn.Module, device: torch.device, init: Mapping, *, loading
         if quant and sharded:
             raise UnsupportedError("a model holding both TorchRec training collections and "
                                    "quantized inference ones on meta is not supported")
-        skip = [n for n, _ in sharded] + [n for n, _ in quant]
+        from .torchrec.managed_collision import mc_collections
+
+        # managed-collision state is the TorchRec adapter's (row-wise sharded buffers)
+        mcs = mc_collections(root_of(model)) if sharded else []
+        skip = [n for n, _ in sharded] + [n for n, _ in quant] + [n for n, _ in mcs]
         modules = ModulesPart(root_of(model) if skip else model, skip=skip, loading=loading,
                               aliases=not sharded)
         parts: List[Adapter] = []

@@ -215,6 +215,18 @@ class Graph:
             return self.slots._rec.tuple_held()
         return {i for i, v in self.slots.items() if any(s.kind == "tuple" for s in v)}
 
+    def tuple_swappable(self, obj: Any) -> bool:
+        """Every tuple holding ``obj`` is a plain tuple held only in mutable slots, so the
+        register stage can put a new tuple there (TorchRec's ``(tbe, index tensor)`` pairs)."""
+        for s in self.slots.get(id(obj)) or ():
+            if s.kind != "tuple":
+                continue
+            outer = self.slots.get(id(s.holder)) or ()
+            if type(s.holder) is not tuple or not outer or \
+                    any(o.kind == "tuple" for o in outer):
+                return False
+        return True
+
     def of_type(self, cls: type) -> List[Any]:
         return [o for o in self.objects.values() if type_is(o, cls)]
 

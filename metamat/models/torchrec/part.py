@@ -18,6 +18,7 @@ from .optim_keys import OptimMatch, finish_means, match_optimizer
 from .register import register
 from .tables import fill_targets, needs_write
 from .graph import slot_names
+from .managed_collision import check_loaded_segments, validate_loaded
 from .walk import build_plan
 
 __all__ = ["TorchRecPart"]
@@ -56,6 +57,7 @@ class TorchRecPart(Adapter):
         self.storages = list(self.plan.storages.values())
         self.warnings: List[str] = list(self.plan.warnings)
         self.optim: Optional[OptimMatch] = None
+        self.loaded: Set[int] = set()  # ids of the targets a checkpoint provides
         self.undo = None  # set by find_parts when the tables were laid out again (relayout)
 
     def names(self) -> Dict[str, List[str]]:
@@ -93,6 +95,7 @@ class TorchRecPart(Adapter):
 
     def fill(self, alloc: Allocation, seed: int, loaded: Set[int]) -> int:
         """Write every byte the checkpoint does not provide. Returns bytes written."""
+        self.loaded = loaded
         written = fill_support(self.storages, self.targets, alloc)
         # DMP(device=meta) still builds DATA_PARALLEL tables on CPU with torch's RNG: those
         # real targets (plan.refill) get plan-invariant values in place too.
@@ -114,10 +117,18 @@ class TorchRecPart(Adapter):
             for emb in self._live_caches():
                 emb.flush()
 
+    def _loaded_mc(self) -> Dict[str, torch.Tensor]:
+        """fqn -> loaded block of the managed-collision state."""
+        mc = {id(t) for t in self.plan.mc_targets}
+        return {t.fqn: t.tensor for t in self.targets if id(t) in mc and id(t) in self.loaded}
+
     def after_load(self) -> None:
-        """Store averaged row-wise optimizer state (after the read)."""
+        """Store averaged row-wise optimizer state (after the read); check loaded
+        managed-collision state as TorchRec's load hook will (before anything is swapped in)."""
         if self.optim is not None:
             finish_means(self.optim.means)
+        if self.plan.mcs:
+            check_loaded_segments(self.plan.mcs, self._loaded_mc())
 
     def register(self, alloc: Allocation, loaded: bool = False) -> int:
         """Swap every twin in everywhere, fix devices, rebuild DDPs; after a load into a live
@@ -127,6 +138,8 @@ class TorchRecPart(Adapter):
         if loaded:
             for emb in self._live_caches():
                 reset_cache(emb)
+            if self.plan.mcs:
+                validate_loaded(self.plan.mcs, set(self._loaded_mc()))
         return len(self.plan.graph.meta_tensors())
 
 

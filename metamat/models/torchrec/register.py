@@ -114,12 +114,21 @@ def _fix_process_groups(plan: Plan) -> None:
 def register(model: Any, plan: Plan, alloc: Allocation) -> None:
     """Swap every meta tensor of ``plan`` for its twin, fix devices, rebuild DDPs."""
     twins = alloc.twins()
+    retupled: Dict[int, tuple] = {}  # id of a tuple holding meta tensors -> its new tuple
     for old_id, new in twins.items():
         for slot in plan.graph.slots.get(old_id, []):
             holder = slot.holder
             if isinstance(holder, torch.Tensor) and id(holder) in twins:
                 continue  # the twin already carries a mapped copy of this attribute
+            if slot.kind == "tuple":  # walk checked: a plain tuple in mutable slots
+                items = list(retupled.get(id(holder), holder))
+                items[slot.key] = new
+                retupled[id(holder)] = tuple(items)
+                continue
             slot.set(new)
+    for tid, new_tuple in retupled.items():
+        for slot in plan.graph.slots.get(tid, []):
+            slot.set(new_tuple)
     _fix_devices(model, plan, plan.device)
     _fix_process_groups(plan)
     _rebuild_ddps(plan)

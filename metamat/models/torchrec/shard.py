@@ -28,11 +28,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ..._gcpause import gc_paused
-from ...errors import UnsupportedError
 from .fastbuild import linear_table_optimizers
 from .fastnames import indexed_table_names
 from .fastranks import indexed_group_ranks
 from .host_kernels import host_dense_kernels
+from .managed_collision import mc_sharding_on_meta
 from .meta_factories import MetaFactories
 
 __all__ = ["shard_on_meta", "MetaDDP", "building_on_meta", "plan_to_meta", "this_ranks_gpu"]
@@ -118,24 +118,6 @@ def plan_to_meta(plan: Any, rank_devices: Optional[Dict[int, torch.device]] = No
     return plan
 
 
-def _refuse_managed_collision(module: nn.Module) -> None:
-    """Zero-collision hashing modules cannot be sharded on meta: TorchRec's sharder gathers
-    each rank's zch size into tensors on the DMP's device and reads them back (``.tolist()``),
-    which fails on meta ("Cannot copy out of meta tensor"). Refused first, with a clear error,
-    before the module is touched."""
-    try:
-        from torchrec.modules.mc_modules import ManagedCollisionCollection
-    except ImportError:  # a TorchRec without managed collision
-        return
-    for name, m in module.named_modules():
-        if isinstance(m, ManagedCollisionCollection):
-            raise UnsupportedError(
-                f"{name or '<root>'}: ManagedCollisionCollection (zero-collision hashing, "
-                "ManagedCollisionEmbedding[Bag]Collection) is not supported by shard_on_meta: "
-                "TorchRec's sharder reads each rank's zch size from tensors on the meta "
-                "device; build and shard such a model on a real device")
-
-
 def _normalise_devices(module: nn.Module) -> Dict[nn.Module, Any]:
     """Turn string ``device`` attributes equal to "meta" into ``torch.device("meta")``.
 
@@ -204,6 +186,7 @@ def building_on_meta(cuda: Optional[torch.device] = None):
             # the CPU layout, data-parallel tables included, also on a GPU host
             stack.enter_context(host_dense_kernels())
         stack.enter_context(MetaFactories(cuda=cuda is not None))
+        stack.enter_context(mc_sharding_on_meta())  # managed collision: zch sizes exchanged
         stack.enter_context(gc_paused())  # ~100 live objects per table: see _gcpause
         stack.enter_context(linear_table_optimizers())  # TorchRec's is quadratic
         stack.enter_context(indexed_table_names())  # its name filter too
@@ -260,14 +243,12 @@ def shard_on_meta(
     Raises:
         metamat.UnsupportedError: unsupported torchrec/fbgemm version; with a CUDA
             compute device, a table whose compute kernel is not fused / fused_uvm /
-            fused_uvm_caching; a ManagedCollisionCollection (raised before anything is
-            built).
+            fused_uvm_caching.
         ValueError: ``dmp_kwargs`` names an argument fixed here.
     """
     from . import upstream
 
     upstream.require("train")  # the supported versions, every TorchRec/fbgemm name used
-    _refuse_managed_collision(module)
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.types import ShardingEnv
 

@@ -61,7 +61,12 @@ def sharded_modules(root: nn.Module) -> List[Tuple[str, nn.Module]]:
 def _is_container(m: nn.Module) -> bool:
     """A sharded module whose tables are a ShardedEmbeddingBagCollection child (found on its
     own by ``named_modules``) and whose other state is ordinary modules and tensors: TorchRec's
-    ShardedFeatureProcessedEmbeddingBagCollection (position-weighted features)."""
+    ShardedFeatureProcessedEmbeddingBagCollection (position-weighted features); or a sharded
+    managed-collision collection, its parts found on their own (``managed_collision``)."""
+    from .managed_collision import is_mc_collection, is_mc_container
+
+    if is_mc_container(m) or is_mc_collection(m):
+        return True
     try:
         from torchrec.distributed.fp_embeddingbag import (
             ShardedFeatureProcessedEmbeddingBagCollection as FP)

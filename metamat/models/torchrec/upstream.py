@@ -81,6 +81,9 @@ SQEC = "torchrec.distributed.quant_embedding.ShardedQuantEmbeddingCollection"
 INFERENCE = "fbgemm_gpu.split_table_batched_embeddings_ops_inference"
 INFER_TBE = f"{INFERENCE}.IntNBitTableBatchedEmbeddingBagsCodegen"
 FBGEMM_OPS = "torch.ops.fbgemm"
+SMCC = "torchrec.distributed.mc_modules.ShardedManagedCollisionCollection"
+MCC = "torchrec.modules.mc_modules.ManagedCollisionCollection"
+MCH = "torchrec.modules.mc_modules.MCHManagedCollisionModule"
 
 
 def _tr(owner: str, name: str, kind: str, why: str, group: str = "train", **kw) -> Private:
@@ -208,6 +211,19 @@ DECLARED: Tuple[Private, ...] = (
           "one, nothing calls it")
       for n in ("new_unified_tensor", "new_managed_tensor", "new_host_mapped_tensor",
                 "new_managed_tensor_meta")],
+    # -- managed collision (managed_collision.py) ----------------------------------------------
+    _tr(SMCC, "_create_managed_collision_modules", "own_method", "managed_collision: the zch "
+        "sizes gathered on a real device while sharding on meta", patched=True),
+    _tr(SMCC, "_managed_collision_modules", "attr", "managed_collision: each table's MC module"),
+    _tr(SMCC, "_device", "attr", "managed_collision: meta while sharding on meta; the zch-size "
+        "exchange runs on a real device meanwhile"),
+    _tr(SMCC, "_env", "attr", "managed_collision: the process group of the zch-size exchange"),
+    _tr(MCC, "_managed_collision_modules", "attr", "managed_collision: the MC modules rebuilt "
+        "on meta while sharding"),
+    _tr(MCH, "_output_global_offset", "attr", "managed_collision: this rank's first row"),
+    _tr(MCH, "_zch_size", "attr", "managed_collision: this rank's rows"),
+    _tr(MCH, "validate_state", "method", "managed_collision: TorchRec's load hook, run after a "
+        "load"),
     # -- quantized inference modules (quant.py, quant_part.py) ----------------------------------
     _tr(SQEBC, "_tbes_configs", "attr", "its inference TBEs and their configs", "quant"),
     _tr(SQEC, "_tbes_configs", "attr", "its inference TBEs and their configs", "quant"),

@@ -7,7 +7,8 @@ fbgemm's CUDA layout). The result is a ``TorchRecPlan``:
 * ``targets``: one :class:`metamat.plan.Target` per local block of a checkpointable tensor of
   the sharded modules: embedding table shards (fqn = ``state_dict`` key, global offsets from
   the sharding) and fused-optimizer state (fqn = ``state.<param fqn>.<state name>``, the path in
-  ``dmp.fused_optimizer.state_dict()``). ``tensor`` holds a meta view until the bind stage
+  ``dmp.fused_optimizer.state_dict()``), and managed-collision state
+  (:mod:`.managed_collision`). ``tensor`` holds a meta view until the bind stage
   swaps in the real one; blocks that already exist (an eager model) are real.
 * ``storages``: every meta storage reachable from the model that the ordinary-module adapter
   does not own, with how it is initialised: ``targets`` (covered by targets, gaps zeroed),
@@ -27,6 +28,7 @@ from .. import torch_upstream
 from . import upstream
 from .compat import check_versions
 from .graph import Graph, scan
+from .managed_collision import mc_collections, mc_targets
 from .sharded import laid_out_for, named_wrappers, root_of, sharded_modules, uses_torchrec
 from .targets import optimizer_targets, table_targets
 from .values import known_values, put_value
@@ -49,6 +51,8 @@ class TorchRecPlan:
     optim_names: Set[str] = dataclasses.field(default_factory=set)  # every optimizer state path
     cuda_tbes: list = dataclasses.field(default_factory=list)  # cuda_plan.CudaTBE, CUDA layout
     emulated: bool = False  # device is the CPU standing in for a CUDA device
+    mcs: list = dataclasses.field(default_factory=list)  # (name, sharded MC collection)
+    mc_targets: List[Target] = dataclasses.field(default_factory=list)  # their state
 
     @property
     def nbytes(self) -> int:
@@ -132,13 +136,16 @@ def build_plan(model: nn.Module, device: torch.device, init=None, *, claimed=fro
                 "metamat.shard_on_meta, which keeps it on meta"
             )
     targets += optimizer_targets(model, loading, optim_names)
+    mcs = mc_collections(root) if sharded else []
+    mc_state = mc_targets(mcs, loading, names)
+    targets += mc_state
     meta = graph.meta_tensors()  # ~25 tensor objects per table: listed once
 
     storages: Dict[int, StorageGroup] = {}
     in_tuples = graph.tuple_held()
     starts = []  # contiguous tensors at offset 0: the only ones a recorded value can fill
     for t in meta:  # one pass (~5 tensors per table, nearly all views into a TBE's storage)
-        if in_tuples and id(t) in in_tuples:
+        if in_tuples and id(t) in in_tuples and not graph.tuple_swappable(t):
             raise UnsupportedError(
                 f"meta tensor {graph.tuple_path(t)} is held in an immutable container; "
                 "metamat cannot swap it"
@@ -200,4 +207,5 @@ def build_plan(model: nn.Module, device: torch.device, init=None, *, claimed=fro
                 "build the model with metamat.shard_on_meta"
             )
     return TorchRecPlan(device, graph, targets, storages, warnings, sharded, refill, names,
-                        optim_names, cuda_tbes=tbes, emulated=emulated)
+                        optim_names, cuda_tbes=tbes, emulated=emulated, mcs=mcs,
+                        mc_targets=mc_state)
