@@ -176,6 +176,13 @@ def worker_world2(rank, world_size, tmp, kind):
     # init: TorchRec's MC state, metamat's plan-invariant tables
     fresh = _eager(kind, world_size)
     model = _on_meta(kind, world_size)
+    from metamat.models.torchrec.meta_factories import recorded_value
+
+    res["recorded_rows"] = [n for n, b in model.named_buffers()  # no CPU copy per row
+                            if recorded_value(b) is not None and "._mch_" in n
+                            and b.numel() > 1]
+    res["recorded_small"] = sorted(n.rsplit(".", 1)[1] for n, b in model.named_buffers()
+                                   if recorded_value(b) is not None and "._mch_" not in n)
     metamat.materialize(model, seed=SEED)
     res["init_left"] = no_meta_left(model)
     mine, theirs = local_blocks(model.state_dict()), local_blocks(fresh.state_dict())
@@ -215,6 +222,13 @@ def worker_world2(rank, world_size, tmp, kind):
         for b in [after_theirs[k]])
     res["save_after"] = _save_again(loaded, _shared(tmp, f"{kind}-resave"))
     live = _eager(kind, world_size)  # a real model, loaded in place
+    before = local_blocks(live.state_dict())
+    try:
+        metamat.materialize(live, ckpt, inplace=True)
+        res["inplace_error"] = None
+    except metamat.UnsupportedError as e:
+        res["inplace_error"] = str(e)
+    res["inplace_changed"] = _same(local_blocks(live.state_dict()), before)
     metamat.materialize(live, ckpt)
     res["live_differs"] = _same(local_blocks(live.state_dict()), local_blocks(
         _loaded_reference(kind, world_size, ckpt).state_dict()))
@@ -227,6 +241,14 @@ def worker_world2(rank, world_size, tmp, kind):
         metamat.materialize(gpu_init, seed=SEED)
         metamat.materialize(gpu_load, ckpt)
     res["emulated_init_differs"] = _same(local_blocks(gpu_init.state_dict()), mine)
+    cpu_layout = _on_meta(kind, world_size)  # not laid out again for a GPU: refused
+    try:
+        with emulated_cuda():
+            metamat.materialize(cpu_layout, seed=SEED)
+        res["relayout_error"] = None
+    except metamat.UnsupportedError as e:
+        res["relayout_error"] = str(e)
+    res["relayout_left_meta"] = bool(no_meta_left(cpu_layout))
     res["emulated_load_differs"] = _same(local_blocks(gpu_load.state_dict()),
                                          local_blocks(_loaded_reference(kind, world_size, ckpt).state_dict()))
 
@@ -317,6 +339,16 @@ def test_load_equals_torchrec_load_and_trains_the_same(mc_runs):
         assert r["load_unexpected"] == []
         assert r["train_out_differs"] == [] and r["train_mc_differs"] == [], r
         assert r["train_tables_close"] and r["save_after"] and r["live_differs"] == [], r
+        assert "inplace=False" in r["inplace_error"] and r["inplace_changed"] == [], r
+
+
+@pytest.mark.multiprocess
+def test_state_is_written_not_recorded_on_the_cpu(mc_runs):
+    """Sharding on meta keeps no CPU copy of the row-sized MC buffers (materialize writes
+    their values on the target device)."""
+    _, ranks, _, _ = mc_runs
+    assert all(r["recorded_rows"] == [] for r in ranks), ranks
+    assert {"_output_segments_tensor", "_current_iter_tensor"} <= set(ranks[0]["recorded_small"])
 
 
 @pytest.mark.multiprocess
@@ -324,6 +356,39 @@ def test_laid_out_for_gpus_on_the_emulated_device(mc_runs):
     _, ranks, _, _ = mc_runs
     for r in ranks:
         assert r["emulated_init_differs"] == [] and r["emulated_load_differs"] == [], r
+        assert "compute_device='cuda'" in r["relayout_error"] and r["relayout_left_meta"], r
+
+
+def test_other_mc_kinds_are_refused_and_a_failed_sharding_leaves_the_modules_alone(
+        monkeypatch):
+    """HashZch (and MCH subclasses) are named before anything is built; a failure while the
+    zch sizes are exchanged removes the temporary hook from the user's MCH modules."""
+    from torchrec.modules.mc_modules import MCHManagedCollisionModule
+
+    from metamat.models.torchrec import managed_collision
+    from metamat.testing import process_group
+
+    class Custom(MCHManagedCollisionModule):
+        pass
+
+    with process_group():
+        module = _module("ebc", torch.device("meta"))
+        mcc = module._managed_collision_collection._managed_collision_modules
+        odd = Custom(zch_size=ROWS[0], device=torch.device("meta"),
+                     eviction_policy=mcc["t0"]._eviction_policy, eviction_interval=1,
+                     input_hash_size=HASH)
+        real_t0, mcc["t0"] = mcc["t0"], odd
+        with pytest.raises(metamat.UnsupportedError, match="Custom of table 't0'"):
+            metamat.shard_on_meta(module, plan=_plan(module, "ebc", 1), sharders=[_sharder("ebc")])
+        mcc["t0"] = real_t0
+
+        def broken(*_a, **_k):
+            raise RuntimeError("no exchange device")
+
+        monkeypatch.setattr(managed_collision, "_exchange_device", broken)
+        with pytest.raises(RuntimeError, match="no exchange device"):
+            metamat.shard_on_meta(module, plan=_plan(module, "ebc", 1), sharders=[_sharder("ebc")])
+        assert all("rebuild_with_output_id_range" not in mc.__dict__ for mc in mcc.values())
 
 
 @pytest.mark.multiprocess

@@ -142,6 +142,10 @@ def find_parts(model: nn.Module, device: torch.device, init: Mapping, *, loading
 
         # managed-collision state is the TorchRec adapter's (row-wise sharded buffers)
         mcs = mc_collections(root_of(model)) if sharded else []
+        if inplace and loading:
+            from .torchrec.managed_collision import refuse_inplace
+
+            refuse_inplace(mcs)
         skip = [n for n, _ in sharded] + [n for n, _ in quant] + [n for n, _ in mcs]
         modules = ModulesPart(root_of(model) if skip else model, skip=skip, loading=loading,
                               aliases=not sharded)

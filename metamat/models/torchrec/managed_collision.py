@@ -39,7 +39,8 @@ from .state_dict import module_state_dict
 from .targets import local_blocks
 
 __all__ = ["mc_sharding_on_meta", "mc_collections", "mc_targets", "check_loaded_segments",
-           "validate_loaded", "is_mc_container", "is_mc_collection"]
+           "validate_loaded", "is_mc_container", "is_mc_collection", "refuse_unsupported_kinds",
+           "refuse_inplace"]
 
 _INT64_MAX = torch.iinfo(torch.int64).max
 # buffer name -> how TorchRec's constructor fills it (MCHManagedCollisionModule._init_buffers)
@@ -54,8 +55,9 @@ def _smcc_class():
     return ShardedManagedCollisionCollection
 
 
-def _exchange_device(env: Any) -> torch.device:
-    """Where the zch sizes can be all-gathered: the CPU on gloo, this rank's GPU else."""
+def _exchange_device(env: Any, gpu: Optional[torch.device]) -> torch.device:
+    """Where the zch sizes can be all-gathered: the CPU on gloo, else ``gpu`` (the GPU the
+    tables are laid out for) or this rank's GPU."""
     import torch.distributed as dist
 
     pg = getattr(env, "sharding_pg", None) or getattr(env, "process_group", None)
@@ -66,27 +68,34 @@ def _exchange_device(env: Any) -> torch.device:
         return torch.device("cpu")
     from .shard import this_ranks_gpu
 
-    return this_ranks_gpu(torch.device("cuda"))
+    return this_ranks_gpu(gpu if gpu is not None else torch.device("cuda"))
 
 
 def _rebuild_on(mc: nn.Module, meta: torch.device, output_id_range, output_segments,
                 device: Optional[torch.device] = None) -> nn.Module:
-    """``mc.rebuild_with_output_id_range`` on ``meta``, whatever device TorchRec passes."""
-    return type(mc).rebuild_with_output_id_range(mc, output_id_range, output_segments,
-                                                  device=meta)
+    """``mc.rebuild_with_output_id_range`` on ``meta``, whatever device TorchRec passes. The
+    row-sized buffers keep no recorded CPU copy of their value (MetaFactories records small
+    meta tensors, up to 1M elements: 8 MB per buffer and table); ``mc_targets`` writes them."""
+    new = type(mc).rebuild_with_output_id_range(mc, output_id_range, output_segments,
+                                                 device=meta)
+    for name, buf in new.named_buffers(recurse=False):
+        if _how(name) in (_FREE_SLOT, _OWN_ROW, _ZERO) and name != "_mch_slots":
+            buf.__dict__.pop("_metamat_value", None)
+    return new
 
 
-def _create_on_meta(real):
+def _create_on_meta(real, gpu: Optional[torch.device]):
     def create(self, module):
         meta = self._device  # set by the constructor before it calls this
         if not isinstance(meta, torch.device) or meta.type != "meta":
             return real(self, module)
+        exchange = _exchange_device(self._env, gpu)
         mcs = list(module._managed_collision_modules.values())
-        for mc in mcs:  # an instance attribute, removed below: the user's module is untouched
-            mc.__dict__["rebuild_with_output_id_range"] = functools.partial(_rebuild_on, mc,
-                                                                            meta)
-        self._device = _exchange_device(self._env)
         try:
+            for mc in mcs:  # an instance attribute, removed below: the user's module untouched
+                mc.__dict__["rebuild_with_output_id_range"] = functools.partial(
+                    _rebuild_on, mc, meta)
+            self._device = exchange
             return real(self, module)
         finally:
             self._device = meta
@@ -97,8 +106,9 @@ def _create_on_meta(real):
 
 
 @contextlib.contextmanager
-def mc_sharding_on_meta() -> Iterator[None]:
-    """While active, TorchRec's managed-collision sharder works on meta (module docstring)."""
+def mc_sharding_on_meta(gpu: Optional[torch.device] = None) -> Iterator[None]:
+    """While active, TorchRec's managed-collision sharder works on meta (module docstring).
+    ``gpu``: the GPU the tables are laid out for, if any."""
     cls = _smcc_class()
     if cls is None:
         yield
@@ -107,8 +117,37 @@ def mc_sharding_on_meta() -> Iterator[None]:
 
     real = cls._create_managed_collision_modules
     with upstream.patch(upstream.SMCC, "_create_managed_collision_modules",
-                        _create_on_meta(real)):
+                        _create_on_meta(real, gpu)):
         yield
+
+
+def refuse_unsupported_kinds(module: nn.Module) -> None:
+    """Managed-collision modules other than MCH (HashZch, subclasses), named before anything
+    is built."""
+    try:
+        from torchrec.modules.mc_modules import (ManagedCollisionCollection,
+                                                 MCHManagedCollisionModule)
+    except ImportError:  # a TorchRec without managed collision
+        return
+    for name, m in module.named_modules():
+        if not isinstance(m, ManagedCollisionCollection):
+            continue
+        for table, mc in m._managed_collision_modules.items():
+            if type(mc) is not MCHManagedCollisionModule:
+                raise UnsupportedError(
+                    f"{name or '<root>'}: managed-collision module {type(mc).__name__} of "
+                    f"table {table!r} is not supported (supported: MCHManagedCollisionModule)")
+
+
+def refuse_inplace(mcs: List[Tuple[str, nn.Module]]) -> None:
+    """``inplace=True`` loads cannot hold managed-collision state: whether a checkpoint's row
+    boundaries fit this plan is known only after its bytes are read, too late to refuse a
+    load that writes the live model."""
+    if mcs:
+        raise UnsupportedError(
+            f"{mcs[0][0] or '<root>'}: a model with managed-collision collections is not "
+            "loaded with inplace=True (the checkpoint's row boundaries are checked after the "
+            "read); load it with inplace=False (the default), through shadow copies")
 
 
 def is_mc_container(m: nn.Module) -> bool:
@@ -152,7 +191,7 @@ def _mch_modules(mcc: nn.Module) -> Dict[str, nn.Module]:
 
     out = {}
     for table, mc in upstream.BOUNDARY.check_instance(mcc)._managed_collision_modules.items():
-        if not isinstance(mc, MCHManagedCollisionModule):
+        if type(mc) is not MCHManagedCollisionModule:  # a subclass may fill its own way
             raise UnsupportedError(
                 f"managed-collision module {type(mc).__name__} of table {table!r} is not "
                 "supported (supported: MCHManagedCollisionModule)")
@@ -183,6 +222,7 @@ def _initial(how: str, value: Optional[torch.Tensor]):
         else:
             t.copy_(value)
     fill.metamat_block = True
+    fill.metamat_unseeded = True  # no randomness: the RNGs are left alone
     return fill
 
 

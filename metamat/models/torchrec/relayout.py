@@ -81,8 +81,16 @@ def relayout_for_cuda(model: nn.Module, sharded: List[Tuple[str, nn.Module]],
             type or plan this cannot rebuild (nothing was changed then).
     """
     from . import upstream
+    from .managed_collision import mc_collections
     from .shard import plan_to_meta, this_ranks_gpu, building_on_meta
     from .sharded import root_of
+
+    mcs = mc_collections(root_of(model))
+    if mcs:  # its container keeps the old TBEs (eviction resets their rows): not rebuilt here
+        raise UnsupportedError(
+            f"{mcs[0][0] or '<root>'}: a managed-collision collection laid out for the CPU "
+            "cannot be laid out again for a GPU; shard it with metamat.shard_on_meta(..., "
+            "compute_device='cuda')")
 
     if not upstream.is_dmp(model):
         raise UnsupportedError(

@@ -32,7 +32,7 @@ from .fastbuild import linear_table_optimizers
 from .fastnames import indexed_table_names
 from .fastranks import indexed_group_ranks
 from .host_kernels import host_dense_kernels
-from .managed_collision import mc_sharding_on_meta
+from .managed_collision import mc_sharding_on_meta, refuse_unsupported_kinds
 from .meta_factories import MetaFactories
 
 __all__ = ["shard_on_meta", "MetaDDP", "building_on_meta", "plan_to_meta", "this_ranks_gpu"]
@@ -186,7 +186,7 @@ def building_on_meta(cuda: Optional[torch.device] = None):
             # the CPU layout, data-parallel tables included, also on a GPU host
             stack.enter_context(host_dense_kernels())
         stack.enter_context(MetaFactories(cuda=cuda is not None))
-        stack.enter_context(mc_sharding_on_meta())  # managed collision: zch sizes exchanged
+        stack.enter_context(mc_sharding_on_meta(cuda))  # managed collision: zch sizes exchanged
         stack.enter_context(gc_paused())  # ~100 live objects per table: see _gcpause
         stack.enter_context(linear_table_optimizers())  # TorchRec's is quadratic
         stack.enter_context(indexed_table_names())  # its name filter too
@@ -243,12 +243,13 @@ def shard_on_meta(
     Raises:
         metamat.UnsupportedError: unsupported torchrec/fbgemm version; with a CUDA
             compute device, a table whose compute kernel is not fused / fused_uvm /
-            fused_uvm_caching.
+            fused_uvm_caching; a managed-collision module other than MCH.
         ValueError: ``dmp_kwargs`` names an argument fixed here.
     """
     from . import upstream
 
     upstream.require("train")  # the supported versions, every TorchRec/fbgemm name used
+    refuse_unsupported_kinds(module)
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.types import ShardingEnv
 

@@ -35,7 +35,10 @@ def fill_targets(targets: List[Target], seed: int, alloc: Optional[Allocation] =
     items, emulated, written = [], [], 0
     with torch.no_grad():
         for tg in targets:
-            if tg.init_fn is not None:
+            if getattr(tg.init_fn, "metamat_unseeded", False):  # a known value
+                tg.init_fn(tg.tensor, tg.offsets)
+                written += tg.nbytes
+            elif tg.init_fn is not None:
                 with torch.random.fork_rng(devices=[]):
                     torch.manual_seed(module_seed(seed, f"{tg.fqn}@{tg.offsets}"))
                     if getattr(tg.init_fn, "metamat_block", False):
