@@ -7,6 +7,7 @@
     python bench/materialize.py --mode load --storage s3   # from an S3 store (bench_s3.py)
     python bench/materialize.py --mode dmp --device cuda   # TorchRec tables on the GPU
     python bench/materialize.py --mode quant    # training checkpoint -> INT8 inference model
+    python bench/materialize.py --mode mc       # managed-collision tables: init and load
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ MODES = ("init", "dmp", "load")  # "all"; "tp" (DTensor tensor parallel) runs on
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mode", choices=MODES + ("tp", "scale", "quant", "all"), default="all")
+    p.add_argument("--mode", choices=MODES + ("tp", "scale", "quant", "mc", "all"), default="all")
     p.add_argument("--quick", action="store_true", help="small sizes, at most 3 reps (for CI)")
     p.add_argument("--kernels", action="store_true",
                    help="init: also time every CPU kernel build forced, at 2 and 1 threads "
@@ -104,6 +105,9 @@ def main(argv=None) -> int:
         elif mode == "quant":  # float training checkpoint -> quantized model (bench_quant.py)
             from bench_quant import run_quant
             rows += run_quant(a, device)
+        elif mode == "mc":  # managed-collision tables (bench_mc.py)
+            from bench_mc import run_mc
+            rows += run_mc(a, device)
     if a.out and rows:
         from _plot import plot
         csv_path = os.path.abspath(os.path.join(a.out, "results.csv"))

@@ -56,6 +56,23 @@ def test_bench_tp_quick(tmp_path):
 
 
 @pytest.mark.multiprocess
+def test_bench_mc_quick(tmp_path):
+    """--mode mc: managed-collision tables, TorchRec against metamat, init and load."""
+    pytest.importorskip("torchrec")
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "materialize.py"), "--quick",
+                        "--mode", "mc", "--reps", "1", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    with open(tmp_path / "results.csv") as f:
+        rows = list(csv.DictReader(f))
+    got = {(row["mode"], row["method"]) for row in rows}
+    assert {("mc-init", "metamat shard_on_meta+materialize"),
+            ("mc-load", "metamat materialize(ckpt)"), ("mc-load", "TorchRec DMP + dcp.load"),
+            ("mc-init", "torch fill_ (per-rank ceiling)")} <= got, got
+    assert all(float(row["gbps"]) > 0 for row in rows)
+
+
+@pytest.mark.multiprocess
 def test_bench_load_cold_quick(tmp_path):
     """--mode load --cold: the raw O_DIRECT ceiling and buffered/direct x 1/2/4/8 threads."""
     r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "materialize.py"), "--quick",
