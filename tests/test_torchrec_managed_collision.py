@@ -109,7 +109,8 @@ def _batch(seed: int, batch: int = 6, hash_size: int = HASH, device: str = "cpu"
     lengths = torch.randint(1, 4, (len(ROWS) * batch,), generator=g)
     values = torch.randint(0, hash_size, (int(lengths.sum()),), generator=g)
     return KeyedJaggedTensor.from_lengths_sync(
-        keys=[f"f{i}" for i in range(len(ROWS))], values=values, lengths=lengths).to(device)
+        keys=[f"f{i}" for i in range(len(ROWS))], values=values,
+        lengths=lengths).to(torch.device(device))
 
 
 def _output(kind: str, out) -> torch.Tensor:
