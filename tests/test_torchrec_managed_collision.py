@@ -366,7 +366,7 @@ def test_other_mc_kinds_are_refused_and_a_failed_sharding_leaves_the_modules_alo
     zch sizes are exchanged removes the temporary hook from the user's MCH modules."""
     from torchrec.modules.mc_modules import MCHManagedCollisionModule
 
-    from metamat.models.torchrec import managed_collision
+    from metamat.models.torchrec import mc_sharding
     from metamat.testing import process_group
 
     class Custom(MCHManagedCollisionModule):
@@ -386,7 +386,7 @@ def test_other_mc_kinds_are_refused_and_a_failed_sharding_leaves_the_modules_alo
         def broken(*_a, **_k):
             raise RuntimeError("no exchange device")
 
-        monkeypatch.setattr(managed_collision, "_exchange_device", broken)
+        monkeypatch.setattr(mc_sharding, "_exchange_device", broken)
         with pytest.raises(RuntimeError, match="no exchange device"):
             metamat.shard_on_meta(module, plan=_plan(module, "ebc", 1), sharders=[_sharder("ebc")])
         assert all("rebuild_with_output_id_range" not in mc.__dict__ for mc in mcc.values())

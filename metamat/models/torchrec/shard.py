@@ -32,7 +32,7 @@ from .fastbuild import linear_table_optimizers
 from .fastnames import indexed_table_names
 from .fastranks import indexed_group_ranks
 from .host_kernels import host_dense_kernels
-from .managed_collision import mc_sharding_on_meta, refuse_unsupported_kinds
+from .mc_sharding import mc_sharding_on_meta, refuse_unsupported_kinds
 from .meta_factories import MetaFactories
 
 __all__ = ["shard_on_meta", "MetaDDP", "building_on_meta", "plan_to_meta", "this_ranks_gpu"]

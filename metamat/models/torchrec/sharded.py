@@ -63,7 +63,7 @@ def _is_container(m: nn.Module) -> bool:
     own by ``named_modules``) and whose other state is ordinary modules and tensors: TorchRec's
     ShardedFeatureProcessedEmbeddingBagCollection (position-weighted features); or a sharded
     managed-collision collection, its parts found on their own (``managed_collision``)."""
-    from .managed_collision import is_mc_collection, is_mc_container
+    from .mc_sharding import is_mc_collection, is_mc_container
 
     if is_mc_container(m) or is_mc_collection(m):
         return True
