@@ -230,6 +230,10 @@ def worker_world2(rank, world_size, tmp, kind):
     except metamat.UnsupportedError as e:
         res["inplace_error"] = str(e)
     res["inplace_changed"] = _same(local_blocks(live.state_dict()), before)
+    on_meta = _on_meta(kind, world_size)  # nothing live: inplace=True is just a load
+    metamat.materialize(on_meta, ckpt, inplace=True)
+    res["meta_inplace_differs"] = _same(local_blocks(on_meta.state_dict()), local_blocks(
+        _loaded_reference(kind, world_size, ckpt).state_dict()))
     metamat.materialize(live, ckpt)
     res["live_differs"] = _same(local_blocks(live.state_dict()), local_blocks(
         _loaded_reference(kind, world_size, ckpt).state_dict()))
@@ -341,6 +345,7 @@ def test_load_equals_torchrec_load_and_trains_the_same(mc_runs):
         assert r["train_out_differs"] == [] and r["train_mc_differs"] == [], r
         assert r["train_tables_close"] and r["save_after"] and r["live_differs"] == [], r
         assert "inplace=False" in r["inplace_error"] and r["inplace_changed"] == [], r
+        assert r["meta_inplace_differs"] == [], r
 
 
 @pytest.mark.multiprocess
@@ -433,19 +438,35 @@ def worker_cuda(rank, world_size, tmp, kind):
     metamat.materialize(loaded, ckpt)
     res["load_differs"] = _same(local_blocks(loaded.state_dict()),
                                 local_blocks(ref.state_dict()))
-    outs = [(_step(kind, loaded, seed=200 + s, hash_size=GPU_HASH, device="cuda"),
-             _step(kind, ref, seed=200 + s, hash_size=GPU_HASH, device="cuda"))
-            for s in range(2)]
+    outs = []
+    for s in range(2):
+        pair = []
+        for m in (loaded, ref):
+            # TorchRec refills evicted rows with the table's init_fn (uniform_, the CUDA RNG)
+            torch.manual_seed(1000 + s)
+            pair.append(_step(kind, m, seed=200 + s, hash_size=GPU_HASH, device="cuda"))
+        outs.append(pair)
     res["out_close"] = [torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in outs]
     after, want = local_blocks(loaded.state_dict()), local_blocks(ref.state_dict())
     res["train_mc_differs"] = _same(after, want, [k for k in want if MC_PREFIX in k])
+    res["train_tables_close"] = all(
+        torch.allclose(a[0][1], want[k][0][1], rtol=1e-5, atol=1e-6)
+        for k, a in after.items() if k.endswith(".weight"))
+    from torchrec.distributed.types import ShardingEnv
+
+    from metamat.models.torchrec.mc_sharding import _exchange_device
+
+    env = ShardingEnv.from_process_group(dist.group.WORLD)  # NCCL: on this rank's GPU
+    res["exchange"] = str(_exchange_device(env, None))
     return res
 
 
 @pytest.mark.cuda
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("kind", ["ebc", "ec"])
 def test_on_a_gpu_with_eviction_like_eager_torchrec(kind, tmp_path):
     r = run_dist(worker_cuda, 1, str(tmp_path), kind, backend="nccl")[0]
     assert r["device"].startswith("cuda"), r
     assert r["init_mc_differs"] == [] and r["load_differs"] == [], r
     assert all(r["out_close"]) and r["train_mc_differs"] == [], r
+    assert r["train_tables_close"] and r["exchange"].startswith("cuda"), r

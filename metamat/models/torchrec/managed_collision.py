@@ -41,10 +41,10 @@ _INT64_MAX = torch.iinfo(torch.int64).max
 
 
 def refuse_inplace(mcs: List[Tuple[str, nn.Module]]) -> None:
-    """``inplace=True`` loads cannot hold managed-collision state: whether a checkpoint's row
-    boundaries fit this plan is known only after its bytes are read, too late to refuse a
-    load that writes the live model."""
-    if mcs:
+    """``inplace=True`` loads into live managed-collision state are refused: whether a
+    checkpoint's row boundaries fit this plan is known only after its bytes are read, too late
+    to refuse a load that writes the live model (a model on meta has nothing live)."""
+    if any(not b.is_meta for _, mcc in mcs for b in mcc.buffers()):
         raise UnsupportedError(
             f"{mcs[0][0] or '<root>'}: a model with managed-collision collections is not "
             "loaded with inplace=True (the checkpoint's row boundaries are checked after the "
