@@ -313,6 +313,38 @@ def worker_world1(rank, world_size, tmp, kind):
     return res
 
 
+def worker_unsharded(rank, world_size, tmp, kind):
+    """The MC collection not sharded (one process, the modules adapter): TorchRec's initial
+    MC state from meta; the world-2 and world-1 checkpoints loaded as TorchRec's
+    ``load_state_dict`` does (slots sorted again), into a model on meta and a live one."""
+    import torch.distributed.checkpoint as dcp
+
+    res = {}
+    model = _module(kind, torch.device("meta"))
+    metamat.materialize(model, device="cpu", seed=SEED)
+    mine, theirs = local_blocks(model.state_dict()), local_blocks(
+        _module(kind, torch.device("cpu")).state_dict())
+    res["init_left"] = [n for n, t in list(model.named_buffers()) + list(model.named_parameters())
+                        if t.is_meta]
+    res["init_mc_differs"] = _same(mine, theirs, [k for k in theirs if MC_PREFIX in k])
+    res["init_tables"] = {k: v for k, v in mine.items() if k.endswith(".weight")}
+    for name in ("world2", "world1"):
+        ckpt = os.path.join(tmp, f"{kind}-{name}")
+        ref = _module(kind, torch.device("cpu"))
+        sd = ref.state_dict()
+        dcp.load(sd, checkpoint_id=ckpt)
+        ref.load_state_dict(sd)
+        for how, target in (("meta", _module(kind, torch.device("meta"))),
+                            ("live", _module(kind, torch.device("cpu")))):
+            metamat.materialize(target, ckpt, device="cpu")
+            res[f"{name}_{how}_differs"] = _same(local_blocks(target.state_dict()),
+                                                 local_blocks(ref.state_dict()))
+            # eval: remapping without profiling, which would advance the state compared next
+            res[f"{name}_{how}_out"] = torch.allclose(
+                _output(kind, target.eval()(_batch(400))), _output(kind, ref.eval()(_batch(400))))
+    return res
+
+
 @pytest.fixture(scope="module", params=["ebc", "ec"])
 def mc_runs(request, tmp_path_factory):
     kind = request.param
@@ -320,12 +352,13 @@ def mc_runs(request, tmp_path_factory):
     first = run_dist(worker_world2, 2, tmp, kind)
     one = run_dist(worker_world1, 1, tmp, kind)
     second = run_dist(worker_world2, 2, tmp, kind)  # now with the world-1 checkpoint
-    return kind, first, one, second
+    unsharded = run_dist(worker_unsharded, 1, tmp, kind)[0]
+    return kind, first, one, second, unsharded
 
 
 @pytest.mark.multiprocess
 def test_init_gives_torchrec_mc_state_and_plan_invariant_tables(mc_runs):
-    kind, ranks, _, _ = mc_runs
+    kind, ranks, _, _, _ = mc_runs
     for r in ranks:
         assert r["init_left"] == [] and r["init_keys_differ"] == [], r
         assert r["init_mc_differs"] == [], r["init_mc_differs"]
@@ -338,7 +371,7 @@ def test_init_gives_torchrec_mc_state_and_plan_invariant_tables(mc_runs):
 
 @pytest.mark.multiprocess
 def test_load_equals_torchrec_load_and_trains_the_same(mc_runs):
-    _, ranks, _, _ = mc_runs
+    _, ranks, _, _, _ = mc_runs
     for r in ranks:
         assert r["load_left"] == [] and r["load_differs"] == [], r["load_differs"]
         assert r["load_unexpected"] == []
@@ -352,14 +385,14 @@ def test_load_equals_torchrec_load_and_trains_the_same(mc_runs):
 def test_state_is_written_not_recorded_on_the_cpu(mc_runs):
     """Sharding on meta keeps no CPU copy of the row-sized MC buffers (materialize writes
     their values on the target device)."""
-    _, ranks, _, _ = mc_runs
+    _, ranks, _, _, _ = mc_runs
     assert all(r["recorded_rows"] == [] for r in ranks), ranks
     assert {"_output_segments_tensor", "_current_iter_tensor"} <= set(ranks[0]["recorded_small"])
 
 
 @pytest.mark.multiprocess
 def test_laid_out_for_gpus_on_the_emulated_device(mc_runs):
-    _, ranks, _, _ = mc_runs
+    _, ranks, _, _, _ = mc_runs
     for r in ranks:
         assert r["emulated_init_differs"] == [] and r["emulated_load_differs"] == [], r
         assert "compute_device='cuda'" in r["relayout_error"] and r["relayout_left_meta"], r
@@ -399,13 +432,13 @@ def test_other_mc_kinds_are_refused_and_a_failed_sharding_leaves_the_modules_alo
 
 @pytest.mark.multiprocess
 def test_world2_checkpoint_into_one_rank(mc_runs):
-    _, _, one, _ = mc_runs
+    _, _, one, _, _ = mc_runs
     assert one[0]["differs"] == [] and one[0]["out_close"], one
 
 
 @pytest.mark.multiprocess
 def test_checkpoint_split_elsewhere_is_refused_and_model_stays_on_meta(mc_runs):
-    _, _, _, ranks = mc_runs
+    _, _, _, ranks, _ = mc_runs
     for r in ranks:
         assert r["split_error"] is not None and "_output_segments_tensor" in r["split_error"]
         assert "cannot reshard" in r["split_error"] and r["victim_still_meta"], r
@@ -470,3 +503,18 @@ def test_on_a_gpu_with_eviction_like_eager_torchrec(kind, tmp_path):
     assert r["init_mc_differs"] == [] and r["load_differs"] == [], r
     assert all(r["out_close"]) and r["train_mc_differs"] == [], r
     assert r["train_tables_close"] and r["exchange"].startswith("cuda"), r
+
+
+@pytest.mark.multiprocess
+def test_unsharded_collection_init_and_loads_like_torchrec(mc_runs):
+    """A world-2 checkpoint's slots come in two sorted runs: the loaded module sorts them, as
+    TorchRec's load hook does, or raw ids would be looked up in an unsorted array."""
+    kind, _, _, _, r = mc_runs
+    assert r["init_left"] == [] and r["init_mc_differs"] == [], r
+    for i, rows in enumerate(ROWS):
+        key = f"_embedding_module.{'embedding_bags' if kind == 'ebc' else 'embeddings'}" \
+              f".t{i}.weight"
+        assert torch.equal(r["init_tables"][key][0][1], reference_table(f"t{i}", rows, 8, SEED))
+    for name in ("world2", "world1"):
+        for how in ("meta", "live"):
+            assert r[f"{name}_{how}_differs"] == [] and r[f"{name}_{how}_out"], (name, how, r)

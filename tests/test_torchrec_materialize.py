@@ -759,3 +759,30 @@ def test_shard_on_meta_without_a_plan_world2():
         key, rows = f"embedding_bags.t{i}.weight", 64 + 3 * i
         assert torch.equal(assemble([r["blocks"] for r in res], key, (rows, 8)),
                            reference_table(f"t{i}", rows, 8, SEED)), key
+
+
+def test_unsharded_collection_tables_get_torchrec_init():
+    """An EmbeddingBagCollection used as a plain module on meta: each table its config's
+    init (TorchRec's default, a known distribution fused, a callable as is), keyed by the
+    table's name: the values the same table gets sharded (not nn.EmbeddingBag's N(0, 1))."""
+    import functools
+
+    from torchrec import EmbeddingBagCollection, EmbeddingBagConfig
+
+    def ones(t):
+        with torch.no_grad():
+            t.fill_(1.0)
+
+    inits = [None, functools.partial(torch.nn.init.uniform_, a=-0.5, b=0.5), ones]
+    tables = [EmbeddingBagConfig(name=f"t{i}", embedding_dim=8, num_embeddings=40 + i,
+                                 feature_names=[f"f{i}"], init_fn=fn)
+              for i, fn in enumerate(inits)]
+    module = EmbeddingBagCollection(tables=tables, device=torch.device("meta"))
+    report = metamat_materialize(module, device="cpu", seed=SEED)
+    bags = module.embedding_bags
+    assert torch.equal(bags["t0"].weight, reference_table("t0", 40, 8, SEED))
+    assert torch.equal(bags["t1"].weight,
+                       reference_table("t1", 41, 8, SEED, metamat.Uniform(-0.5, 0.5)))
+    assert torch.equal(bags["t2"].weight, torch.ones(42, 8))
+    assert all(s.startswith("rule: TorchRec table") for s in report.sources.values()), \
+        report.sources

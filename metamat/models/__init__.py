@@ -79,10 +79,36 @@ class ModulesPart(Adapter):
         return (fill_support(self.storages, self.targets, alloc)
                 + fill_values(self.entries, self.decisions, self.resets, seed))
 
+    def _loaded_mch(self, buffer: str) -> list:
+        """(entry, its MCH module) for TorchRec MCH buffers ``buffer`` the checkpoint gives."""
+        import sys
+
+        if "torchrec" not in sys.modules:
+            return []
+        from .torchrec.managed_collision import is_mch
+
+        return [(e, e.owner.module) for e in self.entries
+                if e.owner.name == buffer and is_mch(e.owner.module)
+                and self.decisions.get(id(e)) is not None
+                and self.decisions[id(e)].kind == "checkpoint"]
+
+    def after_load(self) -> None:
+        """Unsharded managed-collision modules: TorchRec's load-hook condition on the loaded
+        row boundaries, checked before anything is swapped in."""
+        from .torchrec.managed_collision import check_segments
+
+        for e, m in self._loaded_mch("_output_segments_tensor"):
+            table = e.fqn.rsplit(".", 2)[-2] if e.fqn.count(".") >= 2 else e.fqn
+            check_segments(e.fqn, table, m, e.targets[0].tensor)
+
     def register(self, alloc: Allocation, loaded: bool = False) -> int:
         n = register(self.entries, alloc)
         if self.aliases is not None:
             self.aliases.swap(alloc)
+        if loaded:  # TorchRec's load hook on loaded MCH modules: their slots sorted again
+            with torch.no_grad():
+                for _, m in self._loaded_mch("_mch_sorted_raw_ids"):
+                    m.validate_state()
         return n
 
     def value_sources(self) -> Dict[str, str]:

@@ -69,8 +69,50 @@ def _reset_fn(m: nn.Module, root: nn.Module) -> Optional[Callable[[], Any]]:
     fn = reset_method(m)
     if fn is not None:
         return fn
+    fn = _library_initial_values(m)
+    if fn is not None:
+        return fn
     hf = _hf_init_weights(root)
     return functools.partial(hf, m) if hf is not None else None
+
+
+def _torchrec_tables(root: nn.Module) -> Dict[int, Tuple[str, Any]]:
+    import sys
+
+    if "torchrec" not in sys.modules:
+        return {}
+    from .torchrec.unsharded import unsharded_tables
+
+    return unsharded_tables(root)
+
+
+def _torchrec_table(e: Entry, table: str, cfg: Any) -> Decision:
+    """An unsharded TorchRec table: its config's init, keyed by the table's name (the values
+    of the same table sharded on any plan)."""
+    from ..rules import default_table_dist, dist_from_init_fn
+
+    for t in e.targets:
+        t.key = table
+    if cfg.init_fn is None:
+        dist = default_table_dist(cfg.num_embeddings)
+        return Decision("rule", dist=dist, detail=f"TorchRec table {table!r} default: {dist}")
+    dist = dist_from_init_fn(cfg.init_fn)
+    if dist is not None and e.dtype in FILL_DTYPES:
+        return Decision("rule", dist=dist, detail=f"TorchRec table {table!r} init_fn: {dist}")
+    return Decision("rule", fn=cfg.init_fn, detail=f"TorchRec table {table!r} init_fn "
+                    f"{cfg.init_fn!r} on the whole tensor")
+
+
+def _library_initial_values(m: nn.Module) -> Optional[Callable[[], Any]]:
+    """The initial values of a library module without a reset method that its constructor
+    computes (TorchRec's unsharded MCHManagedCollisionModule), as a reset; else None."""
+    import sys
+
+    if "torchrec" not in sys.modules:
+        return None
+    from .torchrec.managed_collision import unsharded_initial_values
+
+    return unsharded_initial_values(m)
 
 
 def _parent_rule(e: Entry, root: nn.Module) -> Optional[Default]:
@@ -137,6 +179,7 @@ def decide(entries: Sequence[Entry], init: Mapping[str, InitValue], loaded: Set[
     missing: List[str] = []
     traced = False
     tr = None
+    tables = None  # unsharded TorchRec tables, found when a tensor first needs a rule
     for e in entries:
         if id(e) in loaded:
             out[id(e)] = Decision("checkpoint")
@@ -164,6 +207,11 @@ def decide(entries: Sequence[Entry], init: Mapping[str, InitValue], loaded: Set[
             out[id(e)] = _from_model_init(e, mi, tr)
             continue
         m, attr = e.owner.module, e.owner.name
+        if tables is None:
+            tables = _torchrec_tables(root)
+        if attr == "weight" and id(m) in tables:
+            out[id(e)] = _torchrec_table(e, *tables[id(m)])
+            continue
         d: Optional[Default] = default_init(m, attr, e.global_shape)
         if d is None and isinstance(m, (nn.ParameterDict, nn.ParameterList)):
             d = _parent_rule(e, root)

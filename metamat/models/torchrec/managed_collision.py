@@ -35,7 +35,7 @@ from .state_dict import module_state_dict
 from .targets import local_blocks
 
 __all__ = ["mc_collections", "mc_targets", "check_loaded_segments", "validate_loaded",
-           "refuse_inplace"]
+           "refuse_inplace", "unsharded_initial_values", "check_segments", "is_mch"]
 
 _INT64_MAX = torch.iinfo(torch.int64).max
 
@@ -133,11 +133,6 @@ def mc_targets(mcs: List[Tuple[str, nn.Module]], loading: bool,
     return targets
 
 
-def _segments(mc: nn.Module, loaded: Dict[str, torch.Tensor], key: str) -> List[int]:
-    t = loaded.get(key)
-    return [] if t is None else [int(v) for v in t.tolist() if v >= 0]
-
-
 def check_loaded_segments(mcs: List[Tuple[str, nn.Module]],
                           loaded: Dict[str, torch.Tensor]) -> None:
     """TorchRec's ``validate_state`` condition on loaded state, before anything is swapped in:
@@ -150,14 +145,7 @@ def check_loaded_segments(mcs: List[Tuple[str, nn.Module]],
             key = f"{prefix}_managed_collision_modules.{table}._output_segments_tensor"
             if key not in loaded:
                 continue
-            seg = set(_segments(mc, loaded, key))
-            start = mc._output_global_offset
-            end = start + mc._zch_size
-            if start not in seg or end not in seg:
-                raise UnsupportedError(
-                    f"{key}: the checkpoint's managed-collision rows of table {table!r} are "
-                    f"split at {sorted(seg)}; this rank's rows [{start}, {end}) are not a "
-                    "union of those shards, which TorchRec's MC modules cannot reshard")
+            check_segments(key, table, mc, loaded[key])
 
 
 def validate_loaded(mcs: List[Tuple[str, nn.Module]], loaded_keys: Set[str]) -> None:
@@ -170,3 +158,52 @@ def validate_loaded(mcs: List[Tuple[str, nn.Module]], loaded_keys: Set[str]) -> 
                 if f"{prefix}_managed_collision_modules.{table}._mch_sorted_raw_ids" \
                         in loaded_keys:
                     mc.validate_state()
+
+
+# -- unsharded MCH modules (an MC collection not sharded by TorchRec: the modules adapter) ------
+def is_mch(m: nn.Module) -> bool:
+    """``m`` is exactly TorchRec's MCHManagedCollisionModule (a subclass may fill its own way)."""
+    from torchrec.modules.mc_modules import MCHManagedCollisionModule
+
+    return type(m) is MCHManagedCollisionModule
+
+
+def unsharded_initial_values(m: nn.Module):
+    """For an unsharded MCH module built on meta: a reset that writes TorchRec's initial
+    values into its buffers (the modules adapter runs it on CPU tensors of their shapes), or
+    None when they cannot be known (``buckets`` != 1: TorchRec gave it other row boundaries)."""
+    if not is_mch(m) or m._buckets != 1:
+        return None
+
+    def initial_values() -> None:
+        start, n = m._output_global_offset, m._zch_size
+        for name, buf in m._buffers.items():
+            if buf is None:
+                continue
+            if name == "_output_segments_tensor":  # ManagedCollisionModule's constructor
+                buf.fill_(-1)
+                buf[:2] = torch.tensor([start, start + n])
+            elif name == "_current_iter_tensor":
+                buf.zero_()
+            elif name == "_mch_slots":
+                buf.fill_(n - 1)
+            elif name == "_delimiter":
+                buf.fill_(_INT64_MAX)
+            else:
+                how = how_filled(name)
+                _initial(how, None)(buf, (start,) if how == OWN_ROW else (0,))
+    return initial_values
+
+
+def check_segments(key: str, table: str, mc: nn.Module, loaded: torch.Tensor) -> None:
+    """TorchRec's ``validate_state`` condition: the loaded row boundaries contain this
+    module's rows (a named error before anything is swapped in; a checkpoint of another world
+    size whose shards do not line up cannot be resharded by TorchRec's MC modules)."""
+    seg = {int(v) for v in loaded.tolist() if v >= 0}
+    start = mc._output_global_offset
+    end = start + mc._zch_size
+    if start not in seg or end not in seg:
+        raise UnsupportedError(
+            f"{key}: the checkpoint's managed-collision rows of table {table!r} are split at "
+            f"{sorted(seg)}; the rows [{start}, {end}) of this module are not a union of those "
+            "shards, which TorchRec's MC modules cannot reshard")
