@@ -107,8 +107,14 @@ def reset_method(m: nn.Module) -> Optional[Callable[[], Any]]:
 
 
 def _own(m: nn.Module, base: type) -> bool:
-    """``m`` is a ``base`` whose ``reset_parameters`` is ``base``'s (not overridden)."""
-    return isinstance(m, base) and type(m).reset_parameters is base.reset_parameters
+    """``m`` is a ``base`` whose ``reset_parameters`` is ``base``'s (not overridden); for a
+    ``base`` initialised by its constructor alone (no reset method), exactly a ``base``."""
+    if not isinstance(m, base):
+        return False
+    own = getattr(base, "reset_parameters", None)
+    if own is None:
+        return type(m) is base
+    return getattr(type(m), "reset_parameters", None) is own
 
 
 def _bound(fan_in: int) -> Optional[Dist]:
@@ -170,6 +176,19 @@ def _rules():
     return rules
 
 
+def _xavier_normal_or_zeros(m: nn.Module, attr: str, shape: Tuple[int, ...]) -> Default:
+    # TorchRec's cross networks (CrossNet, LowRankCrossNet, VectorCrossNet,
+    # LowRankMixtureCrossNet): each kernel xavier_normal_ (gain 1), each bias zeros_, in the
+    # constructor; fans as torch.nn.init._calculate_fan_in_and_fan_out
+    if attr.startswith("bias."):
+        return Default(dist=Zeros())
+    if len(shape) < 2:
+        return UNCOVERED
+    receptive = math.prod(shape[2:])
+    fan_in, fan_out = shape[1] * receptive, shape[0] * receptive
+    return Default(dist=Normal(0.0, math.sqrt(2.0 / (fan_in + fan_out))))
+
+
 def _torchrec_rules() -> Optional[Tuple[list, list]]:
     """Rules for TorchRec's own dense modules: (module rules, container rules); None until
     torchrec is imported (a model cannot hold them before, and importing it here would cost
@@ -178,13 +197,27 @@ def _torchrec_rules() -> Optional[Tuple[list, list]]:
 
     if "torchrec" not in sys.modules:
         return None
+    modules: list = []
+    containers: list = []
     try:
         from torchrec.modules.feature_processor_ import (PositionWeightedModule,
                                                          PositionWeightedModuleCollection)
+        modules.append((PositionWeightedModule, _position_weights))
+        containers.append((PositionWeightedModuleCollection, "position_weights",
+                           _position_weights))
     except ImportError:  # a TorchRec without feature processors
-        return [], []
-    return ([(PositionWeightedModule, _position_weights)],
-            [(PositionWeightedModuleCollection, "position_weights", _position_weights)])
+        pass
+    try:
+        from torchrec.modules import crossnet as cn
+    except ImportError:  # a TorchRec without cross networks
+        return modules, containers
+    for cls, names in ((cn.CrossNet, ("kernels", "bias")),
+                       (cn.LowRankCrossNet, ("W_kernels", "V_kernels", "bias")),
+                       (cn.VectorCrossNet, ("kernels", "bias")),
+                       (cn.LowRankMixtureCrossNet, ("U_kernels", "V_kernels", "C_kernels",
+                                                    "bias"))):
+        containers += [(cls, name, _xavier_normal_or_zeros) for name in names]
+    return modules, containers
 
 
 _RULES: Optional[list] = None

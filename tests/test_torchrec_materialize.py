@@ -786,3 +786,39 @@ def test_unsharded_collection_tables_get_torchrec_init():
     assert torch.equal(bags["t2"].weight, torch.ones(42, 8))
     assert all(s.startswith("rule: TorchRec table") for s in report.sources.values()), \
         report.sources
+
+
+@pytest.mark.parametrize("name", ["CrossNet", "LowRankCrossNet", "VectorCrossNet",
+                                  "LowRankMixtureCrossNet"])
+def test_cross_networks_on_meta_get_torchrec_init(name):
+    """TorchRec's cross networks (DLRM-DCN) initialise in their constructors, with no reset
+    method: each kernel xavier_normal_, each bias zeros_, as fused rules."""
+    from torchrec.modules import crossnet
+
+    cls = getattr(crossnet, name)
+    kwargs = {"in_features": 128, "num_layers": 2}
+    if name == "LowRankCrossNet":
+        kwargs["low_rank"] = 64
+    if name == "LowRankMixtureCrossNet":
+        kwargs.update(num_experts=2, low_rank=64)
+    with torch.device("meta"):
+        model = cls(**kwargs)
+    report = metamat_materialize(model, device="cpu", seed=SEED)
+    torch.manual_seed(0)
+    eager = cls(**kwargs)
+    for (n, p), (_, q) in zip(model.named_parameters(), eager.named_parameters()):
+        assert not p.is_meta and p.shape == q.shape, n
+        if n.startswith("bias."):
+            assert torch.equal(p, torch.zeros_like(p)), n
+            continue
+        if n.startswith("gates."):  # nn.Linear: its own rule
+            continue
+        assert report.sources[n].startswith("rule: "), report.sources[n]
+        # xavier_normal_'s std, from torch's own fan computation; a sample std is within
+        # ~4 standard errors (sigma / sqrt(2n)) of it
+        fan_in, fan_out = torch.nn.init._calculate_fan_in_and_fan_out(q)
+        want = (2.0 / (fan_in + fan_out)) ** 0.5
+        tol = 4 / (2 * p.numel()) ** 0.5
+        assert abs(p.std().item() / want - 1) < tol, (n, p.std().item(), want)
+        assert abs(q.std().item() / want - 1) < tol, (n, q.std().item(), want)  # TorchRec's
+        assert abs(p.mean().item()) < 4 * want / p.numel() ** 0.5, n

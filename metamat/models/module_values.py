@@ -8,8 +8,10 @@ A meta tensor that the checkpoint does not provide takes, in this order (:func:`
 3. inside a Hugging Face ``PreTrainedModel``, the model's own init (its ``_init_weights``, as
    transformers' ``initialize_weights`` walks it: :mod:`metamat.models.hf.init_trace`),
    fused where it is a known distribution, else run on the whole tensor seeded per fqn;
-4. the closed-form rule of its module (nn.Linear, convolutions, nn.Embedding, norm layers);
-5. its module's own ``reset_parameters()`` / ``_reset_parameters()`` (or a Hugging Face
+4. the closed-form rule of its module (nn.Linear, convolutions, nn.Embedding, norm layers;
+   TorchRec's unsharded tables, position weights and cross networks);
+5. its module's own ``reset_parameters()`` / ``_reset_parameters()`` (TorchRec's MCH
+   managed-collision modules: their constructor's values; or a Hugging Face
    model's ``_init_weights``), run under a per-module seed before anything is registered, on
    tensors of the *global* shape on the CPU (each rank keeps its block: the same values on
    every plan and device; a plain CPU tensor is written in place, which is the same);
@@ -213,8 +215,9 @@ def decide(entries: Sequence[Entry], init: Mapping[str, InitValue], loaded: Set[
             out[id(e)] = _torchrec_table(e, *tables[id(m)])
             continue
         d: Optional[Default] = default_init(m, attr, e.global_shape)
+        rule_of = f"{type(m).__name__}.reset_parameters"
         if d is None and isinstance(m, (nn.ParameterDict, nn.ParameterList)):
-            d = _parent_rule(e, root)
+            d, rule_of = _parent_rule(e, root), "its parent's init"
         if d is not None and d.uncovered:  # its module's own reset would leave it unset
             missing.append(e.fqn)
             continue
@@ -223,7 +226,7 @@ def decide(entries: Sequence[Entry], init: Mapping[str, InitValue], loaded: Set[
                 d = RESET
             else:
                 out[id(e)] = Decision("rule", dist=d.dist, zero_row=d.zero_row,
-                                      detail=f"{type(m).__name__}.reset_parameters: {d.dist}"
+                                      detail=f"{rule_of}: {d.dist}"
                                       + (f", row {d.zero_row} zeroed"
                                          if d.zero_row is not None else ""))
                 continue
