@@ -18,6 +18,9 @@ all row-wise ShardedTensors in the state_dict, and two small replicated buffers
   load hook (``validate_state``: the checkpoint's row boundaries must contain this rank's,
   then the slots are sorted again) runs on the real modules; its condition is checked before
   anything is swapped in, with an error naming the table.
+* Not sharded (an MC collection used as a plain module; the modules adapter): the same initial
+  values as a reset (:func:`unsharded_initial_values`), the same check and re-sort after a load
+  (:func:`check_segments`, ``validate_state``).
 """
 from __future__ import annotations
 
@@ -28,8 +31,7 @@ from torch import nn
 
 from ...errors import UnsupportedError
 from ...plan import Target
-from .mc_sharding import (FREE_SLOT, OWN_ROW, RECORDED, ZERO, how_filled, is_mc_collection,
-                          smcc_class)
+from .mc_sharding import FREE_SLOT, OWN_ROW, RECORDED, ZERO, how_filled, smcc_class
 from .meta_factories import recorded_value
 from .state_dict import module_state_dict
 from .targets import local_blocks
