@@ -30,7 +30,7 @@ MC_PREFIX = "_managed_collision_collection._managed_collision_modules."
 
 
 def _module(kind: str, device: torch.device, hash_size: int = HASH,
-            evict_every: int = EVICT_EVERY):
+            evict_every: int = EVICT_EVERY, buckets: int = 1):
     from torchrec import (EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection,
                           EmbeddingConfig)
     from torchrec.modules.mc_embedding_modules import (ManagedCollisionEmbeddingBagCollection,
@@ -46,7 +46,7 @@ def _module(kind: str, device: torch.device, hash_size: int = HASH,
     mcs = {t.name: MCHManagedCollisionModule(zch_size=t.num_embeddings, device=device,
                                              eviction_policy=policies[i],
                                              eviction_interval=evict_every,
-                                             input_hash_size=hash_size)
+                                             input_hash_size=hash_size, buckets=buckets)
            for i, t in enumerate(tables)}
     mcc = ManagedCollisionCollection(mcs, embedding_configs=tables)
     if kind == "ebc":
@@ -320,10 +320,10 @@ def worker_unsharded(rank, world_size, tmp, kind):
     import torch.distributed.checkpoint as dcp
 
     res = {}
-    model = _module(kind, torch.device("meta"))
+    model = _module(kind, torch.device("meta"), buckets=2)  # as TorchRec's planner wants
     metamat.materialize(model, device="cpu", seed=SEED)
     mine, theirs = local_blocks(model.state_dict()), local_blocks(
-        _module(kind, torch.device("cpu")).state_dict())
+        _module(kind, torch.device("cpu"), buckets=2).state_dict())
     res["init_left"] = [n for n, t in list(model.named_buffers()) + list(model.named_parameters())
                         if t.is_meta]
     res["init_mc_differs"] = _same(mine, theirs, [k for k in theirs if MC_PREFIX in k])

@@ -172,9 +172,11 @@ def is_mch(m: nn.Module) -> bool:
 
 def unsharded_initial_values(m: nn.Module):
     """For an unsharded MCH module built on meta: a reset that writes TorchRec's initial
-    values into its buffers (the modules adapter runs it on CPU tensors of their shapes), or
-    None when they cannot be known (``buckets`` != 1: TorchRec gave it other row boundaries)."""
-    if not is_mch(m) or m._buckets != 1:
+    values into its buffers (the modules adapter runs it on CPU tensors of their shapes); None
+    for other modules. Its row boundaries are the constructor's default, its own rows
+    (``output_segments``, which TorchRec's sharder passes and users do not, is not kept on
+    meta)."""
+    if not is_mch(m):
         return None
 
     def initial_values() -> None:
