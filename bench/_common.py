@@ -9,7 +9,7 @@ import resource
 import statistics
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Callable, List, Optional
 
 import torch

@@ -178,6 +178,9 @@ def unsharded_initial_values(m: nn.Module):
     meta)."""
     if not is_mch(m):
         return None
+    own = ("_output_segments_tensor", "_current_iter_tensor", "_mch_slots", "_delimiter")
+    if any(how_filled(n) == RECORDED and n not in own for n in m._buffers):
+        return None  # a buffer this TorchRec added: named by the MissingValueError instead
 
     def initial_values() -> None:
         start, n = m._output_global_offset, m._zch_size
