@@ -180,8 +180,8 @@ def build_dtensor(seen):
 
 
 def _managed_collision(env):
-    """The objects of a managed-collision EBC (an MCH module per table) sharded row-wise on
-    meta, and its unsharded MC collection (which the sharder reads)."""
+    """The objects of a managed-collision EBC (an MCH module and a HashZch one) sharded
+    row-wise on meta, and its unsharded MC collection (which the sharder reads)."""
     import metamat
     from torchrec import EmbeddingBagCollection
     from torchrec.distributed.mc_embeddingbag import ManagedCollisionEmbeddingBagCollectionSharder
@@ -192,10 +192,19 @@ def _managed_collision(env):
 
     tables = _tables(2)
     meta = torch.device("meta")
-    mcs = {t.name: MCHManagedCollisionModule(zch_size=t.num_embeddings, device=meta,
-                                             eviction_policy=DistanceLFU_EvictionPolicy(),
-                                             eviction_interval=1, input_hash_size=1000)
-           for t in tables}
+    from torchrec.modules.hash_mc_evictions import (HashZchEvictionConfig,
+                                                    HashZchEvictionPolicyName)
+    from torchrec.modules.hash_mc_modules import HashZchManagedCollisionModule
+
+    t0, t1 = tables
+    mcs = {t0.name: MCHManagedCollisionModule(zch_size=t0.num_embeddings, device=meta,
+                                              eviction_policy=DistanceLFU_EvictionPolicy(),
+                                              eviction_interval=1, input_hash_size=1000),
+           t1.name: HashZchManagedCollisionModule(
+               zch_size=t1.num_embeddings, device=meta, total_num_buckets=1, name=t1.name,
+               eviction_policy_name=HashZchEvictionPolicyName.SINGLE_TTL_EVICTION,
+               eviction_config=HashZchEvictionConfig(features=t1.feature_names, single_ttl=1),
+               tb_logging_frequency=1)}
     module = ManagedCollisionEmbeddingBagCollection(
         EmbeddingBagCollection(tables=tables, device=meta),
         ManagedCollisionCollection(mcs, embedding_configs=tables), return_remapped_features=False)

@@ -17,9 +17,10 @@
 #   build         300  metamat._C with its CUDA backend for this GPU (scripts/build_ext.py),
 #                      started in the background right after env, waited for here
 #   backend        30  the build has its CUDA backend and sees the GPU
-#   torchrec_gpu  180  pytest -m cuda tests/test_torchrec_gpu.py (materialize + train vs eager
+#   torchrec_gpu  200  pytest -m cuda tests/test_torchrec_gpu.py (materialize + train vs eager
 #                      DMP on CUDA, per location) tests/test_torchrec_managed_collision.py
-#                      (managed collision, evicting); pytest-xdist -n XDIST_N (4) when installed
+#                      (managed collision, evicting) tests/test_torchrec_hash_zch.py (multi-probe
+#                      ZCH, inserting); pytest-xdist -n XDIST_N (4) when installed
 #   torchrec_layout 90 pytest tests/test_torchrec_cuda_layout.py (-n XDIST_N too)
 #   torchrec_emulated 100 pytest tests/test_torchrec_gpu_emulated.py (-n XDIST_N; CPU-bound:
 #                      this fbgemm-gpu 1.6.0 against metamat's emulated device)
@@ -244,14 +245,14 @@ step backend 30 cmd "$py" -c "import metamat._C as C; assert C.cuda_compiled(), 
 
 # --- TorchRec on the GPU first, then every other cuda test -------------------------------------
 trec_files=(tests/test_torchrec_gpu.py tests/test_torchrec_cuda_layout.py tests/test_torchrec_gpu_emulated.py
-            tests/test_torchrec_managed_collision.py)
+            tests/test_torchrec_managed_collision.py tests/test_torchrec_hash_zch.py)
 if ((has_torchrec)); then
-  pytest_step torchrec_gpu 180 "${xdist_args[@]}" -m cuda tests/test_torchrec_gpu.py \
-    tests/test_torchrec_managed_collision.py
+  pytest_step torchrec_gpu 200 "${xdist_args[@]}" -m cuda tests/test_torchrec_gpu.py \
+    tests/test_torchrec_managed_collision.py tests/test_torchrec_hash_zch.py
   pytest_step torchrec_layout 90 "${xdist_args[@]}" tests/test_torchrec_cuda_layout.py
   pytest_step torchrec_emulated 100 "${xdist_args[@]}" tests/test_torchrec_gpu_emulated.py
 else
-  skip torchrec_gpu 180 pytest "$no_trec"
+  skip torchrec_gpu 200 pytest "$no_trec"
   skip torchrec_layout 90 pytest "$no_trec"
   skip torchrec_emulated 100 pytest "$no_trec"
 fi

@@ -400,7 +400,7 @@ def test_laid_out_for_gpus_on_the_emulated_device(mc_runs):
 
 def test_other_mc_kinds_are_refused_and_a_failed_sharding_leaves_the_modules_alone(
         monkeypatch):
-    """HashZch (and MCH subclasses) are named before anything is built; a failure while the
+    """MCH subclasses are named before anything is built; a failure while the
     zch sizes are exchanged removes the temporary hook from the user's MCH modules."""
     from torchrec.modules.mc_modules import MCHManagedCollisionModule
 

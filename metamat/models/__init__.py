@@ -10,6 +10,7 @@ hooks of each stage: match, decide, bind, fill, register). The orchestration is
 """
 from __future__ import annotations
 
+import sys
 from typing import Dict, List, Mapping, Sequence, Set
 
 import torch
@@ -79,27 +80,33 @@ class ModulesPart(Adapter):
         return (fill_support(self.storages, self.targets, alloc)
                 + fill_values(self.entries, self.decisions, self.resets, seed))
 
-    def _loaded_mch(self, buffer: str) -> list:
-        """(entry, its MCH module) for TorchRec MCH buffers ``buffer`` the checkpoint gives."""
-        import sys
+    def _loaded_mc(self, buffer: str, kind: str = "mch") -> list:
+        """(entry, its module) for TorchRec MC buffers ``buffer`` the checkpoint gives, of MCH
+        modules (``kind`` "mch") or HashZch ones ("hash_zch")."""
 
         if "torchrec" not in sys.modules:
             return []
-        from .torchrec.managed_collision import is_mch
+        from .torchrec.managed_collision import is_hash_zch, is_mch
 
+        is_kind = is_mch if kind == "mch" else is_hash_zch
         return [(e, e.owner.module) for e in self.entries
-                if e.owner.name == buffer and is_mch(e.owner.module)
+                if e.owner.name == buffer and is_kind(e.owner.module)
                 and self.decisions.get(id(e)) is not None
                 and self.decisions[id(e)].kind == "checkpoint"]
 
     def after_load(self) -> None:
-        """Unsharded managed-collision modules: TorchRec's load-hook condition on the loaded
-        row boundaries, checked before anything is swapped in."""
-        from .torchrec.managed_collision import check_segments
+        """Unsharded managed-collision modules: the loaded state checked as for sharded ones
+        (TorchRec's load-hook condition on the row boundaries of MCH, the bucket count of
+        HashZch) before anything is swapped in."""
+        from .torchrec.managed_collision import check_buckets, check_segments
 
-        for e, m in self._loaded_mch("_output_segments_tensor"):
-            table = e.fqn.rsplit(".", 2)[-2] if e.fqn.count(".") >= 2 else e.fqn
-            check_segments(e.fqn, table, m, e.targets[0].tensor)
+        def table(e):
+            return e.fqn.rsplit(".", 2)[-2] if e.fqn.count(".") >= 2 else e.fqn
+
+        for e, m in self._loaded_mc("_output_segments_tensor"):
+            check_segments(e.fqn, table(e), m, e.targets[0].tensor)
+        for e, m in self._loaded_mc("_hash_zch_bucket", "hash_zch"):
+            check_buckets(e.fqn, table(e), m, e.targets[0].tensor)
 
     def register(self, alloc: Allocation, loaded: bool = False) -> int:
         n = register(self.entries, alloc)
@@ -107,8 +114,12 @@ class ModulesPart(Adapter):
             self.aliases.swap(alloc)
         if loaded:  # TorchRec's load hook on loaded MCH modules: their slots sorted again
             with torch.no_grad():
-                for _, m in self._loaded_mch("_mch_sorted_raw_ids"):
+                for _, m in self._loaded_mc("_mch_sorted_raw_ids"):
                     m.validate_state()
+        if "torchrec" in sys.modules:  # HashZch modules built on meta: device, logger
+            from .torchrec.managed_collision import finish_hash_zch
+
+            finish_hash_zch({id(e.owner.module): e.owner.module for e in self.entries}.values())
         return n
 
     def value_sources(self) -> Dict[str, str]:

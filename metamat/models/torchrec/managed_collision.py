@@ -31,13 +31,16 @@ from torch import nn
 
 from ...errors import UnsupportedError
 from ...plan import Target
-from .mc_sharding import FREE_SLOT, OWN_ROW, RECORDED, ZERO, how_filled, smcc_class
+from .mc_sharding import (FREE_SLOT, NO_ID, OWN_ROW, RECORDED, ZERO, how_filled, smcc_class,
+                          supported_kinds)
 from .meta_factories import recorded_value
 from .state_dict import module_state_dict
 from .targets import local_blocks
 
 __all__ = ["mc_collections", "mc_targets", "check_loaded_segments", "validate_loaded",
-           "refuse_inplace", "unsharded_initial_values", "check_segments", "is_mch"]
+           "refuse_inplace", "unsharded_initial_values", "check_segments", "check_buckets",
+           "is_mch", "is_hash_zch", "finish_hash_zch",
+           "mc_modules_of"]
 
 _INT64_MAX = torch.iinfo(torch.int64).max
 
@@ -69,20 +72,25 @@ def mc_collections(root: nn.Module) -> List[Tuple[str, nn.Module]]:
             if type(m) is cls]
 
 
-def _mch_modules(mcc: nn.Module) -> Dict[str, nn.Module]:
-    """Table -> its MCH module (the declared attributes checked); other kinds refused."""
-    from torchrec.modules.mc_modules import MCHManagedCollisionModule
-
+def _mc_modules(mcc: nn.Module) -> Dict[str, nn.Module]:
+    """Table -> its MC module (the declared attributes checked); other kinds refused."""
     from . import upstream
 
+    kinds = supported_kinds()
     out = {}
     for table, mc in upstream.BOUNDARY.check_instance(mcc)._managed_collision_modules.items():
-        if type(mc) is not MCHManagedCollisionModule:  # a subclass may fill its own way
+        if type(mc) not in kinds:  # a subclass may fill its own way
             raise UnsupportedError(
                 f"managed-collision module {type(mc).__name__} of table {table!r} is not "
-                "supported (supported: MCHManagedCollisionModule)")
+                f"supported (supported: {', '.join(k.__name__ for k in kinds)})")
         out[table] = upstream.BOUNDARY.check_instance(mc)
     return out
+
+
+def _own_tensors(mc: nn.Module):
+    """(name, tensor) of an MC module's own buffers and parameters (HashZch keeps its slots'
+    ids as a frozen parameter)."""
+    return [*mc.named_buffers(recurse=False), *mc.named_parameters(recurse=False)]
 
 
 def _initial(how: str, value: Optional[torch.Tensor]):
@@ -90,6 +98,8 @@ def _initial(how: str, value: Optional[torch.Tensor]):
     def fill(t: torch.Tensor, offsets) -> None:
         if how == FREE_SLOT:
             t.fill_(_INT64_MAX)
+        elif how == NO_ID:
+            t.fill_(-1)
         elif how == OWN_ROW:
             start = int(offsets[0]) if len(offsets) else 0
             torch.arange(start, start + t.numel(), dtype=t.dtype, out=t)
@@ -110,8 +120,8 @@ def mc_targets(mcs: List[Tuple[str, nn.Module]], loading: bool,
     for name, mcc in mcs:
         prefix = f"{name}." if name else ""
         buffers = {}  # the module's own tensors: state_dict gives detached ones
-        for table, mc in _mch_modules(mcc).items():
-            for bname, buf in mc.named_buffers(recurse=False):
+        for table, mc in _mc_modules(mcc).items():
+            for bname, buf in _own_tensors(mc):
                 buffers[f"{prefix}_managed_collision_modules.{table}.{bname}"] = buf
         for key, value in module_state_dict(mcc, prefix).items():
             if not isinstance(value, torch.Tensor):
@@ -137,28 +147,79 @@ def mc_targets(mcs: List[Tuple[str, nn.Module]], loading: bool,
 
 def check_loaded_segments(mcs: List[Tuple[str, nn.Module]],
                           loaded: Dict[str, torch.Tensor]) -> None:
-    """TorchRec's ``validate_state`` condition on loaded state, before anything is swapped in:
-    the checkpoint's row boundaries (``_output_segments_tensor``) must contain this rank's
-    shard boundaries (a checkpoint of another world size whose shards do not line up cannot
-    be resharded by TorchRec's MC modules). ``loaded``: key -> the real loaded tensor."""
+    """The conditions under which loaded state means what it meant when saved, checked before
+    anything is swapped in. MCH (TorchRec's ``validate_state`` condition): the checkpoint's row
+    boundaries (``_output_segments_tensor``) must contain this rank's shard boundaries (a
+    checkpoint of another world size whose shards do not line up cannot be resharded by
+    TorchRec's MC modules). HashZch: the checkpoint's bucket count must be the module's (an id
+    is probed within its bucket, ``id % buckets``: another count puts it elsewhere).
+    ``loaded``: key -> the real loaded tensor."""
     for name, mcc in mcs:
         prefix = f"{name}." if name else ""
-        for table, mc in _mch_modules(mcc).items():
+        for table, mc in _mc_modules(mcc).items():
             key = f"{prefix}_managed_collision_modules.{table}._output_segments_tensor"
-            if key not in loaded:
-                continue
-            check_segments(key, table, mc, loaded[key])
+            if key in loaded:
+                check_segments(key, table, mc, loaded[key])
+            key = f"{prefix}_managed_collision_modules.{table}._hash_zch_bucket"
+            if key in loaded:
+                check_buckets(key, table, mc, loaded[key])
+
+
+def check_buckets(key: str, table: str, mc: nn.Module, loaded: torch.Tensor) -> None:
+    """A HashZch module's bucket count is the checkpoint's (:func:`check_loaded_segments`)."""
+    saved = loaded.flatten().tolist()
+    if saved != [mc._buckets]:
+        raise UnsupportedError(
+            f"{key}: the checkpoint's multi-probe ZCH table {table!r} has {saved} buckets, "
+            f"this module {mc._buckets}: its ids would be probed in other slots (build the "
+            "module with the checkpoint's total_num_buckets)")
+
+
+def finish_hash_zch(modules) -> None:
+    """What a HashZch module built on meta lacks once its tensors are real: the real device
+    in its and its eviction module's ``_device`` (the sharded path fixes these already), and
+    the metrics logger its constructor skips on meta (TorchRec builds one on a real device
+    when ``tb_logging_frequency`` > 0 and the module has a name; it holds no state)."""
+    from . import upstream
+
+    for mc in modules:
+        if not is_hash_zch(mc) or mc._hash_zch_identities.is_meta:
+            continue
+        upstream.BOUNDARY.check_instance(mc)
+        device = mc._hash_zch_identities.device
+        if mc._device.type == "meta":
+            mc._device = device
+        ev = mc._eviction_module
+        if ev is not None and upstream.BOUNDARY.check_instance(ev)._device.type == "meta":
+            ev._device = device
+        if (mc._scalar_logger is None and mc._tb_logging_frequency > 0
+                and mc._name is not None and not mc._is_inference):
+            from torchrec.modules.hash_mc_metrics import ScalarLogger
+
+            # the constructor's own call (TorchRec 1.6 inlines it, later ones have a method)
+            mc._scalar_logger = ScalarLogger(
+                name=mc._name, zch_size=mc._zch_size, frequency=mc._tb_logging_frequency,
+                start_bucket=mc._start_bucket,
+                num_buckets_per_rank=mc._end_bucket - mc._start_bucket,
+                num_reserved_slots_per_bucket=mc.get_reserved_slots_per_bucket(),
+                device=device, disable_fallback=mc._disable_fallback)
+
+
+def mc_modules_of(mcs: List[Tuple[str, nn.Module]]) -> List[nn.Module]:
+    """Every MC module of the sharded MC collections ``mcs``."""
+    return [mc for _, mcc in mcs for mc in _mc_modules(mcc).values()]
 
 
 def validate_loaded(mcs: List[Tuple[str, nn.Module]], loaded_keys: Set[str]) -> None:
-    """Run TorchRec's load hook (``validate_state``: sort the slots again) on every real MC
-    module whose state was loaded."""
+    """Run TorchRec's load hook (``validate_state``: sort the slots again) on every real MCH
+    module whose state was loaded (HashZch has no such hook: its slots are where the hash put
+    them)."""
     with torch.no_grad():
         for name, mcc in mcs:
             prefix = f"{name}." if name else ""
-            for table, mc in _mch_modules(mcc).items():
-                if f"{prefix}_managed_collision_modules.{table}._mch_sorted_raw_ids" \
-                        in loaded_keys:
+            for table, mc in _mc_modules(mcc).items():
+                if is_mch(mc) and f"{prefix}_managed_collision_modules.{table}."\
+                        "_mch_sorted_raw_ids" in loaded_keys:
                     mc.validate_state()
 
 
@@ -170,12 +231,20 @@ def is_mch(m: nn.Module) -> bool:
     return type(m) is MCHManagedCollisionModule
 
 
+def is_hash_zch(m: nn.Module) -> bool:
+    """``m`` is exactly TorchRec's HashZchManagedCollisionModule (multi-probe ZCH)."""
+    kinds = supported_kinds()
+    return len(kinds) > 1 and type(m) is kinds[1]
+
+
 def unsharded_initial_values(m: nn.Module):
-    """For an unsharded MCH module built on meta: a reset that writes TorchRec's initial
-    values into its buffers (the modules adapter runs it on CPU tensors of their shapes); None
-    for other modules. Its row boundaries are the constructor's default, its own rows
-    (``output_segments``, which TorchRec's sharder passes and users do not, is not kept on
-    meta)."""
+    """For an unsharded MCH or HashZch module built on meta: a reset that writes TorchRec's
+    initial values into its buffers (the modules adapter runs it on CPU tensors of their
+    shapes); None for other modules. An MCH module's row boundaries are the constructor's
+    default, its own rows (``output_segments``, which TorchRec's sharder passes and users do
+    not, is not kept on meta)."""
+    if is_hash_zch(m):
+        return _hash_zch_initial_values(m)
     if not is_mch(m):
         return None
     own = ("_output_segments_tensor", "_current_iter_tensor", "_mch_slots", "_delimiter")
@@ -199,6 +268,22 @@ def unsharded_initial_values(m: nn.Module):
             else:
                 how = how_filled(name)
                 _initial(how, None)(buf, (start,) if how == OWN_ROW else (0,))
+    return initial_values
+
+
+def _hash_zch_initial_values(m: nn.Module):
+    """A HashZch module's tensors as fbgemm's ``create_zch_buffer`` and the constructor leave
+    them (empty slots, no eviction time, zero runtime metadata); None if it holds one this
+    code does not know (named by the MissingValueError instead)."""
+    tensors = {**m._buffers, **m._parameters}
+    if any(t is not None and t.is_meta and how_filled(n) == RECORDED
+           for n, t in tensors.items()):
+        return None
+
+    def initial_values() -> None:
+        for name, t in {**m._buffers, **m._parameters}.items():
+            if t is not None and how_filled(name) != RECORDED:
+                _initial(how_filled(name), None)(t.data, (0,))
     return initial_values
 
 

@@ -4,8 +4,9 @@ what they hold and how they are materialized).
 TorchRec's sharder gathers every rank's zch size into tensors on the DMP's device and reads
 them back (``.tolist()``), which fails on meta. While ``shard_on_meta`` builds the model
 (:func:`mc_sharding_on_meta`), that exchange runs on a device the process group can carry (the
-CPU for gloo, the GPU for NCCL); the rebuilt MC modules stay on meta. Kinds other than MCH are
-refused before anything is built (:func:`refuse_unsupported_kinds`).
+CPU for gloo, the GPU for NCCL); the rebuilt MC modules stay on meta. Kinds other than MCH and
+HashZch (exactly those classes) are refused before anything is built
+(:func:`refuse_unsupported_kinds`).
 """
 from __future__ import annotations
 
@@ -19,11 +20,12 @@ from torch import nn
 from ...errors import UnsupportedError
 
 __all__ = ["mc_sharding_on_meta", "refuse_unsupported_kinds", "is_mc_container",
-           "is_mc_collection", "smcc_class", "how_filled", "FREE_SLOT", "OWN_ROW", "ZERO",
-           "RECORDED"]
+           "is_mc_collection", "smcc_class", "how_filled", "supported_kinds", "FREE_SLOT",
+           "OWN_ROW", "NO_ID", "ZERO", "RECORDED"]
 
-# buffer name -> how TorchRec's constructor fills it (MCHManagedCollisionModule._init_buffers)
-FREE_SLOT, OWN_ROW, ZERO, RECORDED = "free slot", "own row", "zero", "recorded"
+# buffer name -> how TorchRec's constructor fills it (MCHManagedCollisionModule._init_buffers;
+# HashZchManagedCollisionModule: fbgemm's create_zch_buffer and its runtime metadata)
+FREE_SLOT, OWN_ROW, NO_ID, ZERO, RECORDED = "free slot", "own row", "no id", "zero", "recorded"
 
 
 def smcc_class():
@@ -57,8 +59,8 @@ def _rebuild_on(mc: nn.Module, meta: torch.device, output_id_range, output_segme
     meta tensors, up to 1M elements: 8 MB per buffer and table); ``mc_targets`` writes them."""
     new = type(mc).rebuild_with_output_id_range(mc, output_id_range, output_segments,
                                                  device=meta)
-    for name, buf in new.named_buffers(recurse=False):
-        if how_filled(name) in (FREE_SLOT, OWN_ROW, ZERO) and name != "_mch_slots":
+    for name, buf in [*new.named_buffers(recurse=False), *new.named_parameters(recurse=False)]:
+        if how_filled(name) in (FREE_SLOT, OWN_ROW, NO_ID, ZERO) and name != "_mch_slots":
             buf.__dict__.pop("_metamat_value", None)
     return new
 
@@ -100,22 +102,35 @@ def mc_sharding_on_meta(gpu: Optional[torch.device] = None) -> Iterator[None]:
         yield
 
 
-def refuse_unsupported_kinds(module: nn.Module) -> None:
-    """Managed-collision modules other than MCH (HashZch, subclasses), named before anything
-    is built."""
+def supported_kinds() -> tuple:
+    """The managed-collision module classes metamat materializes: exactly these (a subclass
+    may fill its own way)."""
+    from torchrec.modules.mc_modules import MCHManagedCollisionModule
+
     try:
-        from torchrec.modules.mc_modules import (ManagedCollisionCollection,
-                                                 MCHManagedCollisionModule)
+        from torchrec.modules.hash_mc_modules import HashZchManagedCollisionModule
+    except ImportError:  # a TorchRec without multi-probe ZCH
+        return (MCHManagedCollisionModule,)
+    return (MCHManagedCollisionModule, HashZchManagedCollisionModule)
+
+
+def refuse_unsupported_kinds(module: nn.Module) -> None:
+    """Managed-collision modules other than MCH and HashZch (subclasses, others), named before
+    anything is built."""
+    try:
+        from torchrec.modules.mc_modules import ManagedCollisionCollection
     except ImportError:  # a TorchRec without managed collision
         return
+    kinds = supported_kinds()
     for name, m in module.named_modules():
         if not isinstance(m, ManagedCollisionCollection):
             continue
         for table, mc in m._managed_collision_modules.items():
-            if type(mc) is not MCHManagedCollisionModule:
+            if type(mc) not in kinds:
                 raise UnsupportedError(
                     f"{name or '<root>'}: managed-collision module {type(mc).__name__} of "
-                    f"table {table!r} is not supported (supported: MCHManagedCollisionModule)")
+                    f"table {table!r} is not supported (supported: "
+                    f"{', '.join(k.__name__ for k in kinds)})")
 
 
 def how_filled(buffer: str) -> str:
@@ -125,6 +140,10 @@ def how_filled(buffer: str) -> str:
         return OWN_ROW
     if buffer.startswith("_mch_"):
         return ZERO  # eviction metadata (counts, last access iteration)
+    if buffer in ("_hash_zch_identities", "_hash_zch_metadata"):
+        return NO_ID  # fbgemm's create_zch_buffer: -1, an empty slot / no eviction time
+    if buffer == "_hash_zch_runtime_meta":
+        return ZERO  # id frequencies or custom per-id metadata
     return RECORDED
 
 

@@ -18,7 +18,8 @@ from .optim_keys import OptimMatch, finish_means, match_optimizer
 from .register import register
 from .tables import fill_targets, needs_write
 from .graph import slot_names
-from .managed_collision import check_loaded_segments, validate_loaded
+from .managed_collision import (check_loaded_segments, finish_hash_zch, mc_modules_of,
+                                validate_loaded)
 from .walk import build_plan
 
 __all__ = ["TorchRecPart"]
@@ -135,6 +136,8 @@ class TorchRecPart(Adapter):
         model, empty its LXU caches (the rows they hold are the old values: the next forward
         must fetch the loaded rows, and no flush may write the old ones over them)."""
         register(self.model, self.plan, alloc)
+        if self.plan.mcs:
+            finish_hash_zch(mc_modules_of(self.plan.mcs))
         if loaded:
             for emb in self._live_caches():
                 reset_cache(emb)

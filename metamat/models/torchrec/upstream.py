@@ -84,6 +84,8 @@ FBGEMM_OPS = "torch.ops.fbgemm"
 SMCC = "torchrec.distributed.mc_modules.ShardedManagedCollisionCollection"
 MCC = "torchrec.modules.mc_modules.ManagedCollisionCollection"
 MCH = "torchrec.modules.mc_modules.MCHManagedCollisionModule"
+HZCH = "torchrec.modules.hash_mc_modules.HashZchManagedCollisionModule"
+HZCH_EVICT = "torchrec.modules.hash_mc_evictions.HashZchEvictionModule"
 
 
 def _tr(owner: str, name: str, kind: str, why: str, group: str = "train", **kw) -> Private:
@@ -224,6 +226,19 @@ DECLARED: Tuple[Private, ...] = (
     _tr(MCH, "_zch_size", "attr", "managed_collision: this rank's rows"),
     _tr(MCH, "validate_state", "method", "managed_collision: TorchRec's load hook, run after a "
         "load"),
+    _tr(HZCH, "_buckets", "attr", "managed_collision: the bucket count a checkpoint must have"),
+    _tr(HZCH, "rebuild_with_output_id_range", "method", "mc_sharding: rebuilt on meta while "
+        "sharding"),
+    *[_tr(HZCH, n, "attr", "managed_collision.finish_hash_zch: the metrics logger TorchRec "
+          "skips on meta, built once real") for n in (
+              "_scalar_logger", "_tb_logging_frequency", "_name", "_is_inference", "_device",
+              "_eviction_module", "_zch_size", "_start_bucket", "_end_bucket",
+              "_disable_fallback")],
+    _tr(HZCH, "get_reserved_slots_per_bucket", "method", "managed_collision.finish_hash_zch"),
+    _tr("torchrec.modules.hash_mc_metrics", "ScalarLogger", "class",
+        "managed_collision.finish_hash_zch: the logger TorchRec's constructor builds"),
+    _tr(HZCH_EVICT, "_device", "attr", "managed_collision.finish_hash_zch: meta when built "
+        "on meta"),
     # -- quantized inference modules (quant.py, quant_part.py) ----------------------------------
     _tr(SQEBC, "_tbes_configs", "attr", "its inference TBEs and their configs", "quant"),
     _tr(SQEC, "_tbes_configs", "attr", "its inference TBEs and their configs", "quant"),
