@@ -106,6 +106,7 @@ def match_parts(parts: Sequence[Adapter], ck: Checkpoint, *, strict: bool, dtype
         names.update(p.names())
     found, prefix, used = resolve_keys(keys, names, prefixes=MODEL_PREFIXES, rename=rename)
     out.prefixes["model"] = prefix
+    used |= {k for p in parts for k in (prefix + n for n in p.dropped_keys()) if k in keys}
     missing = sorted(n for n in names if n not in found)
     assembled: Dict[str, Any] = {}
     notes: Dict[str, str] = {}

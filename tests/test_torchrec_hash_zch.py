@@ -36,9 +36,10 @@ HASH = 400  # raw ids in [0, HASH): a full bucket holds a quarter of its ids
 MC_PREFIX = "_managed_collision_collection._managed_collision_modules."
 
 
-def _module(kind: str, device: torch.device, buckets: int = BUCKETS):
+def _module(kind: str, device: torch.device, buckets: int = BUCKETS, inference: bool = False):
     """Two tables: t0 with TTL eviction (its metadata) and id-frequency tracking (its runtime
-    metadata) and metrics logging; t1 with neither."""
+    metadata) and metrics logging; t1 with neither. ``inference``: modules for serving (no
+    eviction metadata)."""
     from torchrec import (EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection,
                           EmbeddingConfig)
     from torchrec.modules.hash_mc_evictions import (HashZchEvictionConfig,
@@ -56,7 +57,7 @@ def _module(kind: str, device: torch.device, buckets: int = BUCKETS):
                  track_id_freq=True, tb_logging_frequency=100)
     mcs = {t.name: HashZchManagedCollisionModule(
         zch_size=t.num_embeddings, device=device, total_num_buckets=buckets, name=t.name,
-        **(first if i == 0 else {})) for i, t in enumerate(tables)}
+        is_inference=inference, **(first if i == 0 else {})) for i, t in enumerate(tables)}
     mcc = ManagedCollisionCollection(mcs, embedding_configs=tables)
     if kind == "ebc":
         return ManagedCollisionEmbeddingBagCollection(
@@ -300,6 +301,19 @@ def worker_unsharded(rank, world_size, tmp, kind):
                 mc.reset_intrainer_bulk_eval_mode()
         res[f"{how}_out"] = torch.allclose(_output(kind, target.eval()(_batch(400, hash_size=HASH))),
                                            _output(kind, ref.eval()(_batch(400, hash_size=HASH))))
+    # serving modules drop the training checkpoint's eviction metadata, as TorchRec's hook does
+    serve_ref = _module(kind, torch.device("cpu"), inference=True)
+    sd = serve_ref.state_dict()
+    res["serve_keys"] = sorted(k.rsplit(".", 1)[1] for k in sd if MC_PREFIX in k)
+    dcp.load(sd, checkpoint_id=ckpt)
+    serve_ref.load_state_dict(sd)
+    serve = _module(kind, torch.device("meta"), inference=True)
+    report = metamat.materialize(serve, ckpt, device="cpu")
+    res["serve_unexpected"] = report.unexpected
+    res["serve_differs"] = _same(local_blocks(serve.state_dict()),
+                                 local_blocks(serve_ref.state_dict()))
+    res["serve_out"] = torch.allclose(_output(kind, serve(_batch(400, hash_size=HASH))),
+                                      _output(kind, serve_ref(_batch(400, hash_size=HASH))))
     victim = _module(kind, torch.device("meta"), buckets=BUCKETS // 2)
     try:
         metamat.materialize(victim, ckpt, device="cpu")
@@ -387,6 +401,8 @@ def test_unsharded_collection_init_and_loads_like_torchrec(hzch_runs):
                            reference_table(f"t{i}", rows, 8, SEED))
     for how in ("meta", "live"):
         assert r[f"{how}_differs"] == [] and r[f"{how}_out"], (how, r)
+    assert "_hash_zch_metadata" not in r["serve_keys"], r["serve_keys"]
+    assert r["serve_unexpected"] == [] and r["serve_differs"] == [] and r["serve_out"], r
 
 
 # -- on a GPU: ids inserted and evicted by fbgemm's CUDA kernel ---------------------------------

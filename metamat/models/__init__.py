@@ -137,6 +137,14 @@ class ModulesPart(Adapter):
         """Every persistent tensor's canonical name -> its global shape."""
         return {e.fqn: tuple(e.global_shape) for e in self.entries if e.persistent}
 
+    def dropped_keys(self) -> List[str]:
+        """TorchRec's inference HashZch modules drop a checkpoint's eviction metadata."""
+        if "torchrec" not in sys.modules:
+            return []
+        from .torchrec.managed_collision import inference_dropped
+
+        return inference_dropped(self.root.named_modules())
+
     def merge_rules(self) -> list:
         """The model's own checkpoint conversion rules (transformers' mapping), if any."""
         from .hf.convert import model_conversions

@@ -68,6 +68,11 @@ class Adapter(Protocol):
         """The model's own checkpoint conversion rules (``merge="auto"``)."""
         return []
 
+    def dropped_keys(self) -> List[str]:
+        """Model names of checkpoint tensors the model's own load hooks drop (so a checkpoint
+        holding them loads, as with ``load_state_dict``)."""
+        return []
+
     def checkpoint_targets(self) -> List[Target]:
         """The targets matched to checkpoint tensors by name (not those the adapter matches
         itself in :meth:`match_checkpoint`, nor fused-optimizer state)."""

@@ -40,9 +40,10 @@ from .targets import local_blocks
 __all__ = ["mc_collections", "mc_targets", "check_loaded_segments", "validate_loaded",
            "refuse_inplace", "unsharded_initial_values", "check_segments", "check_buckets",
            "is_mch", "is_hash_zch", "finish_hash_zch",
-           "mc_modules_of"]
+           "mc_modules_of", "inference_dropped"]
 
 _INT64_MAX = torch.iinfo(torch.int64).max
+HASH_ZCH_METADATA = "_hash_zch_metadata"
 
 
 def refuse_inplace(mcs: List[Tuple[str, nn.Module]]) -> None:
@@ -173,6 +174,14 @@ def check_buckets(key: str, table: str, mc: nn.Module, loaded: torch.Tensor) -> 
             f"{key}: the checkpoint's multi-probe ZCH table {table!r} has {saved} buckets, "
             f"this module {mc._buckets}: its ids would be probed in other slots (build the "
             "module with the checkpoint's total_num_buckets)")
+
+
+def inference_dropped(named_modules) -> List[str]:
+    """Names of the ``_hash_zch_metadata`` of inference HashZch modules (``is_inference``):
+    they keep no eviction metadata, and TorchRec's load hook drops the one a training
+    checkpoint holds (``_reset_inference_mode_load_state_dict_pre_hook``)."""
+    return [f"{n}.{HASH_ZCH_METADATA}" if n else HASH_ZCH_METADATA for n, m in named_modules
+            if is_hash_zch(m) and m._is_inference and m._hash_zch_metadata is None]
 
 
 def finish_hash_zch(modules) -> None:
