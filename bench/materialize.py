@@ -41,6 +41,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--kernel", choices=("fused", "dense"), default="fused",
                    help="TorchRec compute kernel (dmp, load): fused (with row-wise Adagrad "
                         "optimizer state, materialized and loaded too) or dense")
+    p.add_argument("--zch", choices=("mch", "hash"), default="mch",
+                   help="mc: the managed-collision modules, MCH or multi-probe HashZch")
     p.add_argument("--cold", action="store_true",
                    help="load: evict the checkpoint's pages before every repetition and add "
                         "the raw O_DIRECT ceiling vs io=buffered/direct x 1/2/4/8 threads table")

@@ -56,11 +56,13 @@ def test_bench_tp_quick(tmp_path):
 
 
 @pytest.mark.multiprocess
-def test_bench_mc_quick(tmp_path):
-    """--mode mc: managed-collision tables, TorchRec against metamat, init and load."""
+@pytest.mark.parametrize("zch", ["mch", "hash"])
+def test_bench_mc_quick(tmp_path, zch):
+    """--mode mc: managed-collision tables (MCH or HashZch modules), TorchRec against metamat,
+    init and load."""
     pytest.importorskip("torchrec")
     r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "materialize.py"), "--quick",
-                        "--mode", "mc", "--reps", "1", "--out", str(tmp_path)],
+                        "--mode", "mc", "--zch", zch, "--reps", "1", "--out", str(tmp_path)],
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     with open(tmp_path / "results.csv") as f:
@@ -70,6 +72,7 @@ def test_bench_mc_quick(tmp_path):
             ("mc-load", "metamat materialize(ckpt)"), ("mc-load", "TorchRec DMP + dcp.load"),
             ("mc-init", "torch fill_ (per-rank ceiling)")} <= got, got
     assert all(float(row["gbps"]) > 0 for row in rows)
+    assert all(f"{zch} modules" in row["extra"] for row in rows if "metamat" in row["method"])
 
 
 @pytest.mark.multiprocess
