@@ -212,6 +212,17 @@ def worker_world2(rank, world_size, tmp, kind):
         for k, a in after_mine.items() if k.endswith(".weight"))
     res["save_after"] = _save_again(loaded, _shared(tmp, f"{kind}-resave"))
     live = _eager(kind, world_size)  # a real model, loaded through shadow copies
+    before = local_blocks(live.state_dict())
+    try:  # in place: refused before anything is written (the bucket check needs the read)
+        metamat.materialize(live, ckpt, inplace=True)
+        res["inplace_error"] = None
+    except metamat.UnsupportedError as e:
+        res["inplace_error"] = str(e)
+    res["inplace_changed"] = _same(local_blocks(live.state_dict()), before)
+    on_meta = _on_meta(kind, world_size)  # nothing live: inplace=True is just a load
+    metamat.materialize(on_meta, ckpt, inplace=True)
+    res["meta_inplace_differs"] = _same(local_blocks(on_meta.state_dict()), local_blocks(
+        _loaded_reference(kind, world_size, ckpt).state_dict()))
     metamat.materialize(live, ckpt)
     res["live_differs"] = _same(local_blocks(live.state_dict()), local_blocks(
         _loaded_reference(kind, world_size, ckpt).state_dict()))
@@ -363,6 +374,8 @@ def test_load_equals_torchrec_load_and_trains_the_same(hzch_runs):
         assert r["load_unexpected"] == [] and r["hits"] > 0, r
         assert r["train_out_differs"] == [] and r["train_mc_differs"] == [], r
         assert r["train_tables_close"] and r["save_after"] and r["live_differs"] == [], r
+        assert "inplace=False" in r["inplace_error"] and r["inplace_changed"] == [], r
+        assert r["meta_inplace_differs"] == [], r
 
 
 @pytest.mark.multiprocess

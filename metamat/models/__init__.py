@@ -143,7 +143,9 @@ class ModulesPart(Adapter):
             return []
         from .torchrec.managed_collision import inference_dropped
 
-        return inference_dropped(self.root.named_modules())
+        owners = {id(e.owner.module): (e.owner.fqn.rpartition(".")[0], e.owner.module)
+                  for e in self.entries}
+        return inference_dropped(owners.values())
 
     def merge_rules(self) -> list:
         """The model's own checkpoint conversion rules (transformers' mapping), if any."""

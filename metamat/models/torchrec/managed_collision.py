@@ -48,13 +48,16 @@ HASH_ZCH_METADATA = "_hash_zch_metadata"
 
 def refuse_inplace(mcs: List[Tuple[str, nn.Module]]) -> None:
     """``inplace=True`` loads into live managed-collision state are refused: whether a
-    checkpoint's row boundaries fit this plan is known only after its bytes are read, too late
-    to refuse a load that writes the live model (a model on meta has nothing live)."""
-    if any(not b.is_meta for _, mcc in mcs for b in mcc.buffers()):
+    checkpoint's row boundaries (MCH) or bucket count (HashZch) fit this model is known only
+    after its bytes are read, too late to refuse a load that writes the live model (a model on
+    meta has nothing live; HashZch's small bucket-count buffers are real even there)."""
+    if any(not t.is_meta and how_filled(n) != RECORDED
+           for _, mcc in mcs for mc in _mc_modules(mcc).values() for n, t in _own_tensors(mc)):
         raise UnsupportedError(
             f"{mcs[0][0] or '<root>'}: a model with managed-collision collections is not "
-            "loaded with inplace=True (the checkpoint's row boundaries are checked after the "
-            "read); load it with inplace=False (the default), through shadow copies")
+            "loaded with inplace=True (the checkpoint's row boundaries or bucket counts are "
+            "checked after the read); load it with inplace=False (the default), through "
+            "shadow copies")
 
 
 def mc_collections(root: nn.Module) -> List[Tuple[str, nn.Module]]:
@@ -177,9 +180,10 @@ def check_buckets(key: str, table: str, mc: nn.Module, loaded: torch.Tensor) -> 
 
 
 def inference_dropped(named_modules) -> List[str]:
-    """Names of the ``_hash_zch_metadata`` of inference HashZch modules (``is_inference``):
-    they keep no eviction metadata, and TorchRec's load hook drops the one a training
-    checkpoint holds (``_reset_inference_mode_load_state_dict_pre_hook``)."""
+    """Names of the ``_hash_zch_metadata`` of inference HashZch modules (``is_inference``)
+    among ``named_modules`` ((fqn, module) pairs): they keep no eviction metadata, and
+    TorchRec's load hook drops the one a training checkpoint holds
+    (``_reset_inference_mode_load_state_dict_pre_hook``)."""
     return [f"{n}.{HASH_ZCH_METADATA}" if n else HASH_ZCH_METADATA for n, m in named_modules
             if is_hash_zch(m) and m._is_inference and m._hash_zch_metadata is None]
 

@@ -102,6 +102,7 @@ def mc_sharding_on_meta(gpu: Optional[torch.device] = None) -> Iterator[None]:
         yield
 
 
+@functools.lru_cache(maxsize=None)
 def supported_kinds() -> tuple:
     """The managed-collision module classes metamat materializes: exactly these (a subclass
     may fill its own way)."""
