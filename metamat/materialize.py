@@ -47,7 +47,7 @@ def _shadow(x: torch.Tensor) -> torch.Tensor:
 def _bind_reads(ld: "LoadMatch", alloc,
                 inplace: bool) -> List[Tuple[torch.Tensor, torch.Tensor, str]]:
     """Point the read plan's targets at real memory; tensors of the live model get shadow
-    copies (unless ``inplace``). Bytes in unified memory (UVM tables) are written from the
+    copies (unless ``inplace``, and the target is not ``shadowed``). Bytes in unified memory (UVM tables) are written from the
     host, where they live: their targets are host views, and their shadows host memory.
     Returns (live, shadow, fqn) triples."""
     from .allocate import host_alias
@@ -65,7 +65,7 @@ def _bind_reads(ld: "LoadMatch", alloc,
             live = host_alias(x)
             if live is None:
                 live = x
-            if inplace:
+            if inplace and not t.shadowed:
                 t.tensor = live
             else:
                 t.tensor = _shadow(live)
@@ -306,7 +306,7 @@ def _undo(parts: Sequence[Adapter]) -> None:
 
 def _is_live(t: Target, alloc) -> bool:
     return alloc is not None and t.tensor is not None and t.tensor.device.type != "meta" \
-        and alloc.key_of(t.tensor) is None
+        and alloc.key_of(t.tensor) is None and not t.shadowed
 
 
 def _read(ld: "LoadMatch", io_threads, staging_bytes, progress, io, alloc):

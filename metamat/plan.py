@@ -42,6 +42,9 @@ class Target:
         optimizer: fused-optimizer state (its checkpoint keys have their own prefixes and it
             is optional in a checkpoint).
         persistent: it belongs in a checkpoint (non-persistent buffers do not).
+        shadowed: loaded through a shadow copy even with ``inplace=True``: state checked
+            after the read (managed-collision remapping state), which a failed check must leave
+            as it was.
     """
 
     fqn: str
@@ -56,6 +59,7 @@ class Target:
     aliases: Tuple[str, ...] = ()
     optimizer: bool = False
     persistent: bool = True
+    shadowed: bool = False
 
     @property
     def nbytes(self) -> int:

@@ -135,10 +135,11 @@ def _step(kind: str, model, seed: int) -> torch.Tensor:
     return out.detach().cpu().clone()
 
 
-def _loaded_reference(kind: str, world_size: int, ckpt: str, device: str = "cpu"):
+def _loaded_reference(kind: str, world_size: int, ckpt: str, device: str = "cpu",
+                      **module_args):
     import torch.distributed.checkpoint as dcp
 
-    model = _eager(kind, world_size, device)
+    model = _eager(kind, world_size, device, **module_args)
     sd = model.state_dict()
     dcp.load(sd, checkpoint_id=ckpt)
     model.load_state_dict(sd)
@@ -211,18 +212,31 @@ def worker_world2(rank, world_size, tmp, kind):
         torch.allclose(a[0][1], after_theirs[k][0][1], rtol=1e-5, atol=1e-6)
         for k, a in after_mine.items() if k.endswith(".weight"))
     res["save_after"] = _save_again(loaded, _shared(tmp, f"{kind}-resave"))
-    live = _eager(kind, world_size)  # a real model, loaded through shadow copies
-    before = local_blocks(live.state_dict())
-    try:  # in place: refused before anything is written (the bucket check needs the read)
+    reference = local_blocks(_loaded_reference(kind, world_size, ckpt).state_dict())
+    live = _eager(kind, world_size)  # in place: the tables written, the MC state shadowed
+    metamat.materialize(live, ckpt, inplace=True)
+    res["inplace_differs"] = _same(local_blocks(live.state_dict()), reference)
+    # a failed bucket check in place: the tables may be written (PartialLoadError names them),
+    # the MC state is left as it was
+    live = _eager(kind, world_size, buckets=BUCKETS // 2)
+    before = _mc_state(live)
+    try:
         metamat.materialize(live, ckpt, inplace=True)
-        res["inplace_error"] = None
-    except metamat.UnsupportedError as e:
-        res["inplace_error"] = str(e)
-    res["inplace_changed"] = _same(local_blocks(live.state_dict()), before)
+        res["partial_error"] = None
+    except metamat.PartialLoadError as e:
+        res["partial_error"] = (str(e.__cause__), e.written)
+    res["partial_mc_changed"] = _same(_mc_state(live), before)
     on_meta = _on_meta(kind, world_size)  # nothing live: inplace=True is just a load
     metamat.materialize(on_meta, ckpt, inplace=True)
-    res["meta_inplace_differs"] = _same(local_blocks(on_meta.state_dict()), local_blocks(
-        _loaded_reference(kind, world_size, ckpt).state_dict()))
+    res["meta_inplace_differs"] = _same(local_blocks(on_meta.state_dict()), reference)
+    # serving modules, sharded: the training checkpoint's eviction metadata dropped, as
+    # TorchRec's load hook does
+    serve_ref = _loaded_reference(kind, world_size, ckpt, inference=True)
+    serve = _on_meta(kind, world_size, inference=True)
+    res["serve_unexpected"] = metamat.materialize(serve, ckpt).unexpected
+    res["serve_differs"] = _same(local_blocks(serve.state_dict()),
+                                 local_blocks(serve_ref.state_dict()))
+    live = _eager(kind, world_size)  # a real model, loaded through shadow copies
     metamat.materialize(live, ckpt)
     res["live_differs"] = _same(local_blocks(live.state_dict()), local_blocks(
         _loaded_reference(kind, world_size, ckpt).state_dict()))
@@ -247,6 +261,14 @@ def worker_world2(rank, world_size, tmp, kind):
     except metamat.UnsupportedError as e:
         res["bucket_error"] = str(e)
     res["victim_still_meta"] = bool(no_meta_left(victim))
+    victim = _on_meta(kind, world_size, buckets=BUCKETS // 2)  # in place: nothing live to write
+    try:
+        metamat.materialize(victim, ckpt, inplace=True)
+        res["inplace_bucket_error"] = None
+    except metamat.UnsupportedError as e:
+        res["inplace_bucket_error"] = str(e)
+    res["victim_buckets"] = sorted({int(b) for mc in _hash_zchs(victim)
+                                    for b in mc._hash_zch_bucket.flatten()})
 
     one = os.path.join(tmp, f"{kind}-world1")  # a world-1 checkpoint, resharded here
     if os.path.isdir(one):
@@ -332,6 +354,16 @@ def worker_unsharded(rank, world_size, tmp, kind):
     except metamat.UnsupportedError as e:
         res["bucket_error"] = str(e)
     res["victim_meta"] = any(t.is_meta for t in victim.parameters())
+    live = _module(kind, torch.device("cpu"), buckets=BUCKETS // 2)  # in place, live
+    before = _mc_state(live)
+    try:
+        metamat.materialize(live, ckpt, device="cpu", inplace=True)
+        res["inplace_failed"] = False
+    except (metamat.PartialLoadError, metamat.UnsupportedError):
+        res["inplace_failed"] = True
+    res["inplace_mc_changed"] = _same(_mc_state(live), before)
+    res["devices"] = sorted({str(d) for mc in _hash_zchs(model) for d in (
+        mc._device, *([mc._eviction_module._device] if mc._eviction_module else []))})
     return res
 
 
@@ -374,8 +406,11 @@ def test_load_equals_torchrec_load_and_trains_the_same(hzch_runs):
         assert r["load_unexpected"] == [] and r["hits"] > 0, r
         assert r["train_out_differs"] == [] and r["train_mc_differs"] == [], r
         assert r["train_tables_close"] and r["save_after"] and r["live_differs"] == [], r
-        assert "inplace=False" in r["inplace_error"] and r["inplace_changed"] == [], r
-        assert r["meta_inplace_differs"] == [], r
+        assert r["inplace_differs"] == [] and r["meta_inplace_differs"] == [], r
+        cause, written = r["partial_error"]
+        assert "_hash_zch_bucket" in cause and r["partial_mc_changed"] == [], r
+        assert written and not any(MC_PREFIX in w for w in written), written
+        assert r["serve_unexpected"] == [] and r["serve_differs"] == [], r
 
 
 @pytest.mark.multiprocess
@@ -402,6 +437,9 @@ def test_another_bucket_count_is_refused_and_the_model_stays_on_meta(hzch_runs):
         assert error is not None and "_hash_zch_bucket" in error and "'t0'" in error, r
         assert "[4] buckets, this module 2" in error
     assert all(r["victim_still_meta"] for r in ranks) and unsharded["victim_meta"]
+    for r in ranks:  # in place into a model on meta: the same error, its buffers untouched
+        assert "[4] buckets, this module 2" in r["inplace_bucket_error"], r
+        assert r["victim_buckets"] == [BUCKETS // 2], r
 
 
 @pytest.mark.multiprocess
@@ -416,6 +454,8 @@ def test_unsharded_collection_init_and_loads_like_torchrec(hzch_runs):
         assert r[f"{how}_differs"] == [] and r[f"{how}_out"], (how, r)
     assert "_hash_zch_metadata" not in r["serve_keys"], r["serve_keys"]
     assert r["serve_unexpected"] == [] and r["serve_differs"] == [] and r["serve_out"], r
+    assert r["inplace_failed"] and r["inplace_mc_changed"] == [], r
+    assert r["devices"] == ["cpu"], r
 
 
 # -- on a GPU: ids inserted and evicted by fbgemm's CUDA kernel ---------------------------------

@@ -40,6 +40,13 @@ class ModulesPart(Adapter):
         self.root = root
         self.entries: List[Entry] = find_entries(root, skip)
         self.targets: List[Target] = targets_of(self.entries, loading)
+        if loading and "torchrec" in sys.modules:  # MC state is checked after the read
+            from .torchrec.managed_collision import is_hash_zch, is_mch
+
+            for e in self.entries:
+                if is_mch(e.owner.module) or is_hash_zch(e.owner.module):
+                    for t in e.targets:
+                        t.shadowed = True
         self.storages = storages_of(self.entries)
         self.warnings: List[str] = []
         self.decisions: Dict[int, Decision] = {}
@@ -189,10 +196,6 @@ def find_parts(model: nn.Module, device: torch.device, init: Mapping, *, loading
 
         # managed-collision state is the TorchRec adapter's (row-wise sharded buffers)
         mcs = mc_collections(root_of(model)) if sharded else []
-        if inplace and loading:
-            from .torchrec.managed_collision import refuse_inplace
-
-            refuse_inplace(mcs)
         skip = [n for n, _ in sharded] + [n for n, _ in quant] + [n for n, _ in mcs]
         modules = ModulesPart(root_of(model) if skip else model, skip=skip, loading=loading,
                               aliases=not sharded)

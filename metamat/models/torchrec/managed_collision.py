@@ -38,26 +38,12 @@ from .state_dict import module_state_dict
 from .targets import local_blocks
 
 __all__ = ["mc_collections", "mc_targets", "check_loaded_segments", "validate_loaded",
-           "refuse_inplace", "unsharded_initial_values", "check_segments", "check_buckets",
+           "unsharded_initial_values", "check_segments", "check_buckets",
            "is_mch", "is_hash_zch", "finish_hash_zch",
-           "mc_modules_of", "inference_dropped"]
+           "mc_named_modules", "inference_dropped"]
 
 _INT64_MAX = torch.iinfo(torch.int64).max
 HASH_ZCH_METADATA = "_hash_zch_metadata"
-
-
-def refuse_inplace(mcs: List[Tuple[str, nn.Module]]) -> None:
-    """``inplace=True`` loads into live managed-collision state are refused: whether a
-    checkpoint's row boundaries (MCH) or bucket count (HashZch) fit this model is known only
-    after its bytes are read, too late to refuse a load that writes the live model (a model on
-    meta has nothing live; HashZch's small bucket-count buffers are real even there)."""
-    if any(not t.is_meta and how_filled(n) != RECORDED
-           for _, mcc in mcs for mc in _mc_modules(mcc).values() for n, t in _own_tensors(mc)):
-        raise UnsupportedError(
-            f"{mcs[0][0] or '<root>'}: a model with managed-collision collections is not "
-            "loaded with inplace=True (the checkpoint's row boundaries or bucket counts are "
-            "checked after the read); load it with inplace=False (the default), through "
-            "shadow copies")
 
 
 def mc_collections(root: nn.Module) -> List[Tuple[str, nn.Module]]:
@@ -144,8 +130,10 @@ def mc_targets(mcs: List[Tuple[str, nn.Module]], loading: bool,
                             f"meta tensor {key} holds managed-collision state whose value "
                             "metamat cannot compute; build the model with "
                             "metamat.shard_on_meta")
+                # checked after the read (check_loaded_segments): never written in place
                 targets.append(Target(key, key, gshape, offsets, tuple(local.shape),
-                                      local.dtype, None, local, _initial(how, recorded)))
+                                      local.dtype, None, local, _initial(how, recorded),
+                                      shadowed=True))
     return targets
 
 
@@ -190,9 +178,10 @@ def inference_dropped(named_modules) -> List[str]:
 
 def finish_hash_zch(modules) -> None:
     """What a HashZch module built on meta lacks once its tensors are real: the real device
-    in its and its eviction module's ``_device`` (the sharded path fixes these already), and
-    the metrics logger its constructor skips on meta (TorchRec builds one on a real device
-    when ``tb_logging_frequency`` > 0 and the module has a name; it holds no state)."""
+    in its and its eviction module's ``_device`` (the sharded path fixes these already) and
+    of its output offset (``_output_global_offset_tensor``, which the constructor leaves on
+    the CPU on meta), and the metrics logger its constructor skips on meta (TorchRec builds
+    one on a real device when ``tb_logging_frequency`` > 0; it holds no state)."""
     from . import upstream
 
     for mc in modules:
@@ -205,8 +194,11 @@ def finish_hash_zch(modules) -> None:
         ev = mc._eviction_module
         if ev is not None and upstream.BOUNDARY.check_instance(ev)._device.type == "meta":
             ev._device = device
-        if (mc._scalar_logger is None and mc._tb_logging_frequency > 0
-                and mc._name is not None and not mc._is_inference):
+        offset = mc._output_global_offset_tensor  # on the CPU when built on meta
+        if offset is not None and offset.device != device:
+            mc._output_global_offset_tensor = offset.to(device)
+        # the constructor's condition (it zeroes the frequency of unnamed or inference modules)
+        if mc._scalar_logger is None and mc._tb_logging_frequency > 0:
             from torchrec.modules.hash_mc_metrics import ScalarLogger
 
             # the constructor's own call (TorchRec 1.6 inlines it, later ones have a method)
@@ -218,9 +210,11 @@ def finish_hash_zch(modules) -> None:
                 device=device, disable_fallback=mc._disable_fallback)
 
 
-def mc_modules_of(mcs: List[Tuple[str, nn.Module]]) -> List[nn.Module]:
-    """Every MC module of the sharded MC collections ``mcs``."""
-    return [mc for _, mcc in mcs for mc in _mc_modules(mcc).values()]
+def mc_named_modules(mcs: List[Tuple[str, nn.Module]]) -> List[Tuple[str, nn.Module]]:
+    """(fqn, module) of every MC module of the sharded MC collections ``mcs``."""
+    return [(f"{name}._managed_collision_modules.{table}" if name
+             else f"_managed_collision_modules.{table}", mc)
+            for name, mcc in mcs for table, mc in _mc_modules(mcc).items()]
 
 
 def validate_loaded(mcs: List[Tuple[str, nn.Module]], loaded_keys: Set[str]) -> None:

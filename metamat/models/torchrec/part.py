@@ -18,8 +18,8 @@ from .optim_keys import OptimMatch, finish_means, match_optimizer
 from .register import register
 from .tables import fill_targets, needs_write
 from .graph import slot_names
-from .managed_collision import (check_loaded_segments, finish_hash_zch, mc_modules_of,
-                                validate_loaded)
+from .managed_collision import (check_loaded_segments, finish_hash_zch, inference_dropped,
+                                mc_named_modules, validate_loaded)
 from .walk import build_plan
 
 __all__ = ["TorchRecPart"]
@@ -60,6 +60,11 @@ class TorchRecPart(Adapter):
         self.optim: Optional[OptimMatch] = None
         self.loaded: Set[int] = set()  # ids of the targets a checkpoint provides
         self.undo = None  # set by find_parts when the tables were laid out again (relayout)
+
+    def dropped_keys(self) -> List[str]:
+        """The eviction metadata of inference HashZch modules: TorchRec's load hook drops a
+        training checkpoint's."""
+        return inference_dropped(mc_named_modules(self.plan.mcs)) if self.plan.mcs else []
 
     def names(self) -> Dict[str, List[str]]:
         """Every checkpointable name of the sharded modules (global: with or without a block
@@ -137,7 +142,7 @@ class TorchRecPart(Adapter):
         must fetch the loaded rows, and no flush may write the old ones over them)."""
         register(self.model, self.plan, alloc)
         if self.plan.mcs:
-            finish_hash_zch(mc_modules_of(self.plan.mcs))
+            finish_hash_zch(m for _, m in mc_named_modules(self.plan.mcs))
         if loaded:
             for emb in self._live_caches():
                 reset_cache(emb)

@@ -233,7 +233,9 @@ DECLARED: Tuple[Private, ...] = (
           "skips on meta, built once real") for n in (
               "_scalar_logger", "_tb_logging_frequency", "_name", "_is_inference", "_device",
               "_eviction_module", "_zch_size", "_start_bucket", "_end_bucket",
-              "_disable_fallback")],
+              "_disable_fallback", "_output_global_offset_tensor")],
+    *[_tr(HZCH, n, "attr", "managed_collision: each slot's id and eviction time, -1 when "
+          "empty") for n in ("_hash_zch_identities", "_hash_zch_metadata")],
     _tr(HZCH, "get_reserved_slots_per_bucket", "method", "managed_collision.finish_hash_zch"),
     _tr("torchrec.modules.hash_mc_metrics", "ScalarLogger", "class",
         "managed_collision.finish_hash_zch: the logger TorchRec's constructor builds"),
