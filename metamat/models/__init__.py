@@ -36,9 +36,9 @@ class ModulesPart(Adapter):
     kind = "modules"
 
     def __init__(self, root: nn.Module, *, skip: Sequence[str], loading: bool,
-                 aliases: bool) -> None:
+                 aliases: bool, keep: Sequence[str] = ()) -> None:
         self.root = root
-        self.entries: List[Entry] = find_entries(root, skip)
+        self.entries: List[Entry] = find_entries(root, skip, keep)
         self.targets: List[Target] = targets_of(self.entries, loading)
         if loading and "torchrec" in sys.modules:  # MC state is checked after the read
             from .torchrec.managed_collision import is_hash_zch, is_mch
@@ -197,8 +197,12 @@ def find_parts(model: nn.Module, device: torch.device, init: Mapping, *, loading
         # managed-collision state is the TorchRec adapter's (row-wise sharded buffers)
         mcs = mc_collections(root_of(model)) if sharded else []
         skip = [n for n, _ in sharded] + [n for n, _ in quant] + [n for n, _ in mcs]
+        from .torchrec.quant import quant_mc_collections
+
+        # the MC collections of quantized MC collections are ordinary (unsharded) modules
+        keep = [n for n, _ in quant_mc_collections(quant)]
         modules = ModulesPart(root_of(model) if skip else model, skip=skip, loading=loading,
-                              aliases=not sharded)
+                              aliases=not sharded, keep=keep)
         parts: List[Adapter] = []
         if sharded:
             parts.append(TorchRecPart(model, device, init, claimed=modules.claimed(),

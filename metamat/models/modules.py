@@ -187,12 +187,16 @@ def _layout(fqn: str, t: torch.Tensor):
     return shape, tuple(t.stride()), local_shape, offsets, mesh, placements
 
 
-def find_entries(root: nn.Module, skip: Sequence[str] = ()) -> List[Entry]:
-    """Every parameter/buffer object of ``root``'s modules, outside the ``skip`` subtrees.
+def find_entries(root: nn.Module, skip: Sequence[str] = (),
+                 keep: Sequence[str] = ()) -> List[Entry]:
+    """Every parameter/buffer object of ``root``'s modules, outside the ``skip`` subtrees
+    (except the ``keep`` subtrees within them).
 
     Args:
         root: the module to walk (a DMP's wrapped module for TorchRec models).
         skip: module names whose subtrees another adapter owns (TorchRec sharded modules).
+        keep: module names inside ``skip`` subtrees that are ordinary modules all the same
+            (the managed-collision collection of a quantized TorchRec collection).
 
     Returns:
         Entries in ``named_modules`` order; tied tensors are one entry with several slots.
@@ -206,9 +210,18 @@ def find_entries(root: nn.Module, skip: Sequence[str] = ()) -> List[Entry]:
     if "" in skip:
         return order
     skipped = set(skip)
-    # the skipped subtrees are not walked (an FSDP module there manages nothing outside them)
-    modules = [(n, m) for n, m in named_modules_pruned(
-        root, lambda n, _m: n in skipped, remove_duplicate=False) if n not in skipped]
+    if keep:
+        def under(n: str, names) -> bool:
+            return any(n == k or n.startswith(k + ".") for k in names)
+
+        ways_in = {k.rsplit(".", i)[0] for k in keep for i in range(1, k.count(".") + 1)}
+        modules = [(n, m) for n, m in named_modules_pruned(
+            root, lambda n, _m: n in skipped and n not in ways_in, remove_duplicate=False)
+            if under(n, keep) or not under(n, skipped)]
+    else:
+        # the skipped subtrees are not walked (an FSDP module there manages nothing outside)
+        modules = [(n, m) for n, m in named_modules_pruned(
+            root, lambda n, _m: n in skipped, remove_duplicate=False) if n not in skipped]
     fsdp = _fsdp_params(m for _, m in modules)
     for mname, m in modules:
         prefix = f"{mname}." if mname else ""

@@ -28,7 +28,7 @@ from ...errors import UnsupportedError
 from ...load.quantize import KINDS, padded_row_bytes, unpadded_row_bytes
 
 __all__ = ["QuantTable", "QuantTBE", "quant_modules", "refreshable", "is_quantized", "find_tbes",
-           "quant_classes", "weights_of", "has_meta_tables"]
+           "quant_classes", "weights_of", "has_meta_tables", "quant_mc_collections"]
 
 @dataclasses.dataclass
 class QuantTable:
@@ -117,6 +117,21 @@ def _tbe_of_module(m: nn.Module) -> List[Any]:
 def is_quantized(m: nn.Module) -> bool:
     """True for TorchRec's quantized collections, sharded or not (this adapter's modules)."""
     return isinstance(m, quant_classes() + _unsupported_classes())
+
+
+def quant_mc_collections(quant: List[Tuple[str, nn.Module]]) -> List[Tuple[str, nn.Module]]:
+    """(name, ManagedCollisionCollection) of the quantized managed-collision collections among
+    ``quant`` (``QuantManagedCollisionEmbedding[Bag]Collection``, not sharded: TorchRec's
+    sharded one is refused by name where sharded modules are found): their MC modules are
+    plain unsharded ones, for the modules adapter."""
+    if not quant:
+        return []
+    from torchrec.quant.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+
+    return [(f"{name}._managed_collision_collection" if name
+             else "_managed_collision_collection", m._managed_collision_collection)
+            for name, m in quant if isinstance(m, (EmbeddingBagCollection, EmbeddingCollection))
+            and getattr(m, "_managed_collision_collection", None) is not None]
 
 
 def has_meta_tables(m: nn.Module) -> bool:

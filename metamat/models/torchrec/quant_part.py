@@ -156,8 +156,14 @@ class QuantPart(Adapter):
 
     def _check_meta(self) -> None:
         replaced = self._replaced()
+        from .quant import quant_mc_collections
+
+        # the modules adapter's (quantized MC collections' remapping state, and the meta
+        # tensors their modules keep in plain attributes)
+        mccs = [mcc for _, mcc in quant_mc_collections(self.modules)]
+        theirs = {storage_key(t) for t in scan(*mccs).meta_tensors()} if mccs else set()
         for t in self.graph.meta_tensors():
-            if storage_key(t) in self.keys or id(t) in replaced:
+            if storage_key(t) in self.keys or id(t) in replaced or storage_key(t) in theirs:
                 continue
             raise UnsupportedError(f"meta tensor {self.graph.path(t)} ({t.dtype}, shape "
                                    f"{tuple(t.shape)}) of a quantized TorchRec module: metamat "
@@ -167,8 +173,19 @@ class QuantPart(Adapter):
         return set(self.keys)
 
     def names(self) -> Dict[str, List[str]]:
-        """Every table weight's name (what a float or a quantized checkpoint holds)."""
-        return {t.fqn: [t.fqn] for t in self.tables}
+        """Every table weight's name (what a float or a quantized checkpoint holds). A
+        quantized managed-collision collection's tables also go by their training name (the
+        float MC collection keeps them in its ``_embedding_module``)."""
+        from .quant import quant_mc_collections
+
+        heads = [n[:-len("_managed_collision_collection")]
+                 for n, _ in quant_mc_collections(self.modules)]
+        out = {}
+        for t in self.tables:
+            head = next((h for h in heads if t.fqn.startswith(h)), None)
+            out[t.fqn] = [t.fqn] if head is None else [
+                t.fqn, f"{head}_embedding_module.{t.fqn[len(head):]}"]
+        return out
 
     # -- checkpoint --------------------------------------------------------------------------
 
