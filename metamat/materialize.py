@@ -47,9 +47,9 @@ def _shadow(x: torch.Tensor) -> torch.Tensor:
 def _bind_reads(ld: "LoadMatch", alloc,
                 inplace: bool) -> List[Tuple[torch.Tensor, torch.Tensor, str]]:
     """Point the read plan's targets at real memory; tensors of the live model get shadow
-    copies (unless ``inplace``, and the target is not ``shadowed``). Bytes in unified memory (UVM tables) are written from the
-    host, where they live: their targets are host views, and their shadows host memory.
-    Returns (live, shadow, fqn) triples."""
+    copies (unless ``inplace``, and the target is not ``shadowed``). Bytes in unified memory
+    (UVM tables) are written from the host, where they live: their targets are host views,
+    and their shadows host memory. Returns (live, shadow, fqn) triples."""
     from .allocate import host_alias
     from .load import validate_destination
 
@@ -149,8 +149,9 @@ def materialize(
             manifest (``python -m metamat checksum CKPT`` writes it) while streaming.
         ignore_unexpected: fnmatch patterns of checkpoint keys that may match nothing.
         inplace: with ``ckpt``, write already-real tensors in place instead of into shadow
-            copies: no transient memory, but a failure after the first write raises
-            :class:`PartialLoadError` naming what may have changed.
+            copies: no transient memory for them, but a failure after the first write raises
+            :class:`PartialLoadError` naming what may have changed. Managed-collision
+            remapping state, checked after the read, is shadowed all the same.
         io: how checkpoint bytes are read: ``"auto"`` (large ranges of files that are not in
             the page cache stream through it with sequential readahead and are dropped from
             it behind the reader, so the cache is left as it was; cached or small ranges are

@@ -126,6 +126,7 @@ def build_quant(seen):
         for _, m in mods:
             seen.add(m)
             seen.update(tr.quant_tbes(m))
+    seen.update(_quant_managed_collision())
     try:
         from torchrec.distributed.embedding_types import EmbeddingComputeKernel
         from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
@@ -215,6 +216,45 @@ def _managed_collision(env):
 
     mc_targets(mc_collections(dmp.module), False, set())  # the adapter's checks
     return _objects(dmp) + [module._managed_collision_collection]
+
+
+def _quant_managed_collision():
+    """Quantized MC collections (EBC and EC), converted on meta as TorchRec does."""
+    from metamat.models.torchrec.quant import quant_mc_collections, quant_modules
+    from torchrec import EmbeddingBagCollection, EmbeddingCollection
+    from torchrec.inference.modules import quantize_embeddings
+    from torchrec.modules.mc_embedding_modules import (ManagedCollisionEmbeddingBagCollection,
+                                                       ManagedCollisionEmbeddingCollection)
+    from torchrec.modules.mc_modules import (DistanceLFU_EvictionPolicy,
+                                             ManagedCollisionCollection,
+                                             MCHManagedCollisionModule)
+    from torchrec.quant.embedding_modules import (QuantManagedCollisionEmbeddingBagCollection,
+                                                  QuantManagedCollisionEmbeddingCollection)
+
+    meta = torch.device("meta")
+    ebc_tables, ec_tables = _tables(2), _ec_tables(2)
+
+    def mcc(tables):
+        return ManagedCollisionCollection(
+            {t.name: MCHManagedCollisionModule(zch_size=t.num_embeddings, device=meta,
+                                               eviction_policy=DistanceLFU_EvictionPolicy(),
+                                               eviction_interval=1, input_hash_size=1000)
+             for t in tables}, embedding_configs=tables)
+
+    root = nn.ModuleDict({
+        "ebc": ManagedCollisionEmbeddingBagCollection(
+            EmbeddingBagCollection(tables=ebc_tables, device=meta), mcc(ebc_tables),
+            return_remapped_features=False),
+        "ec": ManagedCollisionEmbeddingCollection(
+            EmbeddingCollection(tables=ec_tables, device=meta), mcc(ec_tables),
+            return_remapped_features=False)})
+    kinds = {ManagedCollisionEmbeddingBagCollection: QuantManagedCollisionEmbeddingBagCollection,
+             ManagedCollisionEmbeddingCollection: QuantManagedCollisionEmbeddingCollection}
+    q = quantize_embeddings(root, dtype=torch.qint8, inplace=False,
+                            additional_qconfig_spec_keys=list(kinds), additional_mapping=kinds)
+    mods = quant_modules(q)
+    quant_mc_collections(mods)  # the declared attribute read
+    return [m for _, m in mods]
 
 
 def _objects(model):

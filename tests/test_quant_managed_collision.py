@@ -126,6 +126,24 @@ def worker_world2(rank, world_size, tmp, zch):
     return True
 
 
+@pytest.mark.parametrize("zch", ["mch", "hash"])
+def test_quantized_mc_collection_as_the_model_itself(zch, tmp_path):
+    """The quantized MC collection is the root module: its MC state found all the same."""
+    import torch.distributed.checkpoint as dcp
+
+    with process_group():
+        trained = _trained(zch, "ebc", seed=3)
+        dcp.save(trained.mc.state_dict(), checkpoint_id=str(tmp_path / "ckpt"))
+        reference = _quantize(trained, torch.qint8).mc
+        init = _quantize(Model(zch, "ebc", torch.device("meta")), torch.qint8).mc
+        metamat.materialize(init, seed=0, device="cpu")
+        model = _quantize(Model(zch, "ebc", torch.device("meta")), torch.qint8).mc
+        report = metamat.materialize(model, str(tmp_path / "ckpt"), device="cpu")
+    for m in (init, model):
+        assert not any(t.is_meta for t in [*m.parameters(), *m.buffers()])
+    assert report.unexpected == [] and _differs(model, reference) == []
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("zch", ["mch", "hash"])
 def test_training_dmp_checkpoint_into_quantized_model_and_live_refresh(zch, tmp_path):

@@ -212,7 +212,8 @@ def find_parts(model: nn.Module, device: torch.device, init: Mapping, *, loading
             from .torchrec.quant_part import QuantPart
 
             parts.append(QuantPart(model, device, init, modules=quant, loading=loading,
-                                   emulated=emulated, inplace=inplace))
+                                   emulated=emulated, inplace=inplace,
+                                   claimed=modules.claimed()))
         parts.append(modules)
     except BaseException:
         if undo is not None:

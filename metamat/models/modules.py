@@ -207,14 +207,16 @@ def find_entries(root: nn.Module, skip: Sequence[str] = (),
     torch_upstream.require("module")  # the Module tables read below
     by_id: Dict[int, Entry] = {}
     order: List[Entry] = []
-    if "" in skip:
+    if "" in skip and not keep:
         return order
     skipped = set(skip)
     if keep:
-        def under(n: str, names) -> bool:
-            return any(n == k or n.startswith(k + ".") for k in names)
+        def under(n: str, names) -> bool:  # "" (the root) holds every module
+            return any(k == "" or n == k or n.startswith(k + ".") for k in names)
 
-        ways_in = {k.rsplit(".", i)[0] for k in keep for i in range(1, k.count(".") + 1)}
+        # the ancestors of the kept subtrees, the root included, are walked through
+        ways_in = {""} | {k.rsplit(".", i)[0] for k in keep
+                          for i in range(1, k.count(".") + 1)}
         modules = [(n, m) for n, m in named_modules_pruned(
             root, lambda n, _m: n in skipped and n not in ways_in, remove_duplicate=False)
             if under(n, keep) or not under(n, skipped)]

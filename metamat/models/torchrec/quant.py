@@ -126,12 +126,17 @@ def quant_mc_collections(quant: List[Tuple[str, nn.Module]]) -> List[Tuple[str, 
     plain unsharded ones, for the modules adapter."""
     if not quant:
         return []
-    from torchrec.quant.embedding_modules import EmbeddingBagCollection, EmbeddingCollection
+    from torchrec.quant.embedding_modules import (QuantManagedCollisionEmbeddingBagCollection,
+                                                  QuantManagedCollisionEmbeddingCollection)
 
+    from . import upstream
+
+    kinds = (QuantManagedCollisionEmbeddingBagCollection,
+             QuantManagedCollisionEmbeddingCollection)
     return [(f"{name}._managed_collision_collection" if name
-             else "_managed_collision_collection", m._managed_collision_collection)
-            for name, m in quant if isinstance(m, (EmbeddingBagCollection, EmbeddingCollection))
-            and getattr(m, "_managed_collision_collection", None) is not None]
+             else "_managed_collision_collection",
+             upstream.BOUNDARY.check_instance(m)._managed_collision_collection)
+            for name, m in quant if isinstance(m, kinds)]
 
 
 def has_meta_tables(m: nn.Module) -> bool:

@@ -50,9 +50,11 @@ class QuantPart(Adapter):
     kind = "torchrec_quant"
 
     def __init__(self, model: nn.Module, device: torch.device, init, *, modules: list,
-                 loading: bool, emulated: bool = False, inplace: bool = False) -> None:
+                 loading: bool, emulated: bool = False, inplace: bool = False,
+                 claimed: Set[int] = frozenset()) -> None:
         check_versions()
         self.modules = modules
+        self.others = claimed  # storages the modules adapter owns (quantized MC state)
         self.device = device
         self.cuda = device.type == "cuda" or emulated  # CUDA inference TBEs (or emulated)
         self.tbes: List[QuantTBE] = [t for name, m in modules for t in find_tbes(name, m)]
@@ -158,9 +160,16 @@ class QuantPart(Adapter):
         replaced = self._replaced()
         from .quant import quant_mc_collections
 
-        # the modules adapter's (quantized MC collections' remapping state, and the meta
-        # tensors their modules keep in plain attributes)
+        # quantized MC collections: their parameters and buffers are the modules adapter's
+        # (checked: none left unowned), placeholders in plain attributes are left as TorchRec
+        # leaves them (MCH's _evicted_emb_indices, replaced at an eviction)
         mccs = [mcc for _, mcc in quant_mc_collections(self.modules)]
+        for mcc in mccs:
+            for t in [*mcc.parameters(), *mcc.buffers()]:
+                if t.is_meta and storage_key(t) not in self.others:
+                    raise UnsupportedError(
+                        f"meta tensor {self.graph.path(t)} of a quantized managed-collision "
+                        "collection: no adapter took it")
         theirs = {storage_key(t) for t in scan(*mccs).meta_tensors()} if mccs else set()
         for t in self.graph.meta_tensors():
             if storage_key(t) in self.keys or id(t) in replaced or storage_key(t) in theirs:
@@ -321,8 +330,12 @@ class QuantPart(Adapter):
         """Swap the twins in everywhere; lay every TBE out for the CPU (fbgemm's own host
         layout: buffers, offsets, placements, specs); meta devices become the CPU."""
         twins = alloc.twins()
+        # its own twins (bind's); the modules adapter swaps its own (quantized MC state)
+        own = {id(t) for t in self.graph.meta_tensors() if storage_key(t) in self.keys}
         n = 0
         for old_id, new in twins.items():
+            if old_id not in own:
+                continue
             for slot in self.graph.slots.get(old_id, []):
                 slot.set(new)
                 n += 1

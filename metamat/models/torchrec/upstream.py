@@ -76,6 +76,8 @@ TRAIN_TBE = f"{TRAINING}.SplitTableBatchedEmbeddingBagsCodegen"
 DENSE_TBE = f"{TRAINING}.DenseTableBatchedEmbeddingBagsCodegen"
 QEBC = "torchrec.quant.embedding_modules.EmbeddingBagCollection"
 QEC = "torchrec.quant.embedding_modules.EmbeddingCollection"
+QMCEBC = "torchrec.quant.embedding_modules.QuantManagedCollisionEmbeddingBagCollection"
+QMCEC = "torchrec.quant.embedding_modules.QuantManagedCollisionEmbeddingCollection"
 SQEBC = "torchrec.distributed.quant_embeddingbag.ShardedQuantEmbeddingBagCollection"
 SQEC = "torchrec.distributed.quant_embedding.ShardedQuantEmbeddingCollection"
 INFERENCE = "fbgemm_gpu.split_table_batched_embeddings_ops_inference"
@@ -248,6 +250,8 @@ DECLARED: Tuple[Private, ...] = (
     _tr(QEBC, "_key_to_tables", "attr", "the tables of each TBE", "quant"),
     _tr(QEBC, "_table_name_to_quantized_weights", "attr", "meta copies dropped at register",
         "quant"),
+    *[_tr(cls, "_managed_collision_collection", "attr", "quant.quant_mc_collections: the "
+          "MC state, the modules adapter's", "quant") for cls in (QMCEBC, QMCEC)],
     _tr(QEC, "_emb_modules", "attr", "its inference TBEs", "quant"),
     _tr(QEC, "_key_to_tables", "attr", "the tables of each TBE", "quant"),
     _tr(QEC, "_table_name_to_quantized_weights", "attr", "meta copies dropped at register",
