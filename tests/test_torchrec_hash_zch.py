@@ -22,8 +22,9 @@ pytest.importorskip("torchrec.modules.hash_mc_modules")
 import metamat  # noqa: E402
 
 from _dist import run_dist  # noqa: E402
+import test_torchrec_managed_collision as mc  # noqa: E402
 from test_torchrec_managed_collision import (  # noqa: E402
-    _batch, _output, _same, _save_again, _sharder, _shared,
+    _batch, _output, _same, _save_again, _shared,
 )
 from test_torchrec_materialize import (  # noqa: E402
     assemble, local_blocks, no_meta_left, reference_table,
@@ -67,32 +68,12 @@ def _module(kind: str, device: torch.device, buckets: int = BUCKETS, inference: 
         EmbeddingCollection(tables=tables, device=device), mcc, return_remapped_features=False)
 
 
-def _plan(module, kind: str, world_size: int, device_type: str = "cpu"):
-    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
-    from torchrec.distributed.types import ShardingPlan
-
-    per_table = {f"t{i}": row_wise(compute_kernel="fused") for i in range(len(ROWS))}
-    return ShardingPlan({"": construct_module_sharding_plan(
-        module, per_param_sharding=per_table, local_size=world_size, world_size=world_size,
-        device_type=device_type, sharder=_sharder(kind))})
-
-
 def _eager(kind: str, world_size: int, device: str = "cpu", **module_args):
-    from torchrec.distributed.model_parallel import DistributedModelParallel
-    from torchrec.distributed.types import ShardingEnv
-
-    dev = torch.device(device if device == "cpu" else f"cuda:{torch.cuda.current_device()}")
-    module = _module(kind, dev, **module_args)
-    return DistributedModelParallel(
-        module, ShardingEnv.from_process_group(dist.group.WORLD), device=dev,
-        plan=_plan(module, kind, world_size, dev.type), sharders=[_sharder(kind)])
+    return mc._eager(kind, world_size, device, build=_module, **module_args)
 
 
 def _on_meta(kind: str, world_size: int, cuda: bool = False, **module_args):
-    module = _module(kind, torch.device("meta"), **module_args)
-    plan = _plan(module, kind, world_size, "cuda" if cuda else "cpu")
-    return metamat.shard_on_meta(module, plan=plan, sharders=[_sharder(kind)],
-                                 compute_device="cuda" if cuda else None)
+    return mc._on_meta(kind, world_size, cuda, build=_module, **module_args)
 
 
 def _hash_zchs(model):
@@ -242,16 +223,8 @@ def worker_world2(rank, world_size, tmp, kind):
         _loaded_reference(kind, world_size, ckpt).state_dict()))
 
     # laid out for GPUs, on the emulated device: the same state as on the CPU
-    from metamat.emulation import emulated_cuda
-
-    gpu_init, gpu_load = _on_meta(kind, world_size, cuda=True), _on_meta(kind, world_size, True)
-    with emulated_cuda():
-        metamat.materialize(gpu_init, seed=SEED)
-        metamat.materialize(gpu_load, ckpt)
-    res["emulated_init_differs"] = _same(local_blocks(gpu_init.state_dict()), mine)
-    res["emulated_load_differs"] = _same(
-        local_blocks(gpu_load.state_dict()),
-        local_blocks(_loaded_reference(kind, world_size, ckpt).state_dict()))
+    mc._emulated_gpu_layout(res, lambda: _on_meta(kind, world_size, cuda=True), ckpt, SEED,
+                            mine, lambda: _loaded_reference(kind, world_size, ckpt))
 
     # another bucket count probes ids elsewhere: refused, the model left on meta
     victim = _on_meta(kind, world_size, buckets=BUCKETS // 2)
@@ -370,12 +343,8 @@ def worker_unsharded(rank, world_size, tmp, kind):
 @pytest.fixture(scope="module", params=["ebc", "ec"])
 def hzch_runs(request, tmp_path_factory):
     kind = request.param
-    tmp = str(tmp_path_factory.mktemp(f"hzch-{kind}"))
-    first = run_dist(worker_world2, 2, tmp, kind)
-    one = run_dist(worker_world1, 1, tmp, kind)
-    second = run_dist(worker_world2, 2, tmp, kind)  # now with the world-1 checkpoint
-    unsharded = run_dist(worker_unsharded, 1, tmp, kind)[0]
-    return kind, first, one, second, unsharded
+    return mc.world_runs(kind, str(tmp_path_factory.mktemp(f"hzch-{kind}")), worker_world2,
+                         worker_world1, worker_unsharded)
 
 
 def _table_key(kind: str, i: int) -> str:

@@ -73,29 +73,32 @@ def _sharder(kind: str):
 
 
 def _plan(module, kind: str, world_size: int, device_type: str = "cpu"):
+    """Every table row-wise (the only sharding TorchRec gives MC collections)."""
     from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
     from torchrec.distributed.types import ShardingPlan
 
-    per_table = {f"t{i}": row_wise(compute_kernel="fused") for i in range(len(ROWS))}
+    tables = module._managed_collision_collection._managed_collision_modules
+    per_table = {t: row_wise(compute_kernel="fused") for t in tables}
     return ShardingPlan({"": construct_module_sharding_plan(
         module, per_param_sharding=per_table, local_size=world_size, world_size=world_size,
         device_type=device_type, sharder=_sharder(kind))})
 
 
-def _eager(kind: str, world_size: int, device: str = "cpu", **module_args):
+def _eager(kind: str, world_size: int, device: str = "cpu", build=None, **module_args):
+    """An eager DMP of ``build`` (this file's ``_module`` by default)."""
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.types import ShardingEnv
 
     dev = torch.device(device if device == "cpu" else f"cuda:{torch.cuda.current_device()}")
-    module = _module(kind, dev, **module_args)
+    module = (build or _module)(kind, dev, **module_args)
     return DistributedModelParallel(
         module, ShardingEnv.from_process_group(dist.group.WORLD), device=dev,
         plan=_plan(module, kind, world_size, dev.type), sharders=[_sharder(kind)])
 
 
-def _on_meta(kind: str, world_size: int, cuda: bool = False, **module_args):
+def _on_meta(kind: str, world_size: int, cuda: bool = False, build=None, **module_args):
     """On meta; ``cuda``: laid out for GPUs."""
-    module = _module(kind, torch.device("meta"), **module_args)
+    module = (build or _module)(kind, torch.device("meta"), **module_args)
     plan = _plan(module, kind, world_size, "cuda" if cuda else "cpu")
     return metamat.shard_on_meta(module, plan=plan, sharders=[_sharder(kind)],
                                  compute_device="cuda" if cuda else None)
@@ -236,13 +239,10 @@ def worker_world2(rank, world_size, tmp, kind):
         _loaded_reference(kind, world_size, ckpt).state_dict()))
 
     # laid out for GPUs, on the emulated device: the same state as on the CPU
+    _emulated_gpu_layout(res, lambda: _on_meta(kind, world_size, cuda=True), ckpt, SEED, mine,
+                         lambda: _loaded_reference(kind, world_size, ckpt))
     from metamat.emulation import emulated_cuda
 
-    gpu_init, gpu_load = _on_meta(kind, world_size, cuda=True), _on_meta(kind, world_size, True)
-    with emulated_cuda():
-        metamat.materialize(gpu_init, seed=SEED)
-        metamat.materialize(gpu_load, ckpt)
-    res["emulated_init_differs"] = _same(local_blocks(gpu_init.state_dict()), mine)
     cpu_layout = _on_meta(kind, world_size)  # not laid out again for a GPU: refused
     try:
         with emulated_cuda():
@@ -251,8 +251,6 @@ def worker_world2(rank, world_size, tmp, kind):
     except metamat.UnsupportedError as e:
         res["relayout_error"] = str(e)
     res["relayout_left_meta"] = bool(no_meta_left(cpu_layout))
-    res["emulated_load_differs"] = _same(local_blocks(gpu_load.state_dict()),
-                                         local_blocks(_loaded_reference(kind, world_size, ckpt).state_dict()))
 
     # a world-1 checkpoint cannot be split at this plan's row boundaries (TorchRec's rule)
     one = os.path.join(tmp, f"{kind}-world1")
@@ -265,6 +263,20 @@ def worker_world2(rank, world_size, tmp, kind):
             res["split_error"] = str(e)
         res["victim_still_meta"] = bool(no_meta_left(victim))
     return res
+
+
+def _emulated_gpu_layout(res: dict, on_meta, ckpt: str, seed: int, init_blocks, reference):
+    """Laid out for GPUs (``on_meta()``), on the emulated device: init and load give the same
+    state as on the CPU (``init_blocks``, ``reference()``'s)."""
+    from metamat.emulation import emulated_cuda
+
+    gpu_init, gpu_load = on_meta(), on_meta()
+    with emulated_cuda():
+        metamat.materialize(gpu_init, seed=seed)
+        metamat.materialize(gpu_load, ckpt)
+    res["emulated_init_differs"] = _same(local_blocks(gpu_init.state_dict()), init_blocks)
+    res["emulated_load_differs"] = _same(local_blocks(gpu_load.state_dict()),
+                                         local_blocks(reference().state_dict()))
 
 
 def _loaded_reference(kind: str, world_size: int, ckpt: str, device: str = "cpu",
@@ -342,15 +354,20 @@ def worker_unsharded(rank, world_size, tmp, kind):
     return res
 
 
+def world_runs(kind: str, tmp: str, world2, world1, unsharded):
+    """The workers' runs, in order: world 2 (it saves the world-2 checkpoint), world 1 (it
+    loads that and saves a world-1 one), world 2 again (now with it), unsharded."""
+    first = run_dist(world2, 2, tmp, kind)
+    one = run_dist(world1, 1, tmp, kind)
+    second = run_dist(world2, 2, tmp, kind)
+    return kind, first, one, second, run_dist(unsharded, 1, tmp, kind)[0]
+
+
 @pytest.fixture(scope="module", params=["ebc", "ec"])
 def mc_runs(request, tmp_path_factory):
     kind = request.param
-    tmp = str(tmp_path_factory.mktemp(f"mc-{kind}"))
-    first = run_dist(worker_world2, 2, tmp, kind)
-    one = run_dist(worker_world1, 1, tmp, kind)
-    second = run_dist(worker_world2, 2, tmp, kind)  # now with the world-1 checkpoint
-    unsharded = run_dist(worker_unsharded, 1, tmp, kind)[0]
-    return kind, first, one, second, unsharded
+    return world_runs(kind, str(tmp_path_factory.mktemp(f"mc-{kind}")), worker_world2,
+                      worker_world1, worker_unsharded)
 
 
 @pytest.mark.multiprocess
