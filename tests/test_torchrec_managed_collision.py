@@ -351,6 +351,21 @@ def worker_unsharded(rank, world_size, tmp, kind):
             # eval: remapping without profiling, which would advance the state compared next
             res[f"{name}_{how}_out"] = torch.allclose(
                 _output(kind, target.eval()(_batch(400))), _output(kind, ref.eval()(_batch(400))))
+    # training steps (profiling: history buffers made on the module's device) alike
+    ref = _module(kind, torch.device("cpu"))
+    sd = ref.state_dict()
+    dcp.load(sd, checkpoint_id=os.path.join(tmp, f"{kind}-world2"))
+    ref.load_state_dict(sd)
+    target = _module(kind, torch.device("meta"))
+    metamat.materialize(target, os.path.join(tmp, f"{kind}-world2"), device="cpu")
+    res["meta_attrs_left"] = no_meta_left(target)
+    res["train_out"] = all(torch.allclose(_step(kind, target.train(), seed=500 + s),
+                                          _step(kind, ref.train(), seed=500 + s))
+                           for s in range(2))
+    res["meta_after_train"] = no_meta_left(target)  # history buffers on the real device
+    res["train_differs"] = _same(local_blocks(target.state_dict()),
+                                 local_blocks(ref.state_dict()), [k for k in local_blocks(
+                                     ref.state_dict()) if MC_PREFIX in k])
     return res
 
 
@@ -531,3 +546,5 @@ def test_unsharded_collection_init_and_loads_like_torchrec(mc_runs):
     for name in ("world2", "world1"):
         for how in ("meta", "live"):
             assert r[f"{name}_{how}_differs"] == [] and r[f"{name}_{how}_out"], (name, how, r)
+    assert r["meta_attrs_left"] == [] and r["meta_after_train"] == [], r
+    assert r["train_out"] and r["train_differs"] == [], r

@@ -123,10 +123,10 @@ class ModulesPart(Adapter):
             with torch.no_grad():
                 for _, m in self._loaded_mc("_mch_sorted_raw_ids"):
                     m.validate_state()
-        if "torchrec" in sys.modules:  # HashZch modules built on meta: device, logger
-            from .torchrec.managed_collision import finish_hash_zch
+        if "torchrec" in sys.modules:  # MC modules built on meta: devices, logger
+            from .torchrec.managed_collision import finish_mc_modules
 
-            finish_hash_zch({id(e.owner.module): e.owner.module for e in self.entries}.values())
+            finish_mc_modules({id(e.owner.module): e.owner.module for e in self.entries}.values())
         return n
 
     def value_sources(self) -> Dict[str, str]:

@@ -39,7 +39,7 @@ from .targets import local_blocks
 
 __all__ = ["mc_collections", "mc_targets", "check_loaded_segments", "validate_loaded",
            "unsharded_initial_values", "check_segments", "check_buckets",
-           "is_mch", "is_hash_zch", "finish_hash_zch",
+           "is_mch", "is_hash_zch", "finish_mc_modules",
            "mc_named_modules", "inference_dropped"]
 
 _INT64_MAX = torch.iinfo(torch.int64).max
@@ -176,15 +176,31 @@ def inference_dropped(named_modules) -> List[str]:
             if is_hash_zch(m) and m._is_inference and m._hash_zch_metadata is None]
 
 
-def finish_hash_zch(modules) -> None:
-    """What a HashZch module built on meta lacks once its tensors are real: the real device
-    in its and its eviction module's ``_device`` (the sharded path fixes these already) and
-    of its output offset (``_output_global_offset_tensor``, which the constructor leaves on
-    the CPU on meta), and the metrics logger its constructor skips on meta (TorchRec builds
-    one on a real device when ``tb_logging_frequency`` > 0; it holds no state)."""
+def finish_mc_modules(modules) -> None:
+    """What an MC module built on meta lacks once its tensors are real (the sharded path's
+    graph walk fixes the device attributes already; an unsharded module's are fixed here):
+
+    * MCH: the real device in ``_device``, where training builds its history buffers at the
+      first step (left meta, they would silently stay meta); a real placeholder in
+      ``_evicted_emb_indices`` (the constructor's ``torch.empty((1,))``).
+    * HashZch: the real device in its and its eviction module's ``_device``; its output
+      offset (``_output_global_offset_tensor``, left on the CPU on meta); the metrics logger
+      its constructor skips on meta (TorchRec builds one on a real device when
+      ``tb_logging_frequency`` > 0; it holds no state).
+    """
     from . import upstream
 
     for mc in modules:
+        if is_mch(mc) and not mc._mch_sorted_raw_ids.is_meta:
+            upstream.BOUNDARY.check_instance(mc)
+            device = mc._mch_sorted_raw_ids.device
+            if mc._device.type == "meta":
+                mc._device = device
+            if mc._evicted_emb_indices.is_meta:
+                mc._evicted_emb_indices = torch.empty(
+                    mc._evicted_emb_indices.shape, dtype=mc._evicted_emb_indices.dtype,
+                    device=device)
+            continue
         if not is_hash_zch(mc) or mc._hash_zch_identities.is_meta:
             continue
         upstream.BOUNDARY.check_instance(mc)

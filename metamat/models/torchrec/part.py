@@ -18,7 +18,7 @@ from .optim_keys import OptimMatch, finish_means, match_optimizer
 from .register import register
 from .tables import fill_targets, needs_write
 from .graph import slot_names
-from .managed_collision import (check_loaded_segments, finish_hash_zch, inference_dropped,
+from .managed_collision import (check_loaded_segments, finish_mc_modules, inference_dropped,
                                 mc_named_modules, validate_loaded)
 from .walk import build_plan
 
@@ -142,7 +142,7 @@ class TorchRecPart(Adapter):
         must fetch the loaded rows, and no flush may write the old ones over them)."""
         register(self.model, self.plan, alloc)
         if self.plan.mcs:
-            finish_hash_zch(m for _, m in mc_named_modules(self.plan.mcs))
+            finish_mc_modules(m for _, m in mc_named_modules(self.plan.mcs))
         if loaded:
             for emb in self._live_caches():
                 reset_cache(emb)

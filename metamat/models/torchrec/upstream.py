@@ -226,22 +226,25 @@ DECLARED: Tuple[Private, ...] = (
         "on meta while sharding"),
     _tr(MCH, "_output_global_offset", "attr", "managed_collision: this rank's first row"),
     _tr(MCH, "_zch_size", "attr", "managed_collision: this rank's rows"),
+    *[_tr(MCH, n, "attr", "managed_collision.finish_mc_modules: meta when built on meta, "
+          "the real device or a real placeholder once real")
+      for n in ("_device", "_evicted_emb_indices", "_mch_sorted_raw_ids")],
     _tr(MCH, "validate_state", "method", "managed_collision: TorchRec's load hook, run after a "
         "load"),
     _tr(HZCH, "_buckets", "attr", "managed_collision: the bucket count a checkpoint must have"),
     _tr(HZCH, "rebuild_with_output_id_range", "method", "mc_sharding: rebuilt on meta while "
         "sharding"),
-    *[_tr(HZCH, n, "attr", "managed_collision.finish_hash_zch: the metrics logger TorchRec "
+    *[_tr(HZCH, n, "attr", "managed_collision.finish_mc_modules: the metrics logger TorchRec "
           "skips on meta, built once real") for n in (
               "_scalar_logger", "_tb_logging_frequency", "_name", "_is_inference", "_device",
               "_eviction_module", "_zch_size", "_start_bucket", "_end_bucket",
               "_disable_fallback", "_output_global_offset_tensor")],
     *[_tr(HZCH, n, "attr", "managed_collision: each slot's id and eviction time, -1 when "
           "empty") for n in ("_hash_zch_identities", "_hash_zch_metadata")],
-    _tr(HZCH, "get_reserved_slots_per_bucket", "method", "managed_collision.finish_hash_zch"),
+    _tr(HZCH, "get_reserved_slots_per_bucket", "method", "managed_collision.finish_mc_modules"),
     _tr("torchrec.modules.hash_mc_metrics", "ScalarLogger", "class",
-        "managed_collision.finish_hash_zch: the logger TorchRec's constructor builds"),
-    _tr(HZCH_EVICT, "_device", "attr", "managed_collision.finish_hash_zch: meta when built "
+        "managed_collision.finish_mc_modules: the logger TorchRec's constructor builds"),
+    _tr(HZCH_EVICT, "_device", "attr", "managed_collision.finish_mc_modules: meta when built "
         "on meta"),
     # -- quantized inference modules (quant.py, quant_part.py) ----------------------------------
     _tr(SQEBC, "_tbes_configs", "attr", "its inference TBEs and their configs", "quant"),
