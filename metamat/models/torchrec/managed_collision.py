@@ -21,6 +21,15 @@ all row-wise ShardedTensors in the state_dict, and two small replicated buffers
 * Not sharded (an MC collection used as a plain module; the modules adapter): the same initial
   values as a reset (:func:`unsharded_initial_values`), the same check and re-sort after a load
   (:func:`check_segments`, ``validate_state``).
+* Multi-probe ZCH (``HashZchManagedCollisionModule``) instead of MCH: each slot's id
+  (``_hash_zch_identities``, -1 free), eviction metadata (-1), optional per-id counts (0), the
+  bucket count (``_hash_zch_bucket``, a real CPU tensor even on meta). An id is probed within
+  its bucket, so the state reshards at bucket boundaries; a load is checked for the bucket
+  count (:func:`check_buckets`); no re-sort. Serving modules drop a checkpoint's eviction
+  metadata (:func:`inference_dropped`).
+* Every MC target is loaded through a shadow copy, ``inplace=True`` included (its checks need
+  the bytes read); once real, the modules get what TorchRec's constructor skips on meta
+  (:func:`finish_mc_modules`).
 """
 from __future__ import annotations
 
