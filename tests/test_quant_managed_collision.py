@@ -69,8 +69,8 @@ def _quantize(model: nn.Module, dtype: torch.dtype) -> nn.Module:
                                additional_qconfig_spec_keys=list(mcs), additional_mapping=mcs)
 
 
-def _lookup(zch: str, kind: str, model: Model) -> torch.Tensor:
-    batch = mch._batch(400, hash_size=KINDS[zch].HASH)
+def _lookup(zch: str, kind: str, model: Model, device: str = "cpu") -> torch.Tensor:
+    batch = mch._batch(400, hash_size=KINDS[zch].HASH, device=device)
     out = model.mc(batch)
     return mch._output(kind, out)
 
@@ -79,8 +79,8 @@ def _differs(a: nn.Module, b: nn.Module) -> list:
     """Keys whose tensors differ (INT4/INT2 weights compared as their bytes)."""
     sa, sb = a.state_dict(), b.state_dict()
     return sorted(set(sa) ^ set(sb)) + [
-        k for k in sa if k in sb
-        and not torch.equal(getattr(sa[k], "elem", sa[k]), getattr(sb[k], "elem", sb[k]))]
+        k for k in sa if k in sb and not torch.equal(getattr(sa[k], "elem", sa[k]).cpu(),
+                                                     getattr(sb[k], "elem", sb[k]).cpu())]
 
 
 # TorchRec cannot build an INT4 QuantManagedCollisionEmbeddingBagCollection on meta: its
@@ -108,6 +108,49 @@ def test_float_checkpoint_into_quantized_mc_collection_like_torchrec(zch, kind, 
         assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
         assert _differs(model, reference) == []
         assert torch.equal(_lookup(zch, kind, model), _lookup(zch, kind, reference))
+
+
+@pytest.mark.parametrize("zch", ["mch", "hash"])
+def test_into_cuda_inference_tbes_on_the_emulated_device(zch, tmp_path):
+    """On a GPU: the tables into CUDA inference TBEs, the MC state on the device; the same
+    bytes as TorchRec's conversion on the CPU (the emulated device: CPU memory standing in)."""
+    import torch.distributed.checkpoint as dcp
+
+    from metamat.emulation import emulated_cuda
+
+    with process_group():
+        trained = _trained(zch, "ebc", seed=4)
+        dcp.save(trained.state_dict(), checkpoint_id=str(tmp_path / "ckpt"))
+        reference = _quantize(trained, torch.qint8)
+        model = _quantize(Model(zch, "ebc", torch.device("meta")), torch.qint8)
+        with emulated_cuda():
+            report = metamat.materialize(model, str(tmp_path / "ckpt"), device="cuda")
+    assert "emulated" in report.device and report.unexpected == []
+    assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+    assert _differs(model, reference) == []
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("zch", ["mch", "hash"])
+@pytest.mark.parametrize("kind", ["ebc", "ec"])
+def test_on_a_gpu_like_torchrecs_conversion_on_the_gpu(zch, kind, tmp_path):
+    """Into CUDA inference TBEs and MC state on the GPU: the bytes of TorchRec's conversion
+    (of the trained model on the CPU and on the GPU), and the same lookups on the GPU."""
+    import torch.distributed.checkpoint as dcp
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    with process_group():
+        trained = _trained(zch, kind, seed=5)
+        dcp.save(trained.state_dict(), checkpoint_id=str(tmp_path / "ckpt"))
+        on_gpu = Model(zch, kind, dev)
+        on_gpu.load_state_dict(trained.state_dict())
+        reference = _quantize(on_gpu, torch.qint8)
+        model = _quantize(Model(zch, kind, torch.device("meta")), torch.qint8)
+        metamat.materialize(model, str(tmp_path / "ckpt"), device="cuda")
+    assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+    assert _differs(model, _quantize(trained, torch.qint8)) == []
+    assert _differs(model, reference) == []
+    assert torch.equal(_lookup(zch, kind, model, "cuda"), _lookup(zch, kind, reference, "cuda"))
 
 
 def worker_world2(rank, world_size, tmp, zch):
