@@ -5,9 +5,9 @@ Every private name metamat uses is declared in :mod:`metamat.models.torch_upstre
 how a version gets into those ``checked`` tuples: it runs every group's check (modules,
 classes, methods, patch sites) and builds small models on meta the way metamat's users do
 (``shard_on_meta`` of an EBC with TW/RW/CW/TWRW/DP tables, FUSED and DENSE kernels, CPU and
-CUDA layouts; an EC; a managed-collision EBC; quantized EBC/EC, unsharded and sharded; FSDP2 and a DTensor; a
-ShardedTensor), then checks the declared instance attributes on every object the adapters
-would read. Nothing is materialized: no compiled core is needed, nothing big is allocated.
+CUDA layouts; an EC; a managed-collision EBC; quantized EBC/EC, unsharded and sharded, plain
+and managed-collision ones; FSDP2 and a DTensor; a ShardedTensor), then checks the declared
+instance attributes on every object the adapters would read. Nothing is materialized: no compiled core is needed, nothing big is allocated.
 
     python scripts/check_upstream.py            # exit status 1 if a name is missing
     python scripts/check_upstream.py --json     # the result per declaration
@@ -254,7 +254,46 @@ def _quant_managed_collision():
                             additional_qconfig_spec_keys=list(kinds), additional_mapping=kinds)
     mods = quant_modules(q)
     quant_mc_collections(mods)  # the declared attribute read
-    return [m for _, m in mods]
+    return [m for _, m in mods] + _sharded_quant_managed_collision(q, ebc_tables, ec_tables)
+
+
+def _sharded_quant_managed_collision(q, ebc_tables, ec_tables):
+    """TorchRec's inference sharding of the quantized MC collections (row-wise, on meta)."""
+    import copy
+
+    from metamat.models.torchrec.quant import quant_mc_collections, quant_modules
+    from metamat.models.torchrec.quant_mc import rank_mc_modules
+    from torchrec.distributed.fused_params import FUSED_PARAM_QUANT_STATE_DICT_SPLIT_SCALE_BIAS
+    from torchrec.distributed.mc_modules import InferManagedCollisionCollectionSharder
+    from torchrec.distributed.quant_embedding import (
+        QuantEmbeddingCollectionSharder, QuantManagedCollisionEmbeddingCollectionSharder)
+    from torchrec.distributed.quant_embeddingbag import (
+        QuantEmbeddingBagCollectionSharder, QuantManagedCollisionEmbeddingBagCollectionSharder)
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
+    from torchrec.distributed.types import ShardingPlan
+    from torchrec.inference.modules import shard_quant_model
+
+    fused = {FUSED_PARAM_QUANT_STATE_DICT_SPLIT_SCALE_BIAS: True}
+    sharders = {
+        "ebc": QuantManagedCollisionEmbeddingBagCollectionSharder(
+            QuantEmbeddingBagCollectionSharder(fused_params=fused),
+            InferManagedCollisionCollectionSharder()),
+        "ec": QuantManagedCollisionEmbeddingCollectionSharder(
+            QuantEmbeddingCollectionSharder(fused_params=fused),
+            InferManagedCollisionCollectionSharder())}
+    tables = {"ebc": ebc_tables, "ec": ec_tables}
+    q = copy.deepcopy(q)
+    plan = ShardingPlan({name: construct_module_sharding_plan(
+        q[name], per_param_sharding={t.name: row_wise(compute_kernel="quant")
+                                     for t in tables[name]},
+        local_size=1, world_size=1, device_type="cpu", sharder=sharders[name])
+        for name in sharders})
+    sq, _ = shard_quant_model(q, world_size=1, compute_device="cpu", sharding_device="meta",
+                              sharders=list(sharders.values()), sharding_plan=plan)
+    mods = quant_modules(sq)
+    quant_mc_collections(mods)  # the declared attributes read
+    rank_mc_modules(mods)
+    return _objects(sq)
 
 
 def _objects(model):

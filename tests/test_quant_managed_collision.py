@@ -214,33 +214,3 @@ def test_training_dmp_checkpoint_into_quantized_model_and_live_refresh(zch, tmp_
         reference = _quantize(newer, torch.qint8)
         assert _differs(model, reference) == []
         assert torch.equal(_lookup(zch, "ebc", model), _lookup(zch, "ebc", reference))
-
-
-def test_sharded_quantized_mc_collection_is_refused_by_name():
-    """TorchRec's inference sharding of a quantized MC collection: refused, naming the
-    module."""
-    from torchrec.distributed.fused_params import FUSED_PARAM_QUANT_STATE_DICT_SPLIT_SCALE_BIAS
-    from torchrec.distributed.mc_modules import InferManagedCollisionCollectionSharder
-    from torchrec.distributed.quant_embeddingbag import (
-        QuantEmbeddingBagCollectionSharder, QuantManagedCollisionEmbeddingBagCollectionSharder)
-    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
-    from torchrec.distributed.types import ShardingPlan
-    from torchrec.inference.modules import shard_quant_model
-
-    with process_group():
-        qmodel = _quantize(Model("mch", "ebc", torch.device("meta")), torch.qint8)
-        sharder = QuantManagedCollisionEmbeddingBagCollectionSharder(
-            QuantEmbeddingBagCollectionSharder(
-                fused_params={FUSED_PARAM_QUANT_STATE_DICT_SPLIT_SCALE_BIAS: True}),
-            InferManagedCollisionCollectionSharder())
-        plan = construct_module_sharding_plan(
-            qmodel.mc, per_param_sharding={t: row_wise(compute_kernel="quant")
-                                           for t in ("t0", "t1")},
-            local_size=1, world_size=1, device_type="cpu", sharder=sharder)
-        sharded, _ = shard_quant_model(qmodel, world_size=1, compute_device="cpu",
-                                       sharding_device="meta", sharders=[sharder],
-                                       sharding_plan=ShardingPlan({"mc": plan}))
-        with pytest.raises(metamat.UnsupportedError,
-                           match="mc._managed_collision_collection: sharded module type "
-                                 "ShardedQuantManagedCollisionCollection is not supported"):
-            metamat.materialize(sharded, seed=0, device="cpu")

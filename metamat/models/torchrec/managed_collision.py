@@ -46,9 +46,9 @@ from .meta_factories import recorded_value
 from .state_dict import module_state_dict
 from .targets import local_blocks
 
-__all__ = ["mc_collections", "mc_targets", "check_loaded_segments", "validate_loaded",
-           "unsharded_initial_values", "check_segments", "check_buckets",
-           "is_mch", "is_hash_zch", "finish_mc_modules",
+__all__ = ["mc_collections", "mc_targets", "mc_modules_of", "own_tensors", "initial_fill",
+           "check_loaded_segments", "validate_loaded", "unsharded_initial_values",
+           "check_segments", "check_rows", "check_buckets", "is_mch", "is_hash_zch", "finish_mc_modules",
            "mc_named_modules", "inference_dropped"]
 
 _INT64_MAX = torch.iinfo(torch.int64).max
@@ -71,7 +71,7 @@ def mc_collections(root: nn.Module) -> List[Tuple[str, nn.Module]]:
             if type(m) is cls]
 
 
-def _mc_modules(mcc: nn.Module) -> Dict[str, nn.Module]:
+def mc_modules_of(mcc: nn.Module) -> Dict[str, nn.Module]:
     """Table -> its MC module (the declared attributes checked); other kinds refused."""
     from . import upstream
 
@@ -86,13 +86,13 @@ def _mc_modules(mcc: nn.Module) -> Dict[str, nn.Module]:
     return out
 
 
-def _own_tensors(mc: nn.Module):
+def own_tensors(mc: nn.Module):
     """(name, tensor) of an MC module's own buffers and parameters (HashZch keeps its slots'
     ids as a frozen parameter)."""
     return [*mc.named_buffers(recurse=False), *mc.named_parameters(recurse=False)]
 
 
-def _initial(how: str, value: Optional[torch.Tensor]):
+def initial_fill(how: str, value: Optional[torch.Tensor]):
     """The block init_fn giving TorchRec's initial value of a buffer."""
     def fill(t: torch.Tensor, offsets) -> None:
         if how == FREE_SLOT:
@@ -119,8 +119,8 @@ def mc_targets(mcs: List[Tuple[str, nn.Module]], loading: bool,
     for name, mcc in mcs:
         prefix = f"{name}." if name else ""
         buffers = {}  # the module's own tensors: state_dict gives detached ones
-        for table, mc in _mc_modules(mcc).items():
-            for bname, buf in _own_tensors(mc):
+        for table, mc in mc_modules_of(mcc).items():
+            for bname, buf in own_tensors(mc):
                 buffers[f"{prefix}_managed_collision_modules.{table}.{bname}"] = buf
         for key, value in module_state_dict(mcc, prefix).items():
             if not isinstance(value, torch.Tensor):
@@ -141,7 +141,7 @@ def mc_targets(mcs: List[Tuple[str, nn.Module]], loading: bool,
                             "metamat.shard_on_meta")
                 # checked after the read (check_loaded_segments): never written in place
                 targets.append(Target(key, key, gshape, offsets, tuple(local.shape),
-                                      local.dtype, None, local, _initial(how, recorded),
+                                      local.dtype, None, local, initial_fill(how, recorded),
                                       shadowed=True))
     return targets
 
@@ -157,13 +157,31 @@ def check_loaded_segments(mcs: List[Tuple[str, nn.Module]],
     ``loaded``: key -> the real loaded tensor."""
     for name, mcc in mcs:
         prefix = f"{name}." if name else ""
-        for table, mc in _mc_modules(mcc).items():
+        for table, mc in mc_modules_of(mcc).items():
             key = f"{prefix}_managed_collision_modules.{table}._output_segments_tensor"
             if key in loaded:
                 check_segments(key, table, mc, loaded[key])
+            key = f"{prefix}_managed_collision_modules.{table}._mch_remapped_ids_mapping"
+            if key in loaded:
+                check_rows(key, table, mc, loaded[key])
             key = f"{prefix}_managed_collision_modules.{table}._hash_zch_bucket"
             if key in loaded:
                 check_buckets(key, table, mc, loaded[key])
+
+
+def check_rows(key: str, table: str, mc: nn.Module, loaded: torch.Tensor) -> None:
+    """An MCH module's loaded slots remap into its own rows (each slot's row,
+    ``_mch_remapped_ids_mapping``, in ``[first row, first row + rows)``), as every module
+    TorchRec trains keeps them. A state sorted as one table (an unsharded model loaded from a
+    sharded checkpoint) mixes the shards' slots: a rank would remap ids to other ranks' rows."""
+    start, end = mc._output_global_offset, mc._output_global_offset + mc._zch_size
+    outside = int(((loaded < start) | (loaded >= end)).sum())
+    if outside:
+        raise UnsupportedError(
+            f"{key}: the checkpoint's slots of rows [{start}, {end}) of table {table!r} remap "
+            f"{outside} of {loaded.numel()} ids to rows outside them: this state was sorted as "
+            "one table (a model loaded from a sharded checkpoint without being sharded the "
+            "same way), which TorchRec's MC modules cannot split into shards")
 
 
 def check_buckets(key: str, table: str, mc: nn.Module, loaded: torch.Tensor) -> None:
@@ -239,7 +257,7 @@ def mc_named_modules(mcs: List[Tuple[str, nn.Module]]) -> List[Tuple[str, nn.Mod
     """(fqn, module) of every MC module of the sharded MC collections ``mcs``."""
     return [(f"{name}._managed_collision_modules.{table}" if name
              else f"_managed_collision_modules.{table}", mc)
-            for name, mcc in mcs for table, mc in _mc_modules(mcc).items()]
+            for name, mcc in mcs for table, mc in mc_modules_of(mcc).items()]
 
 
 def validate_loaded(mcs: List[Tuple[str, nn.Module]], loaded_keys: Set[str]) -> None:
@@ -249,7 +267,7 @@ def validate_loaded(mcs: List[Tuple[str, nn.Module]], loaded_keys: Set[str]) -> 
     with torch.no_grad():
         for name, mcc in mcs:
             prefix = f"{name}." if name else ""
-            for table, mc in _mc_modules(mcc).items():
+            for table, mc in mc_modules_of(mcc).items():
                 if is_mch(mc) and f"{prefix}_managed_collision_modules.{table}."\
                         "_mch_sorted_raw_ids" in loaded_keys:
                     mc.validate_state()
@@ -299,7 +317,7 @@ def unsharded_initial_values(m: nn.Module):
                 buf.fill_(_INT64_MAX)
             else:
                 how = how_filled(name)
-                _initial(how, None)(buf, (start,) if how == OWN_ROW else (0,))
+                initial_fill(how, None)(buf, (start,) if how == OWN_ROW else (0,))
     return initial_values
 
 
@@ -315,7 +333,7 @@ def _hash_zch_initial_values(m: nn.Module):
     def initial_values() -> None:
         for name, t in {**m._buffers, **m._parameters}.items():
             if t is not None and how_filled(name) != RECORDED:
-                _initial(how_filled(name), None)(t.data, (0,))
+                initial_fill(how_filled(name), None)(t.data, (0,))
     return initial_values
 
 

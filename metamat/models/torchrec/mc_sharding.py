@@ -20,8 +20,8 @@ from torch import nn
 from ...errors import UnsupportedError
 
 __all__ = ["mc_sharding_on_meta", "refuse_unsupported_kinds", "is_mc_container",
-           "is_mc_collection", "smcc_class", "how_filled", "supported_kinds", "FREE_SLOT",
-           "OWN_ROW", "NO_ID", "ZERO", "RECORDED"]
+           "is_mc_collection", "is_quant_mc_collection", "smcc_class", "how_filled",
+           "supported_kinds", "FREE_SLOT", "OWN_ROW", "NO_ID", "ZERO", "RECORDED"]
 
 # buffer name -> how TorchRec's constructor fills it (MCHManagedCollisionModule._init_buffers;
 # HashZchManagedCollisionModule: fbgemm's create_zch_buffer and its runtime metadata)
@@ -163,3 +163,13 @@ def is_mc_collection(m: nn.Module) -> bool:
     """TorchRec's ShardedManagedCollisionCollection (training; not its quantized subclass)."""
     cls = smcc_class()
     return cls is not None and type(m) is cls
+
+
+def is_quant_mc_collection(m: nn.Module) -> bool:
+    """TorchRec's ShardedQuantManagedCollisionCollection (inference sharding): the MC state of
+    a sharded quantized MC collection, found with it (``quant_mc``)."""
+    try:
+        from torchrec.distributed.mc_modules import ShardedQuantManagedCollisionCollection
+    except ImportError:  # a TorchRec without it
+        return False
+    return type(m) is ShardedQuantManagedCollisionCollection

@@ -120,10 +120,10 @@ def is_quantized(m: nn.Module) -> bool:
 
 
 def quant_mc_collections(quant: List[Tuple[str, nn.Module]]) -> List[Tuple[str, nn.Module]]:
-    """(name, ManagedCollisionCollection) of the quantized managed-collision collections among
-    ``quant`` (``QuantManagedCollisionEmbedding[Bag]Collection``, not sharded: TorchRec's
-    sharded one is refused by name where sharded modules are found): their MC modules are
-    plain unsharded ones, for the modules adapter."""
+    """(name, MC collection) of the quantized managed-collision collections among ``quant``
+    (``QuantManagedCollisionEmbedding[Bag]Collection``, and TorchRec's inference sharding of
+    them): their MC modules (for a sharded one, the global ones: :mod:`.quant_mc`) are plain
+    unsharded ones, for the modules adapter."""
     if not quant:
         return []
     from torchrec.quant.embedding_modules import (QuantManagedCollisionEmbeddingBagCollection,
@@ -131,8 +131,10 @@ def quant_mc_collections(quant: List[Tuple[str, nn.Module]]) -> List[Tuple[str, 
 
     from . import upstream
 
+    from .quant_mc import sharded_quant_mc_classes
+
     kinds = (QuantManagedCollisionEmbeddingBagCollection,
-             QuantManagedCollisionEmbeddingCollection)
+             QuantManagedCollisionEmbeddingCollection, *sharded_quant_mc_classes())
     return [(f"{name}._managed_collision_collection" if name
              else "_managed_collision_collection",
              upstream.BOUNDARY.check_instance(m)._managed_collision_collection)

@@ -11,6 +11,9 @@ checkpoint (:mod:`.quant_keys`), fill what no checkpoint gives, register.
 * metadata: the TBE laid out for the CPU by fbgemm itself (:func:`.quant_layout.host_twin`): its
   buffers and layout attributes replace the meta ones at register time; meta devices
   (TBEs, modules, shard placements) become the CPU;
+* each rank's managed-collision modules of TorchRec's inference sharding of a quantized MC
+  collection (:mod:`.quant_mc`): their rows of the training state, or TorchRec's initial
+  values, checked and sorted again after a load as TorchRec's load hook does;
 * on a GPU (``device="cuda"``, or the emulated device): unsharded collections built on meta
   are laid out for a GPU already (DEVICE placement, ``weights_dev``); their rows are
   quantized on the host and copied to the device through two bounce buffers
@@ -38,6 +41,7 @@ from .quant import QuantTBE, find_tbes
 from .quant_layout import (device_layout, device_twin, gpu_relayout_refusal, host_layout,
                            host_twin, planned_for_gpu)
 from .quant_keys import QuantMatch, match_quant
+from .quant_mc import check_loaded, rank_mc_modules, rank_mc_targets, validate_loaded
 from .upstream import drop_quantized_weights, quantized_weights
 
 __all__ = ["QuantPart"]
@@ -94,11 +98,22 @@ class QuantPart(Adapter):
         self.storages = [StorageGroup(k, self._nbytes(k), kind="zeros")
                          for k in dict.fromkeys(storage_key(t.storage) for t in self.tbes)
                          if not (inplace and k in self.real)]  # in place: nothing to allocate
+        # each rank's MC modules of sharded quantized MC collections: one storage per tensor
+        self.ranks = rank_mc_modules(modules)
+        self.rank_state = rank_mc_targets(self.ranks, loading)
+        self.mc_keys = {storage_key(tg.tensor) for _, _, tg in self.rank_state
+                        if tg.tensor.is_meta}
+        self.storages += [StorageGroup(storage_key(tg.tensor),
+                                       tg.tensor.untyped_storage().nbytes(), kind="targets",
+                                       where=tg.fqn)
+                          for _, _, tg in self.rank_state if tg.tensor.is_meta]
+        self.loaded: Set[int] = set()  # ids of the targets a checkpoint gave (fill)
         self._check_meta()
         # one report target per table block (Report.loaded / initialized name them)
         self.targets: List[Target] = [
             Target(t.fqn, t.name, t.global_shape, (t.row0, t.col0), (t.rows, t.cols),
                    torch.uint8, tensor=t.storage) for t in self.tables]
+        self.targets += [tg for _, _, tg in self.rank_state]
         self.warnings: List[str] = [
             f"{name or '<root>'}: quant-sharded for a GPU (shard_quant_model's default "
             "compute_device='cuda') and laid out on the CPU: its lookups keep TorchRec's GPU "
@@ -171,6 +186,10 @@ class QuantPart(Adapter):
                         f"meta tensor {self.graph.path(t)} of a quantized managed-collision "
                         "collection: no adapter took it")
         theirs = {storage_key(t) for t in scan(*mccs).meta_tensors()} if mccs else set()
+        # each rank's MC modules: their tensors are targets; placeholders in plain attributes
+        # are finished once real (finish_mc_modules)
+        ranks = [r.module for r in self.ranks]
+        theirs |= {storage_key(t) for t in scan(*ranks).meta_tensors()} if ranks else set()
         for t in self.graph.meta_tensors():
             if storage_key(t) in self.keys or id(t) in replaced or storage_key(t) in theirs:
                 continue
@@ -179,7 +198,7 @@ class QuantPart(Adapter):
                                    "does not know its value")
 
     def claimed(self) -> Set[int]:
-        return set(self.keys)
+        return set(self.keys) | self.mc_keys
 
     def names(self) -> Dict[str, List[str]]:
         """Every table weight's name (what a float or a quantized checkpoint holds). A
@@ -194,12 +213,15 @@ class QuantPart(Adapter):
             head = next((h for h in heads if t.fqn.startswith(h)), None)
             out[t.fqn] = [t.fqn] if head is None else [
                 t.fqn, f"{head}_embedding_module.{t.fqn[len(head):]}"]
+        out.update({tg.fqn: [tg.fqn] for _, _, tg in self.rank_state if tg.persistent})
         return out
 
     # -- checkpoint --------------------------------------------------------------------------
 
     def checkpoint_targets(self) -> List[Target]:
-        return []  # the tables are matched by match_checkpoint (float or quantized rows)
+        """Each rank's MC state, by name (the tables are matched by match_checkpoint: float
+        or quantized rows)."""
+        return [tg for _, _, tg in self.rank_state if tg.persistent]
 
     def match_checkpoint(self, keys: Mapping[str, object], found: Mapping[str, str], *,
                          ckpt_path: str) -> QuantMatch:
@@ -263,7 +285,7 @@ class QuantPart(Adapter):
     def bind(self, alloc: Allocation, device: Optional[torch.device] = None) -> None:
         """Point the jobs at the new storages; twins of every meta view of them."""
         for t in self.graph.meta_tensors():
-            if storage_key(t) in self.keys:
+            if storage_key(t) in self.keys or storage_key(t) in self.mc_keys:
                 alloc.twin(t)
         jobs = self.init_jobs + (self.match.jobs if self.match is not None else [])
         for job in jobs:
@@ -304,7 +326,11 @@ class QuantPart(Adapter):
         from ...load.ops import default_io_threads
         from .tables import fill_targets
 
-        written = fill_support([g for g in self.storages if g.key not in self.real], [], alloc)
+        self.loaded = loaded
+        written = fill_support([g for g in self.storages if g.key not in self.real
+                                and g.key not in self.mc_keys], [], alloc)
+        written += fill_targets([tg for _, _, tg in self.rank_state if id(tg) not in loaded
+                                 and alloc.key_of(tg.tensor) is not None], seed)
         for key in self._shadowed():  # a shadow starts as the live bytes
             alloc.full(key).copy_(self.real[key].view(-1))
         threads = default_io_threads()
@@ -324,6 +350,11 @@ class QuantPart(Adapter):
             written += sum(j.nbytes for j in self.match.jobs)
         return written
 
+    def after_load(self) -> None:
+        """Each rank's loaded MC state checked as TorchRec's load hook will check it, before
+        anything is swapped in."""
+        check_loaded(self.rank_state, self.loaded)
+
     # -- register ----------------------------------------------------------------------------
 
     def register(self, alloc: Allocation, loaded: bool = False) -> int:
@@ -331,7 +362,8 @@ class QuantPart(Adapter):
         layout: buffers, offsets, placements, specs); meta devices become the CPU."""
         twins = alloc.twins()
         # its own twins (bind's); the modules adapter swaps its own (quantized MC state)
-        own = {id(t) for t in self.graph.meta_tensors() if storage_key(t) in self.keys}
+        own = {id(t) for t in self.graph.meta_tensors()
+               if storage_key(t) in self.keys or storage_key(t) in self.mc_keys}
         n = 0
         for old_id, new in twins.items():
             if old_id not in own:
@@ -367,4 +399,10 @@ class QuantPart(Adapter):
                 d[key] = dev
             elif isinstance(v, str) and v == "meta":
                 d[key] = str(dev)
+        if self.ranks:  # devices, placeholders, loggers; TorchRec's load hook after a load
+            from .managed_collision import finish_mc_modules
+
+            finish_mc_modules(r.module for r in self.ranks)
+            if loaded:
+                validate_loaded(self.rank_state, self.loaded)
         return n

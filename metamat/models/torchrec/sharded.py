@@ -62,10 +62,11 @@ def _is_container(m: nn.Module) -> bool:
     """A sharded module whose tables are a ShardedEmbeddingBagCollection child (found on its
     own by ``named_modules``) and whose other state is ordinary modules and tensors: TorchRec's
     ShardedFeatureProcessedEmbeddingBagCollection (position-weighted features); or a sharded
-    managed-collision collection, its parts found on their own (``managed_collision``)."""
-    from .mc_sharding import is_mc_collection, is_mc_container
+    managed-collision collection, its parts found on their own (``managed_collision``; the
+    quantized one's by the quantized adapter, ``quant_mc``)."""
+    from .mc_sharding import is_mc_collection, is_mc_container, is_quant_mc_collection
 
-    if is_mc_container(m) or is_mc_collection(m):
+    if is_mc_container(m) or is_mc_collection(m) or is_quant_mc_collection(m):
         return True
     try:
         from torchrec.distributed.fp_embeddingbag import (

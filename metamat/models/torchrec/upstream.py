@@ -84,6 +84,10 @@ INFERENCE = "fbgemm_gpu.split_table_batched_embeddings_ops_inference"
 INFER_TBE = f"{INFERENCE}.IntNBitTableBatchedEmbeddingBagsCodegen"
 FBGEMM_OPS = "torch.ops.fbgemm"
 SMCC = "torchrec.distributed.mc_modules.ShardedManagedCollisionCollection"
+SQMCC = "torchrec.distributed.mc_modules.ShardedQuantManagedCollisionCollection"
+SQMCEBC = ("torchrec.distributed.quant_embeddingbag."
+           "ShardedQuantManagedCollisionEmbeddingBagCollection")
+SQMCEC = "torchrec.distributed.quant_embedding.ShardedQuantManagedCollisionEmbeddingCollection"
 MCC = "torchrec.modules.mc_modules.ManagedCollisionCollection"
 MCH = "torchrec.modules.mc_modules.MCHManagedCollisionModule"
 HZCH = "torchrec.modules.hash_mc_modules.HashZchManagedCollisionModule"
@@ -254,7 +258,12 @@ DECLARED: Tuple[Private, ...] = (
     _tr(QEBC, "_table_name_to_quantized_weights", "attr", "meta copies dropped at register",
         "quant"),
     *[_tr(cls, "_managed_collision_collection", "attr", "quant.quant_mc_collections: the "
-          "MC state, the modules adapter's", "quant") for cls in (QMCEBC, QMCEC)],
+          "MC state, the modules adapter's", "quant")
+      for cls in (QMCEBC, QMCEC, SQMCEBC, SQMCEC)],
+    _tr(SQMCC, "_managed_collision_modules", "attr", "quant.quant_mc_collections: the global "
+        "MC modules, the modules adapter's", "quant"),
+    *[_tr(SQMCC, n, "attr", "quant_mc.rank_mc_modules: each rank's MC modules and rows",
+          "quant") for n in ("_managed_collision_modules_per_rank", "_shard_metadata_per_rank")],
     _tr(QEC, "_emb_modules", "attr", "its inference TBEs", "quant"),
     _tr(QEC, "_key_to_tables", "attr", "the tables of each TBE", "quant"),
     _tr(QEC, "_table_name_to_quantized_weights", "attr", "meta copies dropped at register",
