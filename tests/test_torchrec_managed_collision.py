@@ -548,3 +548,21 @@ def test_unsharded_collection_init_and_loads_like_torchrec(mc_runs):
             assert r[f"{name}_{how}_differs"] == [] and r[f"{name}_{how}_out"], (name, how, r)
     assert r["meta_attrs_left"] == [] and r["meta_after_train"] == [], r
     assert r["train_out"] and r["train_differs"] == [], r
+
+
+def test_a_rank_whose_slots_remap_outside_its_rows_is_refused():
+    """A rank's loaded MCH slots must remap into its own rows (every module TorchRec trains
+    keeps them there); slots of a state sorted as one table point at other ranks' rows."""
+    from torchrec.modules.mc_modules import LRU_EvictionPolicy, MCHManagedCollisionModule
+
+    from metamat.models.torchrec.managed_collision import check_rows
+
+    mc = MCHManagedCollisionModule(zch_size=32, device=torch.device("cpu"),
+                                   eviction_policy=LRU_EvictionPolicy(), eviction_interval=1,
+                                   input_hash_size=HASH, output_global_offset=32,
+                                   output_segments=[0, 32, 64])
+    check_rows("k", "t0", mc, 32 + torch.randperm(32))  # its own rows, any order
+    mixed = torch.arange(16, 48)
+    with pytest.raises(metamat.UnsupportedError, match=r"k: the checkpoint's slots of rows "
+                       r"\[32, 64\) of table 't0' remap 16 of 32 ids to rows outside them"):
+        check_rows("k", "t0", mc, mixed)
