@@ -20,8 +20,9 @@ from torch import nn
 from ...errors import UnsupportedError
 
 __all__ = ["mc_sharding_on_meta", "refuse_unsupported_kinds", "is_mc_container",
-           "is_mc_collection", "is_quant_mc_collection", "smcc_class", "how_filled",
-           "supported_kinds", "FREE_SLOT", "OWN_ROW", "NO_ID", "ZERO", "RECORDED"]
+           "is_mc_collection", "is_quant_mc_collection", "sharded_quant_mc_classes",
+           "smcc_class", "how_filled", "supported_kinds", "FREE_SLOT", "OWN_ROW", "NO_ID", "ZERO",
+           "RECORDED"]
 
 # buffer name -> how TorchRec's constructor fills it (MCHManagedCollisionModule._init_buffers;
 # HashZchManagedCollisionModule: fbgemm's create_zch_buffer and its runtime metadata)
@@ -173,3 +174,15 @@ def is_quant_mc_collection(m: nn.Module) -> bool:
     except ImportError:  # a TorchRec without it
         return False
     return type(m) is ShardedQuantManagedCollisionCollection
+
+
+def sharded_quant_mc_classes() -> tuple:
+    """TorchRec's inference-sharded quantized MC collections (EBC, EC); () without them."""
+    try:
+        from torchrec.distributed.quant_embedding import (
+            ShardedQuantManagedCollisionEmbeddingCollection as SQMCEC)
+        from torchrec.distributed.quant_embeddingbag import (
+            ShardedQuantManagedCollisionEmbeddingBagCollection as SQMCEBC)
+    except ImportError:  # pragma: no cover - a TorchRec without them
+        return ()
+    return SQMCEBC, SQMCEC

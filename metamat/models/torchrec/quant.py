@@ -131,7 +131,7 @@ def quant_mc_collections(quant: List[Tuple[str, nn.Module]]) -> List[Tuple[str, 
 
     from . import upstream
 
-    from .quant_mc import sharded_quant_mc_classes
+    from .mc_sharding import sharded_quant_mc_classes
 
     kinds = (QuantManagedCollisionEmbeddingBagCollection,
              QuantManagedCollisionEmbeddingCollection, *sharded_quant_mc_classes())

@@ -31,10 +31,10 @@ from ...errors import UnsupportedError
 from ...plan import Target
 from .managed_collision import (check_buckets, check_rows, check_segments, initial_fill,
                                 is_mch, mc_modules_of, own_tensors)
-from .mc_sharding import RECORDED, how_filled
+from .mc_sharding import RECORDED, how_filled, sharded_quant_mc_classes
 
-__all__ = ["RankMC", "RankTarget", "sharded_quant_mc_classes", "rank_mc_modules",
-           "rank_mc_targets", "check_loaded", "validate_loaded"]
+__all__ = ["RankMC", "RankTarget", "rank_mc_modules", "rank_mc_targets", "check_loaded",
+           "validate_loaded"]
 
 _INT64_MAX = torch.iinfo(torch.int64).max
 
@@ -56,18 +56,6 @@ class RankMC:
     offset: int
     rows: int
     segments: List[int]
-
-
-def sharded_quant_mc_classes() -> tuple:
-    """TorchRec's sharded quantized MC collections (EBC, EC); () without them."""
-    try:
-        from torchrec.distributed.quant_embedding import (
-            ShardedQuantManagedCollisionEmbeddingCollection as SQMCEC)
-        from torchrec.distributed.quant_embeddingbag import (
-            ShardedQuantManagedCollisionEmbeddingBagCollection as SQMCEBC)
-    except ImportError:  # pragma: no cover - a TorchRec without them
-        return ()
-    return SQMCEBC, SQMCEC
 
 
 def rank_mc_modules(modules: List[Tuple[str, nn.Module]]) -> List[RankMC]:
