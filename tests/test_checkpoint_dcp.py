@@ -99,3 +99,31 @@ def test_two_rank_row_blocks_amplification(dcp_dir, reader):
     stats = load_targets([t], ck)
     assert torch.equal(t.tensor, sd["rw"][100:220])
     assert stats.read_amplification <= 1.05
+
+
+@pytest.mark.parametrize("saved,readable", [(torch.uint8, True), (torch.float16, True),
+                                            (torch.int64, False), (torch.bfloat16, False)])
+def test_float32_metadata_over_quantized_chunks(tmp_path, saved, readable):
+    """TorchRec's quantized ShardedTensors keep ShardedTensor's default float32 in the DCP
+    metadata over uint8 rows and float16 scales: read as what the chunks hold. Any other
+    disagreement is refused, naming the tensor."""
+    import torch.distributed.checkpoint as dcp
+
+    from hostile_gen import dcp_md_edit
+    from metamat.checkpoint import DtypeMismatchError
+
+    x = torch.arange(24).reshape(4, 6).to(saved)
+    dcp.save({"q": x}, checkpoint_id=str(tmp_path))
+
+    def relabel(md):
+        md.state_dict_metadata["q"].properties.dtype = torch.float32
+    dcp_md_edit(str(tmp_path), relabel)
+    if not readable:
+        with pytest.raises(DtypeMismatchError, match="metadata says torch.float32"):
+            open_checkpoint(str(tmp_path))
+        return
+    ck = open_checkpoint(str(tmp_path))
+    assert ck.tensors()["q"].dtype == saved
+    out = torch.empty(4, 6, dtype=saved)
+    load_targets([Target("q", "q", (4, 6), (0, 0), (4, 6), saved, tensor=out)], ck)
+    assert torch.equal(out, x)

@@ -108,6 +108,30 @@ def _rank_modules(model) -> dict:
             for t, m in mcs.items()}
 
 
+def _rank_state_differs(model, ref) -> list:
+    """What of each rank's MC modules differs from TorchRec's, beyond the state_dict: every
+    buffer (``_mch_slots``, ``_delimiter`` are not saved), the output offset, the row
+    boundaries' alias TorchRec's load hook restores, the device."""
+    bad = []
+    ours, theirs = _rank_modules(model), _rank_modules(ref)
+    assert ours.keys() == theirs.keys()
+    for key, (m, _) in ours.items():
+        r = theirs[key][0]
+        a, b = dict(m.named_buffers()), dict(r.named_buffers())
+        bad += [(key, n) for n in sorted(set(a) | set(b))
+                if n not in a or n not in b or not torch.equal(a[n], b[n])]
+        if hasattr(r, "_init_output_segments_tensor"):  # MCH
+            if m._init_output_segments_tensor is not m._output_segments_tensor:
+                bad.append((key, "_init_output_segments_tensor"))
+        off, want = getattr(m, "_output_global_offset_tensor", None), \
+            getattr(r, "_output_global_offset_tensor", None)
+        if (off is None) != (want is None) or (off is not None and not torch.equal(off, want)):
+            bad.append((key, "_output_global_offset_tensor"))
+        if m._device != r._device:
+            bad.append((key, "_device"))
+    return bad
+
+
 def _forward(kind: str, model, batch) -> torch.Tensor:
     with qm.propagate_device():
         return mch._output(kind, model.mc(batch))
@@ -208,9 +232,7 @@ def test_training_checkpoint_like_torchrecs_own_sharding(zch, kind, tmp_path):
         report = metamat.materialize(model, ckpt, device="cpu")
         assert report.unexpected == []
         assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
-        assert _differs(model, ref) == []
-        for (r, t), (m, _) in _rank_modules(model).items():
-            assert m._device == CPU, (r, t)
+        assert _differs(model, ref) == [] and _rank_state_differs(model, ref) == []
         batch = _batch(zch)
         assert torch.equal(_forward(kind, model, batch), _forward(kind, ref, batch))
         seen = _seen_ids_batch(zch, kind, unsharded)
@@ -231,9 +253,31 @@ def test_init_like_torchrecs_own_sharding(zch, kind):
         model = _on_meta(zch, kind)
         metamat.materialize(model, seed=3, device="cpu")
         assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
-        assert _differs(model, ref) == []
+        assert _differs(model, ref) == [] and _rank_state_differs(model, ref) == []
         batch = _batch(zch)
         assert torch.equal(_forward(kind, model, batch), _forward(kind, ref, batch))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("zch", ["mch", "hash"])
+def test_the_served_models_own_checkpoint_loads_back(zch, tmp_path):
+    """The sharded model's own state_dict saved by DCP (each rank's MC modules and its views
+    of the tables under their own names; the global MCH modules sorted as one table) into the
+    model on meta: each rank reads its own modules' state; the same state and lookups."""
+    import torch.distributed.checkpoint as dcp
+
+    ckpt = _training_checkpoint(tmp_path, zch, "ebc")
+    with process_group():
+        served = _on_meta(zch, "ebc")
+        metamat.materialize(served, ckpt, device="cpu")
+        dcp.save(served.state_dict(), checkpoint_id=str(tmp_path / "own"))
+        model = _on_meta(zch, "ebc")
+        report = metamat.materialize(model, str(tmp_path / "own"), device="cpu")
+        assert report.unexpected == [] and report.initialized == []
+        assert any("._mcc_remapper.zchs." in n for n in report.loaded)
+        assert _differs(model, served) == [] and _rank_state_differs(model, served) == []
+        batch = _batch(zch)
+        assert torch.equal(_forward("ebc", model, batch), _forward("ebc", served, batch))
 
 
 def _still_on_meta(model) -> bool:

@@ -15,6 +15,7 @@ pytest.importorskip("torchrec")
 pytest.importorskip("fbgemm_gpu")
 
 import metamat  # noqa: E402
+from metamat.checkpoint import ShapeMismatchError  # noqa: E402
 from metamat.load.quantize import QuantizedCheckpointError, quantize_reference  # noqa: E402
 
 from _dist import run_dist  # noqa: E402
@@ -190,6 +191,31 @@ def test_quantized_checkpoints_load(tmp_path):
     ref = shard(q4, sharder, plan, 2, "cpu")
     ref.load_state_dict(q4.state_dict())
     check(ref, got, tables, "int4 cw from quantized")
+
+
+@pytest.mark.parametrize("kind", ["rw", "cw"])
+def test_a_sharded_models_own_dcp_checkpoint_loads_back(tmp_path, kind):
+    """A quant-sharded model's own state_dict saved by DCP (TorchRec's ShardedTensors say
+    float32 in the metadata over uint8 rows and float16 scales; torch's dcp.load cannot load it
+    back) into the same sharding on meta: the same bytes."""
+    import torch.distributed.checkpoint as dcp
+
+    tables = ebc_tables(dims=(16, 32, 48), rows=(37, 3, 100))
+    sharder = sharder_for(kind, tables)
+    q = meta_quant(tables, "int8", True)
+    plan = quant_plan(q, sharder, 2)
+    served = shard(q, sharder, plan, 2, "meta")
+    metamat.materialize(served, seed=4)
+    dcp.save(served.state_dict(), checkpoint_id=str(tmp_path / "own"))
+    got = shard(q, sharder, plan, 2, "meta")
+    report = metamat.materialize(got, str(tmp_path / "own"))
+    assert report.unexpected == [] and report.initialized == []
+    check(served, got, tables, f"own {kind} checkpoint")
+    if kind == "cw":  # per-column-shard scales: another column split is refused, named
+        wider = quant_plan(q, sharder, 2, min_partition=16)
+        with pytest.raises(ShapeMismatchError, match=r"weight_qscale.<i>: the checkpoint's "
+                           r"table is saved in 4 column shards, this model's in 2"):
+            metamat.materialize(shard(q, sharder, wider, 2, "meta"), str(tmp_path / "own"))
 
 
 def test_quantized_checkpoint_into_float_model_is_refused(tmp_path):

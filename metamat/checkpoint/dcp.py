@@ -180,6 +180,25 @@ def _check_range(f: str, fsize: int, fqn: str, offs, info) -> None:
                                  f"has {fsize}", file=f, tensor=fqn)
 
 
+#: the dtypes of a quantized collection's sharded state (_check_chunk_dtype)
+_SHARDED_QUANT_DTYPES = (torch.uint8, torch.float16)
+
+
+def _check_chunk_dtype(entry: TensorEntry, dtype: torch.dtype, what: str, f: str) -> None:
+    """A chunk's dtype is its tensor's. One exception, TorchRec's: the sharded state_dict of a
+    quantized collection (ShardedTensors of uint8 rows, float16 scales and biases) keeps
+    ShardedTensor's default float32 in its metadata, which DCP saves. A float32 tensor whose
+    first chunk is uint8 or float16 is read as that dtype (as torch's dcp.load reads what the
+    chunks hold), and every other chunk must be of it too."""
+    if dtype == entry.dtype:
+        return
+    if entry.dtype == torch.float32 and dtype in _SHARDED_QUANT_DTYPES and not entry.chunks:
+        entry.dtype = dtype
+        return
+    raise DtypeMismatchError(f"{what} is {dtype}, metadata says {entry.dtype}", file=f,
+                             tensor=entry.name)
+
+
 def _add_torch_save_chunks(entries: Dict[str, TensorEntry], f: str, fh, fsize: int,
                            items) -> None:
     """Locate every torch.save blob of one data file: every blob's zip records are found in
@@ -238,9 +257,7 @@ def _add_parsed_chunk(entry: TensorEntry, f: str, ref, records, offs, sizes, inf
     if not isinstance(ref, TensorRef):
         raise InvalidHeaderError(f"blob at {info.offset} holds {type(ref).__name__}, "
                                  "not a tensor", file=f, tensor=entry.name)
-    if ref.storage.dtype != entry.dtype:
-        raise DtypeMismatchError(f"chunk at {offs} is {ref.storage.dtype}, metadata says "
-                                 f"{entry.dtype}", file=f, tensor=entry.name)
+    _check_chunk_dtype(entry, ref.storage.dtype, f"chunk at {offs}", f)
     if ref.size != sizes:
         raise ShapeMismatchError(f"chunk at {offs} has shape {ref.size}, metadata says {sizes}",
                                  file=f, tensor=entry.name)
@@ -283,9 +300,7 @@ def _add_safetensors_chunks(entries: Dict[str, TensorEntry], f: str, items) -> N
         if saved != offs:
             raise InvalidHeaderError(f"file holds the chunk at {saved}, metadata expects {offs}",
                                      file=f, tensor=fqn)
-        if dtype != e.dtype:
-            raise DtypeMismatchError(f"chunk is {dtype}, metadata says {e.dtype}",
-                                     file=f, tensor=fqn)
+        _check_chunk_dtype(e, dtype, "chunk", f)
         if shape != sizes:
             raise ShapeMismatchError(f"chunk has shape {shape}, metadata says {sizes}",
                                      file=f, tensor=fqn)

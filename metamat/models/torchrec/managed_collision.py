@@ -87,9 +87,10 @@ def mc_modules_of(mcc: nn.Module) -> Dict[str, nn.Module]:
 
 
 def own_tensors(mc: nn.Module):
-    """(name, tensor) of an MC module's own buffers and parameters (HashZch keeps its slots'
-    ids as a frozen parameter)."""
-    return [*mc.named_buffers(recurse=False), *mc.named_parameters(recurse=False)]
+    """(name, tensor) of an MC module's own buffers and parameters, each once (HashZch keeps
+    its slots' ids as a frozen parameter, and its ``named_buffers`` lists its parameters too)."""
+    return list({**dict(mc.named_buffers(recurse=False)),
+                 **dict(mc.named_parameters(recurse=False))}.items())
 
 
 def initial_fill(how: str, value: Optional[torch.Tensor]):

@@ -13,7 +13,9 @@ model prefix), by the saved dtype:
   TorchRec's formats: split (``weight`` holds the data, ``weight_qscale``/``weight_qbias``
   the fp16 scale and bias) or whole rows (``weight`` holds fbgemm's rows, scale/bias
   included, padded to any alignment). INT4/INT2 weights are saved as their uint8 bytes
-  (``(rows, dim * bits / 8)``, what TorchRec's ``UInt4Tensor``/``UInt2Tensor`` hold).
+  (``(rows, dim * bits / 8)``, what TorchRec's ``UInt4Tensor``/``UInt2Tensor`` hold). A
+  column-wise sharded model's own state has one ``weight_qscale.<i>``/``weight_qbias.<i>`` per
+  column shard: it reloads into the same column split.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from typing import Dict, List, Mapping, Set, Tuple
 
 import torch
 
-from ...checkpoint.errors import DtypeMismatchError, ShapeMismatchError
+from ...checkpoint.errors import DtypeMismatchError, MissingTensorError, ShapeMismatchError
 from ...errors import UnsupportedError
 from ...load.quantize import INT_KINDS, QuantJob, QuantOut
 from ...plan import Target, storage_key
@@ -100,6 +102,9 @@ def _raw_blocks(tables: List[QuantTable], fqn: str, ck: str, keys: Mapping[str, 
     base = ck[: -len("weight")]
     qs, qb = base + "weight_qscale", base + "weight_qbias"
     split = t0.kind in INT_KINDS and qs in keys and qb in keys
+    # a column-wise sharded model's own state: one scale and bias per row and column shard
+    per_shard = t0.kind in INT_KINDS and not split and f"{qs}.0" in keys and f"{qb}.0" in keys
+    split = split or per_shard
     if len(shape) != 2 or shape[0] != nrows:
         raise ShapeMismatchError(f"quantized checkpoint shape {shape} does not hold "
                                  f"{nrows} rows of table {t0.name!r}", file=path, tensor=fqn)
@@ -124,8 +129,14 @@ def _raw_blocks(tables: List[QuantTable], fqn: str, ck: str, keys: Mapping[str, 
         if t.kind not in INT_KINDS:
             continue
         if split:
-            for key, name, off in ((qs, "weight_qscale", 0), (qb, "weight_qbias", 2)):
-                q = keys[key]
+            suffix = f".{_column_shard(t, keys, qs, path)}" if per_shard else ""
+            for key, name, off in ((qs + suffix, "weight_qscale" + suffix, 0),
+                                   (qb + suffix, "weight_qbias" + suffix, 2)):
+                q = keys.get(key)
+                if q is None:
+                    raise MissingTensorError(f"{key} is missing: the checkpoint's column shards "
+                                             f"of table {t0.name!r} are not this model's",
+                                             file=path, tensor=t.prefix + name)
                 if q.dtype != torch.float16 or tuple(q.global_shape) != (nrows, 1):
                     raise ShapeMismatchError(f"{key}: {q.dtype} {tuple(q.global_shape)}, "
                                              f"expected torch.float16 ({nrows}, 1)",
@@ -140,6 +151,27 @@ def _raw_blocks(tables: List[QuantTable], fqn: str, ck: str, keys: Mapping[str, 
             m.load.append(Target(fqn, t.name, shape, (t.row0, sb_col), (t.rows, 4), torch.uint8,
                                  tensor=byte_view(t, t.sb_offset, 4)))
     m.keys[fqn] = ck
+
+
+def _column_shard(t: QuantTable, keys: Mapping[str, object], qs: str, path: str) -> int:
+    """The index of block ``t``'s column shard among its table's (TorchRec saves a column-wise
+    sharded table's scales as ``weight_qscale.<index>``, one per shard, in column order). The
+    checkpoint must hold as many as the model's table has shards: a scale belongs to its
+    columns, another split would need the rows quantized again."""
+    md = getattr(getattr(t.config, "global_metadata", None), "shards_metadata", None)
+    if not md:
+        raise UnsupportedError(f"{t.fqn}: per-column-shard scales ({qs}.<i>) in the "
+                               "checkpoint, and this table is not column-wise sharded")
+    cols = sorted({int(s.shard_offsets[1]) for s in md})
+    saved = 0
+    while f"{qs}.{saved}" in keys:
+        saved += 1
+    if saved != len(cols) or t.col0 not in cols:
+        raise ShapeMismatchError(f"{qs}.<i>: the checkpoint's table is saved in {saved} column "
+                                 f"shards, this model's in {len(cols)} (at columns {cols}): "
+                                 "quantized rows reload only into the same column split",
+                                 file=path, tensor=t.fqn)
+    return cols.index(t.col0)
 
 
 def match_quant(tables: List[QuantTable], keys: Mapping[str, object],

@@ -22,7 +22,7 @@ of MC modules:
 from __future__ import annotations
 
 import dataclasses
-from typing import List, Set, Tuple
+from typing import Dict, List, Set, Tuple
 
 import torch
 from torch import nn
@@ -33,8 +33,8 @@ from .managed_collision import (check_buckets, check_rows, check_segments, initi
                                 is_mch, mc_modules_of, own_tensors)
 from .mc_sharding import RECORDED, how_filled, sharded_quant_mc_classes
 
-__all__ = ["RankMC", "RankTarget", "rank_mc_modules", "rank_mc_targets", "check_loaded",
-           "validate_loaded"]
+__all__ = ["RankMC", "RankTarget", "rank_mc_modules", "rank_mc_targets", "match_own_state",
+           "check_loaded", "validate_loaded"]
 
 _INT64_MAX = torch.iinfo(torch.int64).max
 
@@ -153,6 +153,36 @@ def rank_mc_targets(ranks: List[RankMC], loading: bool) -> List[RankTarget]:
             out.append((r, bname, Target(fqn, fqn, gshape, offsets, tuple(t.shape), t.dtype,
                                          None, t, init, persistent=kept, shadowed=True)))
     return out
+
+
+def match_own_state(items: List[RankTarget], keys, prefix: str,
+                    loaded_tables: Set[str]) -> Tuple[Dict[str, str], Set[str]]:
+    """A sharded quantized model's own checkpoint (its ``state_dict``, saved by DCP) holds each
+    rank's MC modules under their own names, whole, and each rank's view of its tables
+    (``<m>._mcebc_lookup.<s>.<rank>._ebc_lookup.<table>.weight``, ``_mcec_lookup`` /
+    ``_ec_lookup`` for an EC), the same bytes as the tables' ShardedTensor blocks. A rank
+    target whose own name ``keys`` holds reads it (instead of its block of the global tensor:
+    the target is renamed); the table views of the tables the checkpoint gives
+    (``loaded_tables``: table names) are taken as read. Returns (target name -> checkpoint
+    key, checkpoint keys taken)."""
+    names: Dict[str, str] = {}
+    used: Set[str] = set()
+    lookups = set()
+    for r, bname, tg in items:
+        lookups.add(r.fqn.split("._mcc_remapper.")[0])
+        own = f"{r.fqn}.{bname}"
+        if not tg.persistent or prefix + own not in keys:
+            continue
+        tg.fqn = tg.key = own
+        tg.global_shape, tg.offsets = tg.local_shape, (0,) * len(tg.local_shape)
+        names[own] = prefix + own
+        used.add(prefix + own)
+    for lookup in lookups:
+        for view in ("_ebc_lookup", "_ec_lookup"):
+            head = f"{prefix}{lookup}.{view}."
+            used |= {k for k in keys if k.startswith(head)
+                     and k[len(head):].split(".")[0] in loaded_tables}
+    return names, used
 
 
 def check_loaded(items: List[RankTarget], loaded: Set[int]) -> None:

@@ -41,7 +41,9 @@ from .quant import QuantTBE, find_tbes
 from .quant_layout import (device_layout, device_twin, gpu_relayout_refusal, host_layout,
                            host_twin, planned_for_gpu)
 from .quant_keys import QuantMatch, match_quant
-from .quant_mc import check_loaded, rank_mc_modules, rank_mc_targets, validate_loaded
+from .managed_collision import finish_mc_modules, is_mch
+from .quant_mc import (check_loaded, match_own_state, rank_mc_modules, rank_mc_targets,
+                       validate_loaded)
 from .upstream import drop_quantized_weights, quantized_weights
 
 __all__ = ["QuantPart"]
@@ -186,10 +188,10 @@ class QuantPart(Adapter):
                         f"meta tensor {self.graph.path(t)} of a quantized managed-collision "
                         "collection: no adapter took it")
         theirs = {storage_key(t) for t in scan(*mccs).meta_tensors()} if mccs else set()
-        # each rank's MC modules: their tensors are targets; placeholders in plain attributes
-        # are finished once real (finish_mc_modules)
-        ranks = [r.module for r in self.ranks]
-        theirs |= {storage_key(t) for t in scan(*ranks).meta_tensors()} if ranks else set()
+        # each rank's MC modules: their tensors are targets; MCH's placeholder is replaced
+        # once real (finish_mc_modules); any other meta tensor of theirs is refused below
+        theirs |= self.mc_keys | {storage_key(r.module._evicted_emb_indices) for r in self.ranks
+                                  if is_mch(r.module)}
         for t in self.graph.meta_tensors():
             if storage_key(t) in self.keys or id(t) in replaced or storage_key(t) in theirs:
                 continue
@@ -227,7 +229,8 @@ class QuantPart(Adapter):
                          ckpt_path: str) -> QuantMatch:
         """What the checkpoint gives each table (:func:`.quant_keys.match_quant`). The TBE
         metadata a quantized model's own state_dict holds (``register_tbes``: ``<module>.tbes.
-        <i>.<buffer>``) is taken as read: metamat lays every TBE out itself."""
+        <i>.<buffer>``) is taken as read: metamat lays every TBE out itself. An
+        inference-sharded MC collection's own state: :func:`.quant_mc.match_own_state`."""
         self.match = match_quant(self.tables, keys, found, path=ckpt_path)
         self._loaded_names = set(self.match.tables)
         prefix = next((found[t.fqn][:len(found[t.fqn]) - len(t.fqn)] for t in self.tables
@@ -236,6 +239,11 @@ class QuantPart(Adapter):
             head = f"{prefix}{name}." if name else prefix
             self.match.used |= {head + b for b, _ in m.named_buffers()
                                 if b.startswith("tbes.") and head + b in keys}
+        if self.rank_state:  # a sharded MC collection's own checkpoint: each rank's names
+            tables = {t.name for t in self.tables if t.fqn in self.match.tables}
+            names, used = match_own_state(self.rank_state, keys, prefix, tables)
+            self.match.keys.update(names)
+            self.match.used |= used
         return self.match
 
     def plan_reads(self, view, dtype):
@@ -400,8 +408,6 @@ class QuantPart(Adapter):
             elif isinstance(v, str) and v == "meta":
                 d[key] = str(dev)
         if self.ranks:  # devices, placeholders, loggers; TorchRec's load hook after a load
-            from .managed_collision import finish_mc_modules
-
             finish_mc_modules(r.module for r in self.ranks)
             if loaded:
                 validate_loaded(self.rank_state, self.loaded)
