@@ -319,6 +319,31 @@ def test_state_sorted_as_one_table_is_refused(tmp_path):
         assert _still_on_meta(model)
 
 
+def worker_dmp_refuses(rank, world_size, ckpt):
+    """A training DMP on meta (row-wise, 2 ranks) refuses the state sorted as one table."""
+    model = mch._on_meta("ebc", world_size)
+    with pytest.raises(metamat.UnsupportedError, match=r"_mch_remapped_ids_mapping: the "
+                       r"checkpoint's slots of rows \[(0, 32|32, 64)\) of table 't0' remap"):
+        metamat.materialize(model, ckpt)
+    return all(t.is_meta for t in model.parameters())
+
+
+@pytest.mark.multiprocess
+def test_state_sorted_as_one_table_is_refused_by_a_training_dmp_too(tmp_path):
+    """The same check on TorchRec's training sharding: each rank's slots must remap into its
+    own rows; the model stays on meta."""
+    import torch.distributed.checkpoint as dcp
+
+    ckpt = _training_checkpoint(tmp_path, "mch", "ebc")
+    with process_group():
+        float_model = qmc.Model("mch", "ebc", CPU)
+        sd = float_model.state_dict()
+        dcp.load(sd, checkpoint_id=ckpt)
+        float_model.load_state_dict(sd)  # TorchRec's load hook sorts the slots as one table
+        dcp.save(float_model.mc.state_dict(), checkpoint_id=str(tmp_path / "sorted"))
+    assert run_dist(worker_dmp_refuses, WORLD, str(tmp_path / "sorted")) == [True, True]
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("zch", ["mch", "hash"])
 def test_live_model_refreshed_from_a_newer_checkpoint(zch, tmp_path):
