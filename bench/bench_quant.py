@@ -18,6 +18,12 @@ checkpoint is read once before the runs): both methods read the same cached byte
 
     python bench/bench_quant.py --size-gib 2 --reps 3      # or: bench/materialize.py --mode quant
     python bench/bench_quant.py --device cuda              # into CUDA inference TBEs (a GPU)
+    python bench/bench_quant.py --ranks 2                  # quant-sharded row-wise (one process)
+
+With ``--ranks N`` the quantized model is TorchRec's inference sharding of it, every table
+row-wise over N ranks of one process (``shard_quant_model``, split scale/bias, CPU): TorchRec's
+path adds ``shard_quant_model`` and ``load_state_dict`` of the converted model's state;
+metamat's shards the quantized model on meta and materializes it.
 
 With ``--device cuda`` both build the quantized EBC on the GPU (TorchRec: the float EBC on the
 GPU, ``dcp.load`` into it, fbgemm's CUDA quantization; metamat: rows quantized on the host and
@@ -79,21 +85,67 @@ def _digest(qmodel) -> str:
 
     h = hashlib.sha256()
     for k, v in sorted(qmodel.state_dict().items()):
-        v = v.elem if hasattr(v, "elem") else v
+        blocks = [s.tensor for s in v.local_shards()] if hasattr(v, "local_shards") else [v]
         h.update(k.encode())
-        h.update(v.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        for b in blocks:
+            b = b.elem if hasattr(b, "elem") else b
+            h.update(b.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()[:16]
 
 
+def _quantize(m, qdtype: str, ranks: int):
+    """TorchRec's conversion; for row-wise inference sharding, with split scale/bias (which
+    TorchRec's row-wise quant sharding requires)."""
+    from torchrec.inference.modules import quantize_embeddings
+
+    if ranks:
+        from torchrec.modules.embedding_modules import EmbeddingBagCollection
+        from torchrec.quant.embedding_modules import (
+            quant_prep_enable_quant_state_dict_split_scale_bias_for_types as split)
+
+        split(m, [EmbeddingBagCollection])
+    return quantize_embeddings(m, dtype=QDTYPES[qdtype], inplace=True)
+
+
+def _shard(q, ranks: int, device: str):
+    """TorchRec's inference sharding of quantized model ``q``, every table row-wise over
+    ``ranks`` ranks of this process, on ``device`` ("meta", or "cpu": TorchRec's own)."""
+    from torchrec.distributed import global_settings
+    from torchrec.distributed.fused_params import FUSED_PARAM_QUANT_STATE_DICT_SPLIT_SCALE_BIAS
+    from torchrec.distributed.quant_embeddingbag import QuantEmbeddingBagCollectionSharder
+    from torchrec.distributed.sharding_plan import construct_module_sharding_plan, row_wise
+    from torchrec.distributed.types import ShardingPlan
+    from torchrec.inference.modules import shard_quant_model
+
+    sharder = QuantEmbeddingBagCollectionSharder(
+        fused_params={FUSED_PARAM_QUANT_STATE_DICT_SPLIT_SCALE_BIAS: True})
+    plan = construct_module_sharding_plan(
+        q[0], per_param_sharding={n: row_wise(compute_kernel="quant")
+                                  for n, _ in q[0].embedding_bags.items()},
+        local_size=ranks, world_size=ranks, device_type="cpu", sharder=sharder)
+    global_settings.set_propogate_device(True)  # TorchRec's CPU inference sharding needs it
+    sharded, _ = shard_quant_model(q, world_size=ranks, compute_device="cpu",
+                                   sharding_device=device, sharders=[sharder],
+                                   sharding_plan=ShardingPlan({"0": plan}))
+    return sharded
+
+
+def _quantized_bytes(q, cuda: bool) -> int:
+    from metamat.models.torchrec.quant import quant_modules
+    from metamat.models.torchrec.upstream import quant_tbes
+
+    return sum((t.weights_dev if cuda else t.weights_host).numel()
+               for _, m in quant_modules(q, live=True) for t in quant_tbes(m))
+
+
 def child(method: int, ckpt: str, size: int, n_tables: int, dim: int, qdtype: str,
-          threads: int, device: str = "cpu") -> dict:
+          threads: int, device: str = "cpu", ranks: int = 0) -> dict:
     """One run in this (fresh) process: JSON-able seconds, peak growth, digest."""
     from _quiet import quiet
 
     quiet()
     torch.set_num_threads(threads)
     import torch.distributed.checkpoint as dcp
-    from torchrec.inference.modules import quantize_embeddings
     from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
     import metamat
@@ -106,7 +158,9 @@ def child(method: int, ckpt: str, size: int, n_tables: int, dim: int, qdtype: st
     served = None
     if method == 2:  # a live model to refresh, made before the clock starts
         m = torch.nn.Sequential(EmbeddingBagCollection(tables=tables, device=torch.device("meta")))
-        served = quantize_embeddings(m, dtype=QDTYPES[qdtype], inplace=True)
+        served = _quantize(m, qdtype, ranks)
+        if ranks:
+            served = _shard(served, ranks, "meta")
         metamat.materialize(served, device=dev)
     resettable = _reset_peak()
     before = _status("VmRSS:")
@@ -118,18 +172,25 @@ def child(method: int, ckpt: str, size: int, n_tables: int, dim: int, qdtype: st
         m = torch.nn.Sequential(EmbeddingBagCollection(tables=tables, device=dev))
         sd = m.state_dict()
         dcp.load(sd, checkpoint_id=ckpt)
-        q = quantize_embeddings(m, dtype=QDTYPES[qdtype], inplace=True)
+        q = _quantize(m, qdtype, ranks)
+        if ranks:  # TorchRec shards in place and keeps no split scales: the state loaded
+            converted = q.state_dict()
+            q = _shard(q, ranks, device)
+            q.load_state_dict(converted)
+            del converted
     else:
         # method 3: float rows uploaded, fbgemm's op quantizes them on the GPU
         os.environ["METAMAT_QUANT_ON"] = "device" if method == 3 else "host"
         m = torch.nn.Sequential(EmbeddingBagCollection(tables=tables, device=torch.device("meta")))
-        q = quantize_embeddings(m, dtype=QDTYPES[qdtype], inplace=True)
+        q = _quantize(m, qdtype, ranks)
+        if ranks:
+            q = _shard(q, ranks, "meta")
         metamat.materialize(q, ckpt, io_threads=threads, device=dev)
     if cuda:
         torch.cuda.synchronize(dev)
     seconds = time.perf_counter() - t0
     peak = _status("VmHWM:") if resettable else 0
-    qbytes = sum((t.weights_dev if cuda else t.weights_host).numel() for t in q[0]._emb_modules)
+    qbytes = _quantized_bytes(q, cuda)
     return {"seconds": seconds, "grew": peak - before if resettable else -1,
             "qbytes": qbytes, "digest": _digest(q),
             "device_peak": torch.cuda.max_memory_allocated(dev) if cuda else 0}
@@ -164,7 +225,15 @@ def run_quant(a, device: torch.device) -> List[Row]:
         progress(f"quant: writing a {size / 2**30:.2f} GiB float checkpoint")
         ckpt = _write_checkpoint(root, size, a.tables, a.dim)
         nbytes = sum(os.path.getsize(os.path.join(ckpt, f)) for f in os.listdir(ckpt))
+        ranks = getattr(a, "quant_ranks", 0)  # bench_quant.py's --ranks (materialize.py: 0)
+        if ranks and device.type != "cpu":
+            raise SystemExit("--ranks: TorchRec's CPU inference sharding only (device cpu)")
         methods = METHODS if device.type == "cuda" else METHODS[:3]
+        if ranks:
+            methods = (f"torchrec: float EBC + dcp.load + quantize_embeddings + "
+                       f"shard_quant_model (RW x{ranks}) + load_state_dict",
+                       f"metamat.materialize(quant-sharded EBC (RW x{ranks}) on meta)",
+                       f"metamat refresh of a live quant-sharded EBC (RW x{ranks})")
         results = {i: [] for i in range(len(methods))}
         for rep in range(a.reps):  # interleaved: a shared machine drifts
             for i, name in enumerate(methods):
@@ -172,7 +241,8 @@ def run_quant(a, device: torch.device) -> List[Row]:
                 out = subprocess.run(
                     [sys.executable, os.path.abspath(__file__), "--child", str(i), "--ckpt",
                      ckpt, "--size", str(size), "--tables", str(a.tables), "--dim", str(a.dim),
-                     "--qdtype", qdtype, "--threads", str(threads), "--device", device.type],
+                     "--qdtype", qdtype, "--threads", str(threads), "--device", device.type,
+                     "--ranks", str(ranks)],
                     capture_output=True, text=True, timeout=3600)
                 if out.returncode != 0:
                     raise RuntimeError(f"{name} failed:\n{out.stderr[-4000:]}")
@@ -186,13 +256,17 @@ def run_quant(a, device: torch.device) -> List[Row]:
                    if device.type == "cuda" else "")
             rows.append(Row("quant", name, nbytes, statistics.median(r["seconds"] for r in rs),
                             len(rs), peak_rss_gib=grew / 2**30,
-                            extra=f"{qdtype} on {device.type}; quantized {q / 2**30:.3f} GiB; "
+                            extra=f"{qdtype} on {device.type}"
+                                  + (f", row-wise over {ranks} ranks" if ranks else "")
+                                  + f"; quantized {q / 2**30:.3f} GiB; "
                                   f"host peak/quantized {grew / q:.2f}{gpu}; same bytes: "
                                   f"{len(digests) == 1}"))
-        finish(rows, METHODS[0], METHODS[0])
-        print_table(f"quant ({qdtype} on {device.type}, {a.tables} tables x dim {a.dim}, float checkpoint "
+        finish(rows, methods[0], methods[0])
+        print_table(f"quant ({qdtype} on {device.type}"
+                    + (f", quant-sharded row-wise over {ranks} ranks" if ranks else "")
+                    + f", {a.tables} tables x dim {a.dim}, float checkpoint "
                     f"{nbytes / 2**30:.2f} GiB DCP, page cache warm, {threads} threads; peak = "
-                    "VmHWM growth per process)", rows, METHODS[0], METHODS[0])
+                    "VmHWM growth per process)", rows, methods[0], methods[0])
         base, mm = rows[:2]
         print(f"metamat: {base.seconds / mm.seconds:.1f}x faster, peak memory "
               f"{mm.peak_rss_gib / base.peak_rss_gib:.2f}x TorchRec's "
@@ -227,10 +301,12 @@ def main(argv=None) -> int:
     p.add_argument("--size", type=int, help=argparse.SUPPRESS)
     p.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--device", default="cpu", help="cpu, or cuda: into CUDA inference TBEs")
+    p.add_argument("--ranks", dest="quant_ranks", type=int, default=0,
+                   help="quant-shard every table row-wise over this many ranks of one process")
     a = p.parse_args(argv)
     if a.child is not None:
         print(json.dumps(child(a.child, a.ckpt, a.size, a.tables, a.dim, a.qdtype, a.threads,
-                               a.device)))
+                               a.device, a.quant_ranks)))
         return 0
     if a.quick:
         a.size_gib, a.reps = min(a.size_gib, 1 / 16), min(a.reps, 1)

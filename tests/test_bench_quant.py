@@ -31,3 +31,14 @@ def test_bench_quant_quick(tmp_path):
             assert row[col] not in ("", "nan"), (row["method"], col)
         assert float(row["gbps"]) > 0 and math.isfinite(float(row["seconds"]))
         assert float(row["peak_rss_gib"]) > 0
+
+
+@pytest.mark.multiprocess
+def test_bench_quant_sharded_quick(tmp_path):
+    """--ranks 2: TorchRec's row-wise inference sharding on both sides, the same bytes."""
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "bench", "bench_quant.py"), "--quick",
+                        "--ranks", "2", "--reps", "1"], capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "shard_quant_model (RW x2)" in r.stdout and "same bytes: True" in r.stdout
+    assert "x faster, peak memory" in r.stdout
