@@ -398,3 +398,22 @@ def test_on_a_gpu_like_torchrecs_own_sharding_on_the_gpu(zch, kind, tmp_path):
         assert _differs(model, ref) == []
         batch = _batch(zch).to(torch.device("cuda", 0))
         assert torch.equal(_forward(kind, model, batch), _forward(kind, ref, batch))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("zch", ["mch", "hash"])
+def test_torchrecs_own_served_model_takes_a_training_checkpoint(zch, tmp_path):
+    """A serving model TorchRec sharded for real (tables of other values, each rank's MC
+    modules fresh: TorchRec has no path that fills them) refreshed from a training
+    checkpoint: the state TorchRec's sharding holds with that checkpoint's values."""
+    ckpt = _training_checkpoint(tmp_path, zch, "ebc")
+    with process_group():
+        _, ref = _torchrec_reference(zch, "ebc", ckpt)
+        other = _quantize(qmc._trained(zch, "ebc", seed=9))
+        served = _shard(copy.deepcopy(other), "ebc", "cpu")
+        served.load_state_dict(other.state_dict(), strict=False)
+        report = metamat.materialize(served, ckpt, device="cpu")
+        assert report.unexpected == []
+        assert _differs(served, ref) == [] and _rank_state_differs(served, ref) == []
+        batch = _batch(zch)
+        assert torch.equal(_forward("ebc", served, batch), _forward("ebc", ref, batch))
