@@ -37,11 +37,11 @@ from ...support import fill_support
 from ..adapter import Adapter
 from .compat import check_versions
 from .graph import scan
+from .managed_collision import finish_mc_modules, is_mch
 from .quant import QuantTBE, find_tbes
 from .quant_layout import (device_layout, device_twin, gpu_relayout_refusal, host_layout,
                            host_twin, planned_for_gpu)
 from .quant_keys import QuantMatch, match_quant
-from .managed_collision import finish_mc_modules, is_mch
 from .quant_mc import (check_loaded, match_own_state, rank_mc_modules, rank_mc_targets,
                        validate_loaded)
 from .upstream import drop_quantized_weights, quantized_weights
