@@ -49,7 +49,7 @@ from .targets import local_blocks
 __all__ = ["mc_collections", "mc_targets", "mc_modules_of", "own_tensors", "initial_fill",
            "check_loaded_segments", "validate_loaded", "unsharded_initial_values",
            "check_segments", "check_rows", "check_buckets", "is_mch", "is_hash_zch", "finish_mc_modules",
-           "mc_named_modules", "inference_dropped"]
+           "mc_named_modules", "inference_dropped", "MCH_SMALL", "mch_small_value"]
 
 _INT64_MAX = torch.iinfo(torch.int64).max
 HASH_ZCH_METADATA = "_hash_zch_metadata"
@@ -288,6 +288,20 @@ def is_hash_zch(m: nn.Module) -> bool:
     return len(kinds) > 1 and type(m) is kinds[1]
 
 
+#: MCH buffers whose value TorchRec's constructor computes from the rows and row boundaries
+MCH_SMALL = ("_output_segments_tensor", "_current_iter_tensor", "_mch_slots", "_delimiter")
+
+
+def mch_small_value(name: str, rows: int, segments: List[int]) -> List[int]:
+    """TorchRec's constructor value of MCH buffer ``name`` (one of :data:`MCH_SMALL`) for a
+    module of ``rows`` rows whose row boundaries are ``segments`` (ManagedCollisionModule pads
+    them with -1 to 1025)."""
+    if name == "_output_segments_tensor":
+        return segments + [-1] * (1025 - len(segments))
+    return {"_current_iter_tensor": [0], "_mch_slots": [rows - 1],
+            "_delimiter": [_INT64_MAX]}[name]
+
+
 def unsharded_initial_values(m: nn.Module):
     """For an unsharded MCH or HashZch module built on meta: a reset that writes TorchRec's
     initial values into its buffers (the modules adapter runs it on CPU tensors of their
@@ -298,8 +312,7 @@ def unsharded_initial_values(m: nn.Module):
         return _hash_zch_initial_values(m)
     if not is_mch(m):
         return None
-    own = ("_output_segments_tensor", "_current_iter_tensor", "_mch_slots", "_delimiter")
-    if any(how_filled(n) == RECORDED and n not in own for n in m._buffers):
+    if any(how_filled(n) == RECORDED and n not in MCH_SMALL for n in m._buffers):
         return None  # a buffer this TorchRec added: named by the MissingValueError instead
 
     def initial_values() -> None:
@@ -307,15 +320,9 @@ def unsharded_initial_values(m: nn.Module):
         for name, buf in m._buffers.items():
             if buf is None:
                 continue
-            if name == "_output_segments_tensor":  # ManagedCollisionModule's constructor
-                buf.fill_(-1)
-                buf[:2] = torch.tensor([start, start + n])
-            elif name == "_current_iter_tensor":
-                buf.zero_()
-            elif name == "_mch_slots":
-                buf.fill_(n - 1)
-            elif name == "_delimiter":
-                buf.fill_(_INT64_MAX)
+            if name in MCH_SMALL:
+                buf.copy_(torch.tensor(mch_small_value(name, n, [start, start + n]),
+                                       dtype=buf.dtype).reshape(buf.shape))
             else:
                 how = how_filled(name)
                 initial_fill(how, None)(buf, (start,) if how == OWN_ROW else (0,))

@@ -29,15 +29,13 @@ from torch import nn
 
 from ...errors import UnsupportedError
 from ...plan import Target
-from .managed_collision import (check_buckets, check_rows, check_segments, initial_fill,
-                                is_mch, mc_modules_of, own_tensors)
+from .managed_collision import (MCH_SMALL, check_buckets, check_rows, check_segments,
+                                initial_fill, is_mch, mc_modules_of, mch_small_value,
+                                own_tensors)
 from .mc_sharding import RECORDED, how_filled, sharded_quant_mc_classes
 
 __all__ = ["RankMC", "RankTarget", "rank_mc_modules", "rank_mc_targets", "match_own_state",
            "check_loaded", "validate_loaded"]
-
-_INT64_MAX = torch.iinfo(torch.int64).max
-
 
 @dataclasses.dataclass
 class RankMC:
@@ -96,20 +94,14 @@ def rank_mc_modules(modules: List[Tuple[str, nn.Module]]) -> List[RankMC]:
 
 
 def _recorded_initial(name: str, r: RankMC):
-    """The block init_fn of a small buffer whose value TorchRec's constructor computes from
-    the rank's rows (None: one this code does not know)."""
-    values = {
-        "_output_segments_tensor": lambda: r.segments + [-1] * (1025 - len(r.segments)),
-        "_current_iter_tensor": lambda: [0],
-        "_mch_slots": lambda: [r.rows - 1],
-        "_delimiter": lambda: [_INT64_MAX],
-    }
-    if name not in values:
+    """The block init_fn of a small MCH buffer, TorchRec's constructor value for the rank's
+    rows (None: one this code does not know)."""
+    if name not in MCH_SMALL:
         return None
-    fn = values[name]
 
     def fill(t: torch.Tensor, _offsets) -> None:
-        t.copy_(torch.tensor(fn(), dtype=t.dtype).reshape(t.shape))
+        t.copy_(torch.tensor(mch_small_value(name, r.rows, r.segments),
+                             dtype=t.dtype).reshape(t.shape))
     fill.metamat_block = True
     fill.metamat_unseeded = True
     return fill
