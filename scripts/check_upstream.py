@@ -5,7 +5,7 @@ Every private name metamat uses is declared in :mod:`metamat.models.torch_upstre
 how a version gets into those ``checked`` tuples: it runs every group's check (modules,
 classes, methods, patch sites) and builds small models on meta the way metamat's users do
 (``shard_on_meta`` of an EBC with TW/RW/CW/TWRW/DP tables, FUSED and DENSE kernels, CPU and
-CUDA layouts; an EC; a managed-collision EBC; quantized EBC/EC, unsharded and sharded, plain
+CUDA layouts, 2D parallel; an EC; a managed-collision EBC; quantized EBC/EC, unsharded and sharded, plain
 and managed-collision ones; FSDP2 and a DTensor; a ShardedTensor), then checks the declared
 instance attributes on every object the adapters would read. Nothing is materialized: no compiled core is needed, nothing big is allocated.
 
@@ -90,6 +90,14 @@ def build_training(env, seen):
         sharded = sharded_modules(dmp.module)
         tr.check_sharded(sharded)
         seen.update(_objects(dmp))
+    # TorchRec's 2D parallelism (DMPCollection): one sharding group of this one rank
+    ebc = EmbeddingBagCollection(tables=_tables(3), device="meta")
+    sh = EmbeddingBagCollectionSharder(fused_params=_fused())
+    dmpc = metamat.shard_on_meta(ebc, env, plan=_plan(ebc, {"t0": "tw", "t1": "rw", "t2": "cw"},
+                                                      "fused", sh),
+                                 sharders=[sh], compute_device="cuda", sharding_group_size=1)
+    tr.check_dmp(dmpc)
+    seen.update(_objects(dmpc))
     ec = EmbeddingCollection(tables=_ec_tables(), device="meta")
     sh = EmbeddingCollectionSharder(fused_params=_fused())
     dmp = metamat.shard_on_meta(ec, env, plan=_plan(ec, {"t0": "tw", "t1": "rw", "t2": "cw"},

@@ -127,7 +127,11 @@ def local_blocks(state_dict) -> Dict[str, List[Tuple[Tuple[int, ...], torch.Tens
     """{key: [(offsets, CPU clone)]} of a state dict's local blocks (ShardedTensors, plain)."""
     out = {}
     for k, v in state_dict.items():
-        if hasattr(v, "local_shards"):
+        local = getattr(v, "_local_tensor", None)  # a DTensor of TorchRec's 2D parallelism
+        if local is not None and hasattr(local, "local_offsets"):
+            out[k] = [(tuple(int(x) for x in o), t.detach().cpu().clone())
+                      for o, t in zip(local.local_offsets(), local.local_shards())]
+        elif hasattr(v, "local_shards"):
             out[k] = [(tuple(s.metadata.shard_offsets), s.tensor.detach().cpu().clone())
                       for s in v.local_shards()]
         elif isinstance(v, torch.Tensor):
@@ -192,3 +196,42 @@ def build_planned(constraints: Dict[str, Tuple[str, str]], world_size: int, loca
                      for n, (s, k) in constraints.items()})
     plan = planner.collective_plan(module, [sharder], dist.group.WORLD)
     return module, sharder, plan, tables
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view({8: torch.int64, 4: torch.int32, 2: torch.int16,
+                                1: torch.uint8}[t.element_size()])
+
+
+def fbgemm_mismatches(model) -> list:
+    """Every buffer of each fused TBE (metadata, cache, counters, optimizer state) against
+    the same TBE built for real by fbgemm-gpu-cpu on the CPU with the same CUDA specs; the
+    weights excepted (their values are metamat's)."""
+    from fbgemm_gpu.split_embedding_configs import SparseType
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+        SplitTableBatchedEmbeddingBagsCodegen as TBE)
+
+    bad = []
+    for w in wrappers(model):
+        emb = w._emb_module
+        if not isinstance(emb, TBE):
+            continue
+        cached = emb.lxu_cache_weights.numel() > 0
+        cache = dict(cache_sets=emb.lxu_cache_state.shape[0] if cached else 1,
+                     cache_precision=SparseType.from_dtype(emb.lxu_cache_weights.dtype))
+        ref = TBE(list(emb.embedding_specs), feature_table_map=list(emb.feature_table_map),
+                  optimizer=emb.optimizer, weights_precision=emb.weights_precision,
+                  cache_algorithm=emb.cache_algorithm, uvm_host_mapped=emb.uvm_host_mapped,
+                  device=torch.device("cpu"), pooling_mode=emb.pooling_mode, **cache)
+        mine = dict(emb.named_buffers())
+        for name, want in ref.named_buffers():
+            have = mine.get(name)
+            if name.startswith("weights_"):
+                continue
+            if have is None or have.shape != want.shape or have.dtype != want.dtype \
+                    or not torch.equal(bits(have.cpu()), bits(want)):
+                bad.append(name)
+        for name, p in ref.named_parameters():  # momentum (zeros), empty weight buffers
+            if not name.startswith("weights_") and not torch.equal(getattr(emb, name), p):
+                bad.append(name)
+    return bad

@@ -26,9 +26,7 @@ SEED = 5
 CPU_LACKS = ("ADAM", "PARTIAL_ROWWISE_ADAM", "LAMB", "PARTIAL_ROWWISE_LAMB")  # fbgemm CPU
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view({8: torch.int64, 4: torch.int32, 2: torch.int16,
-                                1: torch.uint8}[t.element_size()])
+_bits = M.bits
 
 
 def _state(model) -> dict:
@@ -36,40 +34,6 @@ def _state(model) -> dict:
     if hasattr(model, "fused_optimizer"):
         out.update(M.optimizer_blocks(model))
     return out
-
-
-def fbgemm_mismatches(model) -> list:
-    """Every buffer of each fused TBE (metadata, cache, counters, optimizer state) against
-    the same TBE built for real by fbgemm-gpu-cpu on the CPU with the same CUDA specs; the
-    weights excepted (their values are metamat's)."""
-    from fbgemm_gpu.split_embedding_configs import SparseType
-    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
-        SplitTableBatchedEmbeddingBagsCodegen as TBE)
-
-    bad = []
-    for w in M.wrappers(model):
-        emb = w._emb_module
-        if not isinstance(emb, TBE):
-            continue
-        cached = emb.lxu_cache_weights.numel() > 0
-        cache = dict(cache_sets=emb.lxu_cache_state.shape[0] if cached else 1,
-                     cache_precision=SparseType.from_dtype(emb.lxu_cache_weights.dtype))
-        ref = TBE(list(emb.embedding_specs), feature_table_map=list(emb.feature_table_map),
-                  optimizer=emb.optimizer, weights_precision=emb.weights_precision,
-                  cache_algorithm=emb.cache_algorithm, uvm_host_mapped=emb.uvm_host_mapped,
-                  device=torch.device("cpu"), pooling_mode=emb.pooling_mode, **cache)
-        mine = dict(emb.named_buffers())
-        for name, want in ref.named_buffers():
-            have = mine.get(name)
-            if name.startswith("weights_"):
-                continue
-            if have is None or have.shape != want.shape or have.dtype != want.dtype \
-                    or not torch.equal(_bits(have.cpu()), _bits(want)):
-                bad.append(name)
-        for name, p in ref.named_parameters():  # momentum (zeros), empty weight buffers
-            if not name.startswith("weights_") and not torch.equal(getattr(emb, name), p):
-                bad.append(name)
-    return bad
 
 
 def _placement_devices(model) -> list:
@@ -99,7 +63,7 @@ def worker_init(rank, world_size, kind, layout, opts, tmp):
     cpu = metamat.shard_on_meta(module, plan=plan, sharders=[sharder])
     metamat.materialize(cpu, device="cpu", seed=SEED)
     res = dict(memory=report.bytes_by_memory, device=report.device, gpu=_state(gpu),
-               cpu=_state(cpu), buffers=fbgemm_mismatches(gpu),
+               cpu=_state(cpu), buffers=M.fbgemm_mismatches(gpu),
                placements=_placement_devices(gpu),
                meta_left=[n for n, t in list(gpu.named_parameters()) + list(gpu.named_buffers())
                           if t.is_meta])
@@ -426,7 +390,7 @@ def worker_relayout(rank, world_size):
         report = metamat.materialize(dmp, device="cuda", seed=SEED)
     out["memory"] = report.bytes_by_memory
     out["gpu"] = _state(dmp)
-    out["buffers"] = fbgemm_mismatches(dmp)
+    out["buffers"] = M.fbgemm_mismatches(dmp)
     module, sharder, plan, _ = M.build("ebc", M.cpu_layout(M.MIXED), world_size,
                                        device_type="cpu")
     cpu = metamat.shard_on_meta(module, plan=plan, sharders=[sharder])

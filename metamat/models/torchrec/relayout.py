@@ -82,7 +82,8 @@ def relayout_for_cuda(model: nn.Module, sharded: List[Tuple[str, nn.Module]],
     """
     from . import upstream
     from .managed_collision import mc_collections
-    from .shard import plan_to_meta, this_ranks_gpu, building_on_meta
+    from .meta_plan import plan_to_meta
+    from .shard import this_ranks_gpu, building_on_meta
     from .sharded import root_of
 
     mcs = mc_collections(root_of(model))

@@ -18,7 +18,6 @@ modules' ``device`` attributes, and defers DMP's own DDP wrap to ``materialize``
 from __future__ import annotations
 
 import contextlib
-import copy
 import inspect
 from typing import Any, Dict, List, Optional
 
@@ -33,6 +32,8 @@ from .fastnames import indexed_table_names
 from .fastranks import indexed_group_ranks
 from .host_kernels import host_dense_kernels
 from .mc_sharding import mc_sharding_on_meta, refuse_unsupported_kinds
+from .meta_plan import plan_to_meta
+from .two_dim import build_dmp_collection, check_two_dim
 from .meta_factories import MetaFactories
 
 __all__ = ["shard_on_meta", "MetaDDP", "building_on_meta", "plan_to_meta", "this_ranks_gpu"]
@@ -75,47 +76,6 @@ _DDP_HAS_FORWARD_SYNC = "forward_sync_buffers" in inspect.signature(
 
 # TorchRec modules that wrap DATA_PARALLEL lookups in DDP at construction.
 _DDP_USERS = ("torchrec.distributed.embeddingbag", "torchrec.distributed.embedding")
-
-
-def plan_to_meta(plan: Any, rank_devices: Optional[Dict[int, torch.device]] = None) -> Any:
-    """Return a copy of a ShardingPlan whose shard placements name the meta device (the
-    caller's plan is left as it was). ``rank_devices`` receives each rank's device as the
-    plan placed it (CUDA placements only), for the placements ``materialize`` restores."""
-    from torch.distributed._shard.sharding_spec import EnumerableShardingSpec
-
-    from ..torch_upstream import remote_device, require, set_placement_device
-
-    require("sharded_tensor")
-
-    # Copy only what changes (the plan objects down to each shard's placement): a deep copy
-    # of the whole plan costs ~1 ms per table and leaves the caller's plan as untouched.
-    plan = copy.copy(plan)
-    plan.plan = dict(plan.plan)
-    for path, module_plan in list(plan.plan.items()):
-        if not hasattr(module_plan, "items"):
-            continue
-        module_plan = plan.plan[path] = copy.copy(module_plan)
-        for name, ps in list(module_plan.items()):
-            ps = module_plan[name] = copy.copy(ps)  # DMP may annotate it: not the caller's
-            spec = getattr(ps, "sharding_spec", None)
-            if spec is None or not isinstance(spec, EnumerableShardingSpec):
-                continue
-            spec = ps.sharding_spec = copy.copy(spec)
-            spec.shards = [copy.copy(sm) for sm in spec.shards]
-            for sm in spec.shards:
-                placement = sm.placement
-                if isinstance(placement, str):
-                    placement = remote_device(placement)
-                else:
-                    placement = copy.copy(placement)
-                if placement is not None:
-                    dev = placement.device()
-                    if rank_devices is not None and placement.rank() is not None and \
-                            dev is not None and dev.type == "cuda":
-                        rank_devices.setdefault(placement.rank(), dev)
-                    set_placement_device(placement, _META)
-                    sm.placement = placement
-    return plan
 
 
 def _normalise_devices(module: nn.Module) -> Dict[nn.Module, Any]:
@@ -213,6 +173,7 @@ def shard_on_meta(
     plan: Any = None,
     sharders: Optional[List[Any]] = None,
     compute_device: Optional[str] = None,
+    sharding_group_size: Optional[int] = None,
     **dmp_kwargs: Any,
 ):
     """Shard ``module`` with TorchRec, keeping every table, optimizer state and dense
@@ -233,12 +194,20 @@ def shard_on_meta(
             table's compute kernel ``fused`` / ``fused_uvm`` / ``fused_uvm_caching``, see
             ``cuda_kernels``), still all on meta; left at None, the CPU layout (HOST) is
             built as before, whatever the planner chose.
+        sharding_group_size: build TorchRec's 2D parallelism, a ``DMPCollection``: the
+            tables are sharded over groups of this many ranks by ``plan`` (a plan for one
+            group, as ``DMPCollection`` takes it) and each group is a replica (``sync()``
+            averages them). Needs ``compute_device="cuda"`` and a plan, as TorchRec does.
         **dmp_kwargs: forwarded to ``DistributedModelParallel`` (``device``,
-            ``init_parameters`` and ``init_data_parallel`` are fixed by this function).
+            ``init_parameters`` and ``init_data_parallel`` are fixed by this function), or
+            to ``DMPCollection`` with ``sharding_group_size`` (``sharding_strategy``,
+            ``node_group_size``, ``use_inter_host_allreduce``, ...; ``world_size`` and
+            ``global_pg`` are the env's).
 
     Returns:
-        A ``DistributedModelParallel`` on meta, ready for ``metamat.materialize``. Its
-        dense DDP wrap happens in ``materialize``.
+        A ``DistributedModelParallel`` (a ``DMPCollection`` with ``sharding_group_size``) on
+        meta, ready for ``metamat.materialize``. Its dense DDP wrap happens in
+        ``materialize``.
 
     Raises:
         metamat.UnsupportedError: unsupported torchrec/fbgemm version; with a CUDA
@@ -253,7 +222,10 @@ def shard_on_meta(
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.types import ShardingEnv
 
-    for fixed in ("device", "init_parameters", "init_data_parallel"):
+    fixed_args = ("device", "init_parameters", "init_data_parallel")
+    if sharding_group_size is not None:
+        fixed_args += ("world_size", "global_pg")
+    for fixed in fixed_args:
         if fixed in dmp_kwargs:
             raise ValueError(f"shard_on_meta: {fixed!r} is fixed by shard_on_meta")
     if env is None:
@@ -261,6 +233,8 @@ def shard_on_meta(
             raise RuntimeError("shard_on_meta: no env given and no default process group")
         env = ShardingEnv.from_process_group(dist.group.WORLD)
     cuda_layout = compute_device is not None and torch.device(compute_device).type == "cuda"
+    if sharding_group_size is not None:
+        check_two_dim(env, plan, cuda_layout, sharding_group_size)
     if cuda_layout:
         compute_device = this_ranks_gpu(torch.device(compute_device))
     if plan is None:
@@ -273,21 +247,26 @@ def shard_on_meta(
 
         check_cuda_plan(plan)
     rank_devices: Dict[int, torch.device] = {}
-    plan = plan_to_meta(plan, rank_devices)
+    # a DMPCollection places the group's plan on global ranks: recorded once it has
+    plan = plan_to_meta(plan, rank_devices if sharding_group_size is None else None)
     old_devices = _normalise_devices(module)
     try:
         _to_meta_inplace(module)
         with building_on_meta(compute_device if cuda_layout else None) as records:
-            dmp = DistributedModelParallel(
-                module,
-                env=env,
-                device=_META,
-                plan=plan,
-                sharders=sharders,
-                init_parameters=False,
-                init_data_parallel=False,
-                **dmp_kwargs,
-            )
+            if sharding_group_size is None:
+                dmp = DistributedModelParallel(
+                    module,
+                    env=env,
+                    device=_META,
+                    plan=plan,
+                    sharders=sharders,
+                    init_parameters=False,
+                    init_data_parallel=False,
+                    **dmp_kwargs,
+                )
+            else:
+                dmp = build_dmp_collection(module, env, compute_device, plan, sharders,
+                                           sharding_group_size, rank_devices, dmp_kwargs)
         upstream.check_dmp(dmp)  # the DMP internals relayout reads
     except BaseException:
         for (m, attr), val in old_devices.items():

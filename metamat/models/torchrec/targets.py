@@ -28,9 +28,14 @@ def local_blocks(value: Any) -> List[Tuple[torch.Tensor, Tuple[int, ...], Tuple[
 
     if is_dtensor(value):
         from ..torch_upstream import local_shape_and_offset, local_tensor
+        from .upstream import wrapped_shards
 
+        local = local_tensor(value)
+        shards = wrapped_shards(local)  # TorchRec's 2D parallelism: the rank's shards
+        if shards is not None:
+            return [(t, off, tuple(value.shape)) for t, off in shards]
         _, off = local_shape_and_offset(value.shape, value.device_mesh, value.placements)
-        return [(local_tensor(value), tuple(off), tuple(value.shape))]
+        return [(local, tuple(off), tuple(value.shape))]
     return [(value, tuple(0 for _ in value.shape), tuple(value.shape))]
 
 

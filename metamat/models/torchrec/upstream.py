@@ -40,6 +40,7 @@ __all__ = ["BOUNDARY", "DECLARED", "REGISTRATIONS", "TORCHREC", "FBGEMM", "requi
            "site", "check_sharded", "check_quant", "check_dmp", "is_dmp", "lookups", "emb_modules",
            "kernel_module", "kernel_config", "kernel_pg", "table_configs", "shardings",
            "output_dists", "node_groups", "set_node_groups", "sharding_pg", "is_2d_parallel",
+           "wrapped_shards",
            "PERMUTE_TENSORS", "TBE_CACHE_STATE"]
 
 #: Versions every declaration below was checked on (module docstring).
@@ -64,6 +65,8 @@ EC_MOD = "torchrec.distributed.embedding"
 SEBC = f"{EBC_MOD}.ShardedEmbeddingBagCollection"
 SEC = f"{EC_MOD}.ShardedEmbeddingCollection"
 DMP = "torchrec.distributed.model_parallel.DistributedModelParallel"
+DMPC = "torchrec.distributed.model_parallel.DMPCollection"
+SHARDS_WRAPPER = "torchrec.distributed.shards_wrapper.LocalShardsWrapper"
 POOLED_LOOKUP = "torchrec.distributed.embedding_lookup.GroupedPooledEmbeddingsLookup"
 SEQ_LOOKUP = "torchrec.distributed.embedding_lookup.GroupedEmbeddingsLookup"
 BASE_BAG = f"{BEK}.BaseBatchedEmbeddingBag"
@@ -199,6 +202,17 @@ DECLARED: Tuple[Private, ...] = (
     _tr(DMP, "_env", "attr", "relayout shards again in the DMP's env"),
     _tr(DMP, "_optim", "attr", "relayout rebuilds the combined optimizer"),
     _tr(DMP, "_init_optim", "method", "relayout rebuilds the combined optimizer"),
+    # -- DMPCollection, 2D parallel (two_dim.py) ------------------------------------------------
+    _tr(DMP, "__init__", "own_method", "two_dim: DMPCollection's DMP part shards on meta",
+        patched=True),
+    _tr("torchrec.distributed.model_parallel", "DeviceMesh", "class", "two_dim: the emulated "
+        "GPU's 2D mesh is a CPU mesh", patched=True),
+    _tr(DMPC, "_ctxs", "attr", "two_dim: the contexts whose sync tensors are cached again"),
+    *[_tr(SHARDS_WRAPPER, n, "method", "two_dim: the local tensor of a 2D-parallel table's "
+          "DTensor holds the rank's shards (none, one or several) and their offsets")
+      for n in ("local_shards", "local_offsets")],
+    _tr(DMPC, "_cache_sync_tensors", "method", "two_dim: sync() reduces the real tensors once "
+        "materialized (TorchRec cached the meta ones)"),
     # -- fbgemm ------------------------------------------------------------------------------
     *[_fb(PERMUTE, n, "attr", "meta tensor whose value values.py recomputes")
       for n in PERMUTE_TENSORS],
@@ -509,6 +523,19 @@ def set_dmp_optim(model: Any, optim: Any) -> None:
 def dmp_init_optim(model: Any, module: nn.Module) -> Any:
     """DMP's ``_init_optim(module)``: the combined optimizer over ``module``'s."""
     return _read(model, DMP, "_init_optim")(module)
+
+
+def wrapped_shards(local: Any) -> Optional[List[Tuple[Any, Tuple[int, ...]]]]:
+    """(shard, global offsets) of each shard in ``local`` when it is TorchRec's
+    ``LocalShardsWrapper`` (the local tensor of a 2D-parallel table's DTensor: none, one or
+    several shards per rank), else None."""
+    mod = sys.modules.get("torchrec.distributed.shards_wrapper")
+    cls = getattr(mod, "LocalShardsWrapper", None) if mod is not None else None
+    if cls is None or not isinstance(local, cls):
+        return None
+    shards = _read(local, SHARDS_WRAPPER, "local_shards")()
+    offsets = _read(local, SHARDS_WRAPPER, "local_offsets")()
+    return [(t, tuple(int(x) for x in o)) for t, o in zip(shards, offsets)]
 
 
 def dmp_wrapped(model: Any) -> nn.Module:

@@ -1,0 +1,133 @@
+"""TorchRec's 2D parallelism (``DMPCollection``) built on meta.
+
+``DMPCollection`` shards the tables over a *sharding group* of ``sharding_group_size`` ranks
+and replicates that group ``world_size / sharding_group_size`` times; ``sync()`` averages the
+replicas' tables and optimizer state. TorchRec builds it for CUDA only (it asserts a CUDA
+device) and allocates every table there. ``dmp_collection_on_meta`` builds it with its DMP
+part on meta instead:
+
+* the DMP constructor DMPCollection calls gets ``device=meta`` and the plan with meta
+  placements (``plan_to_meta``, after DMPCollection has mapped the group's ranks to global
+  ranks), so the tables are laid out for CUDA and allocated nowhere;
+* on the emulated GPU (``metamat.emulation``) the 2D device mesh is a CPU mesh (the gloo
+  groups); on a GPU host it is TorchRec's CUDA mesh.
+
+Values need nothing special: metamat's values are keyed by global row and column, so every
+replica of a shard gets the same bytes, from init or from a checkpoint. Once the tensors are
+real, ``refresh_sync_tensors`` rebuilds the tensor lists ``sync()`` reduces (TorchRec cached
+them on meta).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import sys
+from typing import Any, Dict, Iterator, List, Optional
+
+import torch
+
+from ...errors import UnsupportedError
+from . import upstream
+from .meta_plan import plan_to_meta
+
+__all__ = ["build_dmp_collection", "check_two_dim", "dmp_collection_on_meta",
+           "is_dmp_collection", "refresh_sync_tensors"]
+
+_META = torch.device("meta")
+DMPC = upstream.DMPC
+MODEL_PARALLEL = "torchrec.distributed.model_parallel"
+#: sharding types whose node groups TorchRec builds differently in 2D (register refuses them)
+_NODE_GROUPED = ("table_row_wise", "grid_shard")
+
+
+def is_dmp_collection(model: Any) -> bool:
+    """Whether ``model`` is TorchRec's ``DMPCollection`` (2D parallel)."""
+    mod = sys.modules.get(MODEL_PARALLEL)
+    cls = getattr(mod, "DMPCollection", None) if mod is not None else None
+    return cls is not None and isinstance(model, cls)
+
+
+@contextlib.contextmanager
+def dmp_collection_on_meta(rank_devices: Dict[int, torch.device],
+                           emulated: bool) -> Iterator[None]:
+    """While active, a ``DMPCollection`` built for CUDA shards on meta (module docstring).
+    ``rank_devices`` receives each global rank's CUDA device as the remapped plan placed it;
+    ``emulated``: the GPU is emulated on the CPU (the mesh is built for the CPU)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+
+    dmp_init = DistributedModelParallel.__dict__["__init__"]
+
+    @functools.wraps(dmp_init)
+    def init_on_meta(self, module, env=None, device=None, plan=None, *args, **kwargs):
+        if plan is not None:
+            plan = plan_to_meta(plan, rank_devices)
+        return dmp_init(self, module, env, _META, plan, *args, **kwargs)
+
+    def cpu_mesh(device_type: str, *args: Any, **kwargs: Any):
+        return DeviceMesh("cpu", *args, **kwargs)
+
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(upstream.patch(upstream.DMP, "__init__", init_on_meta))
+        if emulated:
+            stack.enter_context(upstream.patch(MODEL_PARALLEL, "DeviceMesh", cpu_mesh))
+        yield
+
+
+def refresh_sync_tensors(model: Any) -> None:
+    """Rebuild the tensor lists ``DMPCollection.sync()`` reduces: TorchRec cached the meta
+    tensors' views while the model was built."""
+    if is_dmp_collection(model):
+        upstream.BOUNDARY.read(model, DMPC, "_cache_sync_tensors")(
+            upstream.BOUNDARY.read(model, DMPC, "_ctxs"))
+
+
+def check_two_dim(env: Any, plan: Any, cuda_layout: bool, sharding_group_size: int) -> None:
+    """What ``shard_on_meta(sharding_group_size=...)`` needs, checked before anything is built:
+    TorchRec's ``DMPCollection`` runs on GPUs only and takes the sharding group's plan; the
+    group size divides the world size."""
+    if not cuda_layout:
+        raise ValueError("shard_on_meta: sharding_group_size builds TorchRec's DMPCollection, "
+                         "which runs on GPUs only: pass compute_device='cuda'")
+    if plan is None:
+        raise ValueError("shard_on_meta: sharding_group_size needs the plan of one sharding "
+                         "group (DMPCollection takes one; plan with world_size = "
+                         "sharding_group_size)")
+    world = env.world_size
+    node_grouped = sorted(
+        f"{path or '<root>'}.{table}" for path, module_plan in plan.plan.items()
+        if hasattr(module_plan, "items") for table, ps in module_plan.items()
+        if getattr(ps, "sharding_type", None) in _NODE_GROUPED)
+    if node_grouped:
+        raise UnsupportedError(
+            "shard_on_meta: table-row-wise and grid sharding under 2D parallelism "
+            f"(sharding_group_size) are not supported on meta yet: {', '.join(node_grouped)}; "
+            "shard those tables table-, row- or column-wise, or data-parallel")
+    if not isinstance(sharding_group_size, int) or sharding_group_size < 1 or \
+            world % sharding_group_size:
+        raise ValueError(f"shard_on_meta: sharding_group_size {sharding_group_size!r} must "
+                         f"divide the world size {world}")
+
+
+def build_dmp_collection(module: Any, env: Any, compute_device: torch.device, plan: Any,
+                         sharders: Optional[List[Any]], sharding_group_size: int,
+                         rank_devices: Dict[int, torch.device], kwargs: Dict[str, Any]):
+    """TorchRec's ``DMPCollection`` of ``module`` with its tables on meta (module docstring):
+    the caller has entered ``building_on_meta``; ``plan`` is a copy the remap may change."""
+    from torchrec.distributed.model_parallel import DMPCollection
+
+    pg = env.process_group
+    with dmp_collection_on_meta(rank_devices, emulated=not torch.cuda.is_available()):
+        return DMPCollection(
+            module,
+            device=compute_device,
+            plan=plan,
+            world_size=env.world_size,
+            sharding_group_size=sharding_group_size,
+            global_pg=pg,
+            sharders=sharders,
+            init_parameters=False,
+            init_data_parallel=False,
+            **kwargs,
+        )

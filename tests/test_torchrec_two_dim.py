@@ -1,0 +1,229 @@
+"""TorchRec's 2D parallelism (``DMPCollection``) built on meta and materialized, on the
+emulated GPU: 4 gloo ranks, sharding groups of 2, so every shard has two replicas.
+
+``shard_on_meta(..., sharding_group_size=2)`` builds TorchRec's own ``DMPCollection`` with its
+tables on meta; ``materialize`` fills every replica with the same plan-invariant values (each
+sharding group, assembled on its own, equals metamat's CPU materialize of a plain DMP), loads
+a training checkpoint of a plain DMP into every replica, and leaves ``sync()`` reducing the
+real tensors. TorchRec runs ``DMPCollection`` on GPUs only; what only a GPU shows (NCCL,
+training) waits for a host with several GPUs.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("torchrec")
+pytest.importorskip("fbgemm_gpu")
+
+import _torchrec_gpu_models as M  # noqa: E402
+from _dist import run_dist  # noqa: E402
+
+WORLD, GROUP = 4, 2
+SEED = 11
+# every location and sharding type TorchRec's 2D parallelism takes here (TWRW is refused)
+LAYOUT = {"t0": ("tw", "fused"), "t1": ("rw", "fused_uvm"), "t2": ("cw", "fused_uvm_caching"),
+          "t3": ("dp", "dense"), "t4": ("rw", "fused_uvm_caching"), "t5": ("cw", "fused")}
+SAVED = {"t0": ("rw", "fused"), "t1": ("tw", "fused"), "t2": ("rw", "fused"),
+         "t3": ("dp", "dense"), "t4": ("cw", "fused"), "t5": ("tw", "fused")}
+
+
+def _state(model) -> dict:
+    out = M.local_blocks(model.state_dict())
+    out.update(M.optimizer_blocks(model))
+    return out
+
+
+def _two_dim(kind: str, layout, **opts):
+    import metamat
+
+    module, sharder, plan, tables = M.build(kind, layout, GROUP, **opts)
+    model = metamat.shard_on_meta(module, plan=plan, sharders=[sharder], compute_device="cuda",
+                                  sharding_group_size=GROUP)
+    return model, tables
+
+
+def _plain_cpu(kind: str, layout):
+    import metamat
+
+    module, sharder, plan, _ = M.build(kind, M.cpu_layout(layout), WORLD, device_type="cpu")
+    return metamat.shard_on_meta(module, plan=plan, sharders=[sharder])
+
+
+def _sync_tensors(model) -> list:
+    ctx = model._ctxs[0]
+    return [t for ts in list(ctx.weights_by_dtype.values()) +
+            list(ctx.optimizer_tensors_by_dtype.values()) for t in ts]
+
+
+def worker_init(rank, world_size, kind, layout, tmp):
+    import torch.distributed.checkpoint as dcp
+
+    import metamat
+    from metamat.emulation import emulated_cuda
+
+    model, _ = _two_dim(kind, layout)
+    with emulated_cuda():
+        report = metamat.materialize(model, seed=SEED)
+    ref = _plain_cpu(kind, layout)
+    metamat.materialize(ref, device="cpu", seed=SEED)
+    res = dict(kind=type(model).__name__, device=report.device, two_dim=_state(model),
+               ref=_state(ref), buffers=M.fbgemm_mismatches(model),
+               meta_left=[n for n, t in list(model.named_parameters()) +
+                          list(model.named_buffers()) if t.is_meta])
+    # sync(): the replicas differ by 2.0 (tables and optimizer state), their mean is +1.0
+    tensors = _sync_tensors(model)
+    before = [t.clone() for t in tensors]
+    with torch.no_grad():
+        for t in tensors:
+            t.add_(2.0 * (rank % (WORLD // GROUP)))  # replicas: ranks of one replica group
+    model.sync()
+    res["synced"] = [float((t - (b + 1.0)).abs().max()) if t.numel() else 0.0
+                     for t, b in zip(tensors, before)]
+    with torch.no_grad():
+        for t, b in zip(tensors, before):
+            t.copy_(b)
+    # dcp.save of the 2D model's own state_dict (DTensors), loaded into a plain CPU DMP
+    path = os.path.join(tmp, "saved")
+    dcp.save(model.state_dict(), checkpoint_id=path)
+    back = _plain_cpu(kind, layout)
+    metamat.materialize(back, path, device="cpu")
+    res["roundtrip"] = M.local_blocks(back.state_dict())
+    return res
+
+
+def _step(model, batch):
+    out = model(batch)
+    out = out.wait() if hasattr(out, "wait") else out
+    out = out.values() if hasattr(out, "values") and callable(out.values) else out
+    (out * out).sum().backward()
+
+
+def worker_load(rank, world_size, tmp):
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.types import ShardingEnv
+
+    import metamat
+    from metamat.emulation import emulated_cuda
+
+    module, sharder, plan, _ = M.build("ebc", SAVED, world_size, device_type="cpu")
+    eager = DistributedModelParallel(module, ShardingEnv.from_process_group(dist.group.WORLD),
+                                     device=torch.device("cpu"), plan=plan, sharders=[sharder])
+    _step(eager, M.batch(len(SAVED), seed=20 + rank))  # momentum != 0
+    path = os.path.join(tmp, "training")
+    dcp.save({"model": eager.state_dict(), "optim": eager.fused_optimizer.state_dict()},
+             checkpoint_id=path)
+    model, _ = _two_dim("ebc", LAYOUT)
+    with emulated_cuda():
+        report = metamat.materialize(model, path)
+    return dict(saved=_state(eager), loaded=_state(model), initialized=report.initialized)
+
+
+def _groups(ranks: list) -> list:
+    """The ranks' results split by sharding group (each one whole replica of the model)."""
+    step = WORLD // GROUP
+    return [[ranks[r] for r in range(WORLD) if r % step == g] for g in range(step)]
+
+
+def _global(per_rank, key):
+    blocks = [b for r in per_rank for b in r.get(key, [])]
+    shape = [max(o[d] + t.shape[d] for o, t in blocks) for d in range(blocks[0][1].dim())]
+    return M.assemble(per_rank, key, shape, dtype=blocks[0][1].dtype)
+
+
+def assert_same(a_ranks, b_ranks, what: str, keys=None):
+    keys = keys or sorted({k for r in a_ranks for k in r})
+    assert keys, what
+    for k in keys:
+        a, b = _global(a_ranks, k), _global(b_ranks, k)
+        assert a.shape == b.shape, f"{what} {k}: {a.shape} vs {b.shape}"
+        assert not torch.isnan(a.float()).any(), f"{what} {k}: rows or columns not written"
+        assert torch.equal(M.bits(a), M.bits(b)), f"{what} {k} differs"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("kind,layout", [("ebc", LAYOUT), ("ec", M.MIXED_EC)], ids=["ebc", "ec"])
+def test_every_replica_gets_the_plain_models_values_and_sync_reduces_them(kind, layout,
+                                                                        tmp_path):
+    ranks = run_dist(worker_init, WORLD, kind, layout, str(tmp_path))
+    assert all(r["kind"] == "DMPCollection" for r in ranks)
+    assert all(r["device"] == "cuda (emulated on the CPU)" for r in ranks)
+    assert all(r["meta_left"] == [] for r in ranks)
+    assert all(r["buffers"] == [] for r in ranks), [r["buffers"] for r in ranks]
+    ref = [r["ref"] for r in ranks]
+    for g, group in enumerate(_groups(ranks)):
+        # each sharding group holds every table once: the CPU values
+        mine = [r["two_dim"] for r in group]
+        tables = sorted({k for r in mine for k in r if not k.startswith("state.")})
+        assert_same(mine, ref, f"{kind} replica {g}", tables)
+        # and the optimizer state, TorchRec's zeros (its shape follows the column split)
+        state = sorted({k for r in mine for k in r if k.startswith("state.")})
+        assert len(state) == sum(k != "dense" for _, k in layout.values()), state
+        for k in state:
+            full = _global(mine, k)
+            assert not torch.isnan(full).any() and not full.any(), f"{kind} {k}"
+        assert_same([r["roundtrip"] for r in ranks],
+                    [{k: v for k, v in r["two_dim"].items() if not k.startswith("state.")}
+                     for r in group], f"{kind} dcp round trip, replica {g}")
+    for r in ranks:
+        assert r["synced"] and max(r["synced"]) < 1e-6, r["synced"]
+
+
+@pytest.mark.multiprocess
+def test_a_plain_training_checkpoint_loads_into_every_replica(tmp_path):
+    ranks = run_dist(worker_load, WORLD, str(tmp_path))
+    saved = [r["saved"] for r in ranks]
+    assert all(r["initialized"] == [] for r in ranks)
+    momentum = sorted({k for r in saved for k in r if k.startswith("state.")})
+    assert len(momentum) == len(SAVED) - 1  # every fused table's row-wise Adagrad state
+    assert any(t.any() for r in saved for k in momentum for _, t in r.get(k, []))
+    # the tables, and the momentum where both plans keep one per row (a column-wise table
+    # keeps one per row and column shard)
+    keys = sorted({k for r in saved for k in r if not k.startswith("state.")} |
+                  {k for k in momentum if "cw" not in (SAVED[k.split(".")[2]][0],
+                                                       LAYOUT[k.split(".")[2]][0])})
+    assert [k.split(".")[2] for k in keys if k.startswith("state.")] == ["t0", "t1"], keys
+    for g, group in enumerate(_groups(ranks)):
+        assert_same([r["loaded"] for r in group], saved, f"replica {g}", keys)
+
+
+def worker_refusals(rank, world_size):
+    import metamat
+
+    out = {}
+    module, sharder, plan, _ = M.build("ebc", {"t0": ("tw", "fused")}, 1)
+    cases = {
+        "cpu": dict(plan=plan, compute_device="cpu", sharding_group_size=1),
+        "no_plan": dict(compute_device="cuda", sharding_group_size=1),
+        "size": dict(plan=plan, compute_device="cuda", sharding_group_size=3),
+        "fixed": dict(plan=plan, compute_device="cuda", sharding_group_size=1, world_size=2),
+    }
+    for name, kw in cases.items():
+        try:
+            metamat.shard_on_meta(module, sharders=[sharder], **kw)
+        except (ValueError, metamat.UnsupportedError) as e:
+            out[name] = str(e)
+    module, sharder, plan, _ = M.build("ebc", {"t0": ("twrw", "fused"), "t1": ("tw", "fused")},
+                                       world_size)
+    try:
+        metamat.shard_on_meta(module, plan=plan, sharders=[sharder], compute_device="cuda",
+                              sharding_group_size=world_size)
+    except metamat.UnsupportedError as e:
+        out["twrw"] = str(e)
+    out["meta"] = all(t.is_meta for t in module.parameters())
+    return out
+
+
+@pytest.mark.multiprocess
+def test_what_two_dim_needs_is_checked_before_building():
+    out = run_dist(worker_refusals, 2)[0]
+    assert "GPUs only" in out["cpu"], out
+    assert "plan of one sharding group" in out["no_plan"], out
+    assert "must divide the world size 2" in out["size"], out
+    assert "'world_size' is fixed" in out["fixed"], out
+    assert "table-row-wise" in out["twrw"] and ".t0" in out["twrw"], out
+    assert out["meta"]
