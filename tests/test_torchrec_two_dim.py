@@ -52,10 +52,19 @@ def _plain_cpu(kind: str, layout):
     return metamat.shard_on_meta(module, plan=plan, sharders=[sharder])
 
 
-def _sync_tensors(model) -> list:
-    ctx = model._ctxs[0]
-    return [t for ts in list(ctx.weights_by_dtype.values()) +
-            list(ctx.optimizer_tensors_by_dtype.values()) for t in ts]
+def _shard_views(model) -> list:
+    """The model's table shards and fused optimizer state as TorchRec gives them (views of
+    the TBEs' storage), data-parallel tables left out (DDP averages their gradients)."""
+    out = []
+    for k, v in list(model.state_dict().items()) + [
+            (k, v) for k, v in model.fused_optimizer.state_dict()["state"].items()]:
+        for t in (v.values() if isinstance(v, dict) else [v]):
+            local = getattr(t, "_local_tensor", None)
+            if local is not None and hasattr(local, "local_shards"):
+                out.extend(x for x in local.local_shards() if x.numel())
+            elif hasattr(t, "local_shards"):
+                out.extend(s.tensor for s in t.local_shards() if s.tensor.numel())
+    return out
 
 
 def worker_init(rank, world_size, kind, layout, tmp):
@@ -74,14 +83,13 @@ def worker_init(rank, world_size, kind, layout, tmp):
                meta_left=[n for n, t in list(model.named_parameters()) +
                           list(model.named_buffers()) if t.is_meta])
     # sync(): the replicas differ by 2.0 (tables and optimizer state), their mean is +1.0
-    tensors = _sync_tensors(model)
+    tensors = _shard_views(model)
     before = [t.clone() for t in tensors]
     with torch.no_grad():
         for t in tensors:
             t.add_(2.0 * (rank % (WORLD // GROUP)))  # replicas: ranks of one replica group
     model.sync()
-    res["synced"] = [float((t - (b + 1.0)).abs().max()) if t.numel() else 0.0
-                     for t, b in zip(tensors, before)]
+    res["synced"] = [float((t - (b + 1.0)).abs().max()) for t, b in zip(tensors, before)]
     with torch.no_grad():
         for t, b in zip(tensors, before):
             t.copy_(b)
@@ -170,7 +178,7 @@ def test_every_replica_gets_the_plain_models_values_and_sync_reduces_them(kind, 
                     [{k: v for k, v in r["two_dim"].items() if not k.startswith("state.")}
                      for r in group], f"{kind} dcp round trip, replica {g}")
     for r in ranks:
-        assert r["synced"] and max(r["synced"]) < 1e-6, r["synced"]
+        assert len(r["synced"]) >= 3 and max(r["synced"]) < 1e-6, r["synced"]
 
 
 @pytest.mark.multiprocess
@@ -227,3 +235,79 @@ def test_what_two_dim_needs_is_checked_before_building():
     assert "'world_size' is fixed" in out["fixed"], out
     assert "table-row-wise" in out["twrw"] and ".t0" in out["twrw"], out
     assert out["meta"]
+
+
+# ------------------------------------------------------------------------------------------
+# On GPUs (NCCL): against TorchRec's own DMPCollection on CUDA holding the same values
+
+def _forward(model, batch):
+    out = model(batch)
+    out = out.wait() if hasattr(out, "wait") else out
+    return out.values() if hasattr(out, "values") and callable(out.values) else out
+
+
+def _train_step(model, batch):
+    out = _forward(model, batch)
+    (out * out).sum().backward()  # fused kernels update tables and state in backward
+    with torch.no_grad():  # what has a gradient (data-parallel tables): plain SGD
+        for p in model.parameters():
+            if p.grad is not None:
+                p.add_(p.grad, alpha=-0.05)
+                p.grad = None
+    model.sync()
+    return out.detach().cpu()
+
+
+def _close(a: dict, b: dict) -> list:
+    return [k for k in a for (o1, x), (o2, y) in zip(a[k], b[k])
+            if o1 != o2 or x.shape != y.shape
+            or not torch.allclose(x.float(), y.float(), rtol=1e-5, atol=1e-6)]
+
+
+def worker_gpu(rank, world_size):
+    import torch.distributed as dist
+    from torchrec.distributed.model_parallel import DMPCollection
+
+    import metamat
+
+    dev = torch.device("cuda", rank)
+    torch.cuda.set_device(dev)
+    layout = {"t0": ("tw", "fused"), "t1": ("rw", "fused_uvm"), "t2": ("cw", "fused_uvm_caching"),
+              "t3": ("dp", "dense")}
+    module, sharder, plan, tables = M.build("ebc", layout, 1)
+    gpu = metamat.shard_on_meta(module, plan=plan, sharders=[sharder], compute_device="cuda",
+                                sharding_group_size=1)
+    report = metamat.materialize(gpu, seed=SEED)
+    res = dict(device=report.device, memory=report.bytes_by_memory)
+    cmod, csharder, cplan, _ = M.build("ebc", M.cpu_layout(layout), 1, device_type="cpu")
+    ref = metamat.shard_on_meta(cmod, plan=cplan, sharders=[csharder])
+    metamat.materialize(ref, device="cpu", seed=SEED)
+    mine, want = M.local_blocks(gpu.state_dict()), M.local_blocks(ref.state_dict())
+    res["init_bits"] = [k for k in want if any(
+        not torch.equal(x, y) for (_, x), (_, y) in zip(mine[k], want[k]))]
+    # TorchRec's own DMPCollection on the GPU, given the same values
+    emod, esharder, eplan, _ = M.build("ebc", layout, 1)
+    eager = DMPCollection(emod, device=dev, plan=eplan, world_size=world_size,
+                          sharding_group_size=1, global_pg=dist.group.WORLD,
+                          sharders=[esharder])
+    eager.load_state_dict(gpu.state_dict())
+    outs = []
+    for step in range(2):
+        b = M.batch(len(tables), seed=step + 10 * rank, device=dev)
+        outs.append((_train_step(gpu, b), _train_step(eager, b)))
+    res["out_close"] = [torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in outs]
+    mine, want = _state(gpu), _state(eager)
+    res["after"] = _close(mine, want)
+    return res
+
+
+@pytest.mark.cuda
+def test_trains_and_syncs_like_torchrecs_own_dmp_collection_on_gpus():
+    world = min(2, torch.cuda.device_count())
+    ranks = run_dist(worker_gpu, world, backend="nccl")
+    for r in ranks:
+        assert r["device"].startswith("cuda:"), r["device"]
+        assert "uvm" in r["memory"] and r["memory"]["device"] > 0, r["memory"]
+        assert r["init_bits"] == [], r["init_bits"]
+        assert all(r["out_close"]), r["out_close"]
+        assert r["after"] == [], r["after"]

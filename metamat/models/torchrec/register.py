@@ -17,7 +17,6 @@ from torch.nn.parallel import DistributedDataParallel
 
 from ...allocate import Allocation
 from ..torch_upstream import REMOTE_DEVICE_FIELDS
-from .two_dim import refresh_sync_tensors
 from .walk import TorchRecPlan as Plan
 
 __all__ = ["register"]
@@ -142,4 +141,3 @@ def register(model: Any, plan: Plan, alloc: Allocation) -> None:
             warnings.filterwarnings("ignore", message="`broadcast_buffers` is deprecated",
                                     category=FutureWarning)
             model.init_data_parallel()
-    refresh_sync_tensors(model)

@@ -9,19 +9,21 @@ part on meta instead:
 * the DMP constructor DMPCollection calls gets ``device=meta`` and the plan with meta
   placements (``plan_to_meta``, after DMPCollection has mapped the group's ranks to global
   ranks), so the tables are laid out for CUDA and allocated nowhere;
-* on the emulated GPU (``metamat.emulation``) the 2D device mesh is a CPU mesh (the gloo
-  groups); on a GPU host it is TorchRec's CUDA mesh.
+* where the process group has no NCCL backend (gloo ranks, as on the emulated GPU of
+  ``metamat.emulation``) the 2D device mesh is a CPU mesh; with NCCL it is TorchRec's CUDA
+  mesh.
 
 Values need nothing special: metamat's values are keyed by global row and column, so every
-replica of a shard gets the same bytes, from init or from a checkpoint. Once the tensors are
-real, ``refresh_sync_tensors`` rebuilds the tensor lists ``sync()`` reduces (TorchRec cached
-them on meta).
+replica of a shard gets the same bytes, from init or from a checkpoint. The tables' DTensors
+(TorchRec's ``LocalShardsWrapper``: none, one or several shards a rank) are read shard by
+shard (``targets.local_blocks``), and the tensor lists ``sync()`` reduces, which TorchRec
+cached while it built the model, are views of the tables' storage like any other and get
+their real twins at registration.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
-import sys
 from typing import Any, Dict, Iterator, List, Optional
 
 import torch
@@ -30,29 +32,21 @@ from ...errors import UnsupportedError
 from . import upstream
 from .meta_plan import plan_to_meta
 
-__all__ = ["build_dmp_collection", "check_two_dim", "dmp_collection_on_meta",
-           "is_dmp_collection", "refresh_sync_tensors"]
+__all__ = ["build_dmp_collection", "check_two_dim", "dmp_collection_on_meta"]
 
 _META = torch.device("meta")
-DMPC = upstream.DMPC
 MODEL_PARALLEL = "torchrec.distributed.model_parallel"
 #: sharding types whose node groups TorchRec builds differently in 2D (register refuses them)
 _NODE_GROUPED = ("table_row_wise", "grid_shard")
 
 
-def is_dmp_collection(model: Any) -> bool:
-    """Whether ``model`` is TorchRec's ``DMPCollection`` (2D parallel)."""
-    mod = sys.modules.get(MODEL_PARALLEL)
-    cls = getattr(mod, "DMPCollection", None) if mod is not None else None
-    return cls is not None and isinstance(model, cls)
-
-
 @contextlib.contextmanager
 def dmp_collection_on_meta(rank_devices: Dict[int, torch.device],
-                           emulated: bool) -> Iterator[None]:
+                           cpu_mesh_only: bool) -> Iterator[None]:
     """While active, a ``DMPCollection`` built for CUDA shards on meta (module docstring).
     ``rank_devices`` receives each global rank's CUDA device as the remapped plan placed it;
-    ``emulated``: the GPU is emulated on the CPU (the mesh is built for the CPU)."""
+    ``cpu_mesh_only``: the process group has no NCCL backend (the emulated GPU's gloo ranks),
+    so the 2D mesh is built for the CPU."""
     from torch.distributed.device_mesh import DeviceMesh
 
     from torchrec.distributed.model_parallel import DistributedModelParallel
@@ -70,17 +64,9 @@ def dmp_collection_on_meta(rank_devices: Dict[int, torch.device],
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(upstream.patch(upstream.DMP, "__init__", init_on_meta))
-        if emulated:
+        if cpu_mesh_only:
             stack.enter_context(upstream.patch(MODEL_PARALLEL, "DeviceMesh", cpu_mesh))
         yield
-
-
-def refresh_sync_tensors(model: Any) -> None:
-    """Rebuild the tensor lists ``DMPCollection.sync()`` reduces: TorchRec cached the meta
-    tensors' views while the model was built."""
-    if is_dmp_collection(model):
-        upstream.BOUNDARY.read(model, DMPC, "_cache_sync_tensors")(
-            upstream.BOUNDARY.read(model, DMPC, "_ctxs"))
 
 
 def check_two_dim(env: Any, plan: Any, cuda_layout: bool, sharding_group_size: int) -> None:
@@ -117,8 +103,10 @@ def build_dmp_collection(module: Any, env: Any, compute_device: torch.device, pl
     the caller has entered ``building_on_meta``; ``plan`` is a copy the remap may change."""
     from torchrec.distributed.model_parallel import DMPCollection
 
+    import torch.distributed as dist
+
     pg = env.process_group
-    with dmp_collection_on_meta(rank_devices, emulated=not torch.cuda.is_available()):
+    with dmp_collection_on_meta(rank_devices, cpu_mesh_only="nccl" not in dist.get_backend(pg)):
         return DMPCollection(
             module,
             device=compute_device,

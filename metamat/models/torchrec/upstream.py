@@ -65,7 +65,6 @@ EC_MOD = "torchrec.distributed.embedding"
 SEBC = f"{EBC_MOD}.ShardedEmbeddingBagCollection"
 SEC = f"{EC_MOD}.ShardedEmbeddingCollection"
 DMP = "torchrec.distributed.model_parallel.DistributedModelParallel"
-DMPC = "torchrec.distributed.model_parallel.DMPCollection"
 SHARDS_WRAPPER = "torchrec.distributed.shards_wrapper.LocalShardsWrapper"
 POOLED_LOOKUP = "torchrec.distributed.embedding_lookup.GroupedPooledEmbeddingsLookup"
 SEQ_LOOKUP = "torchrec.distributed.embedding_lookup.GroupedEmbeddingsLookup"
@@ -205,14 +204,11 @@ DECLARED: Tuple[Private, ...] = (
     # -- DMPCollection, 2D parallel (two_dim.py) ------------------------------------------------
     _tr(DMP, "__init__", "own_method", "two_dim: DMPCollection's DMP part shards on meta",
         patched=True),
-    _tr("torchrec.distributed.model_parallel", "DeviceMesh", "class", "two_dim: the emulated "
-        "GPU's 2D mesh is a CPU mesh", patched=True),
-    _tr(DMPC, "_ctxs", "attr", "two_dim: the contexts whose sync tensors are cached again"),
+    _tr("torchrec.distributed.model_parallel", "DeviceMesh", "class", "two_dim: a gloo-only "
+        "process group's 2D mesh is a CPU mesh (the emulated GPU)", patched=True),
     *[_tr(SHARDS_WRAPPER, n, "method", "two_dim: the local tensor of a 2D-parallel table's "
           "DTensor holds the rank's shards (none, one or several) and their offsets")
       for n in ("local_shards", "local_offsets")],
-    _tr(DMPC, "_cache_sync_tensors", "method", "two_dim: sync() reduces the real tensors once "
-        "materialized (TorchRec cached the meta ones)"),
     # -- fbgemm ------------------------------------------------------------------------------
     *[_fb(PERMUTE, n, "attr", "meta tensor whose value values.py recomputes")
       for n in PERMUTE_TENSORS],
