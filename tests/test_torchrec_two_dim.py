@@ -128,7 +128,15 @@ def worker_load(rank, world_size, tmp):
     model, _ = _two_dim("ebc", LAYOUT)
     with emulated_cuda():
         report = metamat.materialize(model, path)
-    return dict(saved=_state(eager), loaded=_state(model), initialized=report.initialized)
+    res = dict(saved=_state(eager), loaded=_state(model), initialized=report.initialized)
+    # in place into the live model, whose replicas have drifted apart
+    with torch.no_grad():
+        for t in _shard_views(model):
+            t.add_(float(rank))
+    with emulated_cuda():
+        metamat.materialize(model, path)
+    res["reloaded"] = _state(model)
+    return res
 
 
 def _groups(ranks: list) -> list:
@@ -154,7 +162,10 @@ def assert_same(a_ranks, b_ranks, what: str, keys=None):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("kind,layout", [("ebc", LAYOUT), ("ec", M.MIXED_EC)], ids=["ebc", "ec"])
+@pytest.mark.parametrize("kind,layout", [("ebc", LAYOUT), ("ec", M.MIXED_EC),
+                                         ("dlrm", {"t0": ("rw", "fused"), "t1": ("tw", "fused"),
+                                                   "t2": ("dp", "dense")})],
+                         ids=["ebc", "ec", "dlrm"])
 def test_every_replica_gets_the_plain_models_values_and_sync_reduces_them(kind, layout,
                                                                         tmp_path):
     ranks = run_dist(worker_init, WORLD, kind, layout, str(tmp_path))
@@ -178,7 +189,7 @@ def test_every_replica_gets_the_plain_models_values_and_sync_reduces_them(kind, 
                     [{k: v for k, v in r["two_dim"].items() if not k.startswith("state.")}
                      for r in group], f"{kind} dcp round trip, replica {g}")
     for r in ranks:
-        assert len(r["synced"]) >= 3 and max(r["synced"]) < 1e-6, r["synced"]
+        assert len(r["synced"]) >= 2 and max(r["synced"]) < 1e-6, r["synced"]
 
 
 @pytest.mark.multiprocess
@@ -197,6 +208,7 @@ def test_a_plain_training_checkpoint_loads_into_every_replica(tmp_path):
     assert [k.split(".")[2] for k in keys if k.startswith("state.")] == ["t0", "t1"], keys
     for g, group in enumerate(_groups(ranks)):
         assert_same([r["loaded"] for r in group], saved, f"replica {g}", keys)
+        assert_same([r["reloaded"] for r in group], saved, f"replica {g} in place", keys)
 
 
 def worker_refusals(rank, world_size):
