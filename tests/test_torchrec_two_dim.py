@@ -99,6 +99,10 @@ def worker_init(rank, world_size, kind, layout, tmp):
     back = _plain_cpu(kind, layout)
     metamat.materialize(back, path, device="cpu")
     res["roundtrip"] = M.local_blocks(back.state_dict())
+    again, _ = _two_dim(kind, layout)  # and into a fresh 2D model
+    with emulated_cuda():
+        metamat.materialize(again, path)
+    res["roundtrip_2d"] = M.local_blocks(again.state_dict())
     return res
 
 
@@ -185,9 +189,12 @@ def test_every_replica_gets_the_plain_models_values_and_sync_reduces_them(kind, 
         for k in state:
             full = _global(mine, k)
             assert not torch.isnan(full).any() and not full.any(), f"{kind} {k}"
-        assert_same([r["roundtrip"] for r in ranks],
-                    [{k: v for k, v in r["two_dim"].items() if not k.startswith("state.")}
-                     for r in group], f"{kind} dcp round trip, replica {g}")
+        tables_only = [{k: v for k, v in r["two_dim"].items() if not k.startswith("state.")}
+                       for r in group]
+        assert_same([r["roundtrip"] for r in ranks], tables_only,
+                    f"{kind} dcp round trip, replica {g}")
+        assert_same([r["roundtrip_2d"] for r in group], tables_only,
+                    f"{kind} dcp round trip into 2D, replica {g}")
     for r in ranks:
         assert len(r["synced"]) >= 2 and max(r["synced"]) < 1e-6, r["synced"]
 

@@ -151,7 +151,7 @@ def applied(monkeypatch):
 
 
 def test_every_patch_site_is_used_and_undone(world1_env, applied):
-    """shard_on_meta (CPU and CUDA layouts) and the materialize of a DMP TorchRec built on
+    """shard_on_meta (CPU and CUDA layouts, 2D parallel) and the materialize of a DMP TorchRec built on
     meta (fbgemm's constructor re-run: tbe.capture_tbe_args) apply every declared patch site
     that exists here, each put back afterwards."""
     import metamat
@@ -164,6 +164,10 @@ def test_every_patch_site_is_used_and_undone(world1_env, applied):
     fused_only = _ebc_model(3)
     metamat.shard_on_meta(fused_only[0](), world1_env, plan=fused_only[2],
                           sharders=[fused_only[1]], compute_device="cuda")
+    _assert_restored(before)
+    fused_only = _ebc_model(3)  # TorchRec's 2D parallelism, one group of this one rank
+    metamat.shard_on_meta(fused_only[0](), world1_env, plan=fused_only[2],
+                          sharders=[fused_only[1]], compute_device="cuda", sharding_group_size=1)
     _assert_restored(before)
     dmp = DistributedModelParallel(ebc(), env=world1_env, device=torch.device("meta"),
                                    plan=plan, sharders=[sharder])

@@ -27,6 +27,7 @@ import functools
 from typing import Any, Dict, Iterator, List, Optional
 
 import torch
+import torch.distributed as dist
 
 from ...errors import UnsupportedError
 from . import upstream
@@ -48,7 +49,6 @@ def dmp_collection_on_meta(rank_devices: Dict[int, torch.device],
     ``cpu_mesh_only``: the process group has no NCCL backend (the emulated GPU's gloo ranks),
     so the 2D mesh is built for the CPU."""
     from torch.distributed.device_mesh import DeviceMesh
-
     from torchrec.distributed.model_parallel import DistributedModelParallel
 
     dmp_init = DistributedModelParallel.__dict__["__init__"]
@@ -102,8 +102,6 @@ def build_dmp_collection(module: Any, env: Any, compute_device: torch.device, pl
     """TorchRec's ``DMPCollection`` of ``module`` with its tables on meta (module docstring):
     the caller has entered ``building_on_meta``; ``plan`` is a copy the remap may change."""
     from torchrec.distributed.model_parallel import DMPCollection
-
-    import torch.distributed as dist
 
     pg = env.process_group
     with dmp_collection_on_meta(rank_devices, cpu_mesh_only="nccl" not in dist.get_backend(pg)):
