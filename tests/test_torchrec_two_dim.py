@@ -5,7 +5,9 @@ emulated GPU: 4 gloo ranks, sharding groups of 2, so every shard has two replica
 tables on meta; ``materialize`` fills every replica with the same plan-invariant values (each
 sharding group, assembled on its own, equals metamat's CPU materialize of a plain DMP), loads
 a training checkpoint of a plain DMP into every replica, and leaves ``sync()`` reducing the
-real tensors. TorchRec runs ``DMPCollection`` on GPUs only; what only a GPU shows (NCCL,
+real tensors. Managed-collision collections (MCH, HashZch): each replica's tables and MC state
+equal those of the same rank of a plain 2-rank sharding (metamat's init; TorchRec's own load
+of a trained eager model's checkpoint). TorchRec runs ``DMPCollection`` on GPUs only; what only a GPU shows (NCCL,
 training) waits for a host with several GPUs.
 """
 from __future__ import annotations
@@ -330,3 +332,113 @@ def test_trains_and_syncs_like_torchrecs_own_dmp_collection_on_gpus():
         assert r["init_bits"] == [], r["init_bits"]
         assert all(r["out_close"]), r["out_close"]
         assert r["after"] == [], r["after"]
+
+
+# ------------------------------------------------------------------------------------------
+# Managed-collision collections under 2D: each replica holds a plain sharding's state
+
+def _zch(zch: str):
+    """The MC test module of ``zch`` ("mch" or "hash": multi-probe HashZch) and its
+    ``(build, trained)``: the module builder and what writes a trained model's MC state."""
+    import test_torchrec_managed_collision as MC
+
+    if zch == "mch":
+        def trained(kind, eager, rank, world_size):
+            for step in range(2):
+                MC._step(kind, eager, seed=100 + step)
+            MC._trained_mc_state(eager, rank, world_size)
+        return MC._module, trained
+    import test_torchrec_hash_zch as H
+
+    def trained(kind, eager, rank, world_size):
+        H._trained_slots(eager, rank, world_size)
+        H._read_only(eager)
+        for step in range(2):
+            H._step(kind, eager, seed=100 + step)
+    return H._module, trained
+
+
+def worker_mc_plain(rank, world_size, tmp, kind, zch):
+    """The reference, on 2 ranks (one sharding group): metamat's init, and TorchRec's own
+    load of a trained eager model's checkpoint."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    import metamat
+    import test_torchrec_managed_collision as MC
+
+    build, trained = _zch(zch)
+    init = MC._on_meta(kind, world_size, build=build)
+    metamat.materialize(init, seed=SEED)
+    eager = MC._eager(kind, world_size, build=build)
+    trained(kind, eager, rank, world_size)
+    path = os.path.join(tmp, "mc")
+    dcp.save(eager.state_dict(), checkpoint_id=path)
+    dist.barrier()
+    loaded = MC._eager(kind, world_size, build=build)
+    sd = loaded.state_dict()
+    dcp.load(sd, checkpoint_id=path)
+    loaded.load_state_dict(sd)  # TorchRec's load hook sorts the MC state again
+    return dict(init=M.local_blocks(init.state_dict()), load=M.local_blocks(loaded.state_dict()))
+
+
+def worker_mc_two_dim(rank, world_size, tmp, kind, zch):
+    import metamat
+    import test_torchrec_managed_collision as MC
+    from metamat.emulation import emulated_cuda
+
+    def two_dim():
+        module = _zch(zch)[0](kind, torch.device("meta"))
+        return metamat.shard_on_meta(module, plan=MC._plan(module, kind, GROUP, "cuda"),
+                                     sharders=[MC._sharder(kind)], compute_device="cuda",
+                                     sharding_group_size=GROUP)
+    init, loaded = two_dim(), two_dim()
+    with emulated_cuda():
+        metamat.materialize(init, seed=SEED)
+        metamat.materialize(loaded, os.path.join(tmp, "mc"))
+    return dict(init=M.local_blocks(init.state_dict()), load=M.local_blocks(loaded.state_dict()))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("kind,zch", [("ebc", "mch"), ("ec", "mch"), ("ebc", "hash")])
+def test_managed_collision_replicas_hold_the_plain_shardings_state(kind, zch, tmp_path):
+    import torchrec
+
+    if tuple(int(x) for x in torchrec.__version__.split(".")[:2]) < (1, 8):
+        pytest.skip("refused before torchrec 1.8 (test_managed_collision_refused_before_1_8)")
+    plain = run_dist(worker_mc_plain, GROUP, str(tmp_path), kind, zch)
+    two_dim = run_dist(worker_mc_two_dim, WORLD, str(tmp_path), kind, zch)
+    for rank, mine in enumerate(two_dim):
+        ref = plain[rank // (WORLD // GROUP)]  # this rank's place in its sharding group
+        for what in ("init", "load"):
+            keys = sorted(ref[what])
+            assert sorted(mine[what]) == keys, (rank, what)
+            assert sum("_managed_collision_modules" in k for k in keys) >= 4, keys
+            bad = [k for k in keys if len(mine[what][k]) != len(ref[what][k]) or any(
+                o1 != o2 or not torch.equal(M.bits(a), M.bits(b))
+                for (o1, a), (o2, b) in zip(mine[what][k], ref[what][k]))]
+            assert bad == [], (rank, what, bad)
+
+
+def worker_mc_old(rank, world_size):
+    import metamat
+    import test_torchrec_managed_collision as MC
+
+    module = MC._module("ebc", torch.device("meta"))
+    try:
+        metamat.shard_on_meta(module, plan=MC._plan(module, "ebc", 1, "cuda"),
+                              sharders=[MC._sharder("ebc")], compute_device="cuda",
+                              sharding_group_size=1)
+    except metamat.UnsupportedError as e:
+        return str(e)
+    return None
+
+
+@pytest.mark.multiprocess
+def test_managed_collision_refused_before_1_8():
+    import torchrec
+
+    if tuple(int(x) for x in torchrec.__version__.split(".")[:2]) >= (1, 8):
+        pytest.skip("torchrec 1.8 and later shard managed collision under 2D")
+    error = run_dist(worker_mc_old, 2)[0]
+    assert error and "needs torchrec 1.8 or later" in error, error

@@ -234,7 +234,7 @@ def shard_on_meta(
         env = ShardingEnv.from_process_group(dist.group.WORLD)
     cuda_layout = compute_device is not None and torch.device(compute_device).type == "cuda"
     if sharding_group_size is not None:
-        check_two_dim(env, plan, cuda_layout, sharding_group_size)
+        check_two_dim(module, env, plan, cuda_layout, sharding_group_size)
     if cuda_layout:
         compute_device = this_ranks_gpu(torch.device(compute_device))
     if plan is None:

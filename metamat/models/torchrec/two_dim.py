@@ -69,10 +69,11 @@ def dmp_collection_on_meta(rank_devices: Dict[int, torch.device],
         yield
 
 
-def check_two_dim(env: Any, plan: Any, cuda_layout: bool, sharding_group_size: int) -> None:
+def check_two_dim(module: Any, env: Any, plan: Any, cuda_layout: bool,
+                  sharding_group_size: int) -> None:
     """What ``shard_on_meta(sharding_group_size=...)`` needs, checked before anything is built:
     TorchRec's ``DMPCollection`` runs on GPUs only and takes the sharding group's plan; the
-    group size divides the world size."""
+    group size divides the world size; managed collision needs torchrec 1.8 or later."""
     if not cuda_layout:
         raise ValueError("shard_on_meta: sharding_group_size builds TorchRec's DMPCollection, "
                          "which runs on GPUs only: pass compute_device='cuda'")
@@ -94,6 +95,24 @@ def check_two_dim(env: Any, plan: Any, cuda_layout: bool, sharding_group_size: i
             world % sharding_group_size:
         raise ValueError(f"shard_on_meta: sharding_group_size {sharding_group_size!r} must "
                          f"divide the world size {world}")
+    _check_managed_collision(module)
+
+
+def _check_managed_collision(module: Any) -> None:
+    """TorchRec before 1.8 gathers each MC table's size over the whole world, not the sharding
+    group, under 2D (its own DMPCollection fails the same way): refused there by name."""
+    import torchrec
+    from torchrec.modules.mc_modules import ManagedCollisionCollection
+
+    version = tuple(int(x) for x in torchrec.__version__.split("+")[0].split(".")[:2])
+    if version >= (1, 8):
+        return
+    for name, m in module.named_modules():
+        if isinstance(m, ManagedCollisionCollection):
+            raise UnsupportedError(
+                f"shard_on_meta: managed-collision collection {name or '<root>'} under 2D "
+                f"parallelism needs torchrec 1.8 or later (torchrec {torchrec.__version__} "
+                "gathers its table sizes over the whole world, not the sharding group)")
 
 
 def build_dmp_collection(module: Any, env: Any, compute_device: torch.device, plan: Any,
