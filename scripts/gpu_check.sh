@@ -20,11 +20,12 @@
 #   torchrec_gpu  200  pytest -m cuda tests/test_torchrec_gpu.py (materialize + train vs eager
 #                      DMP on CUDA, per location) tests/test_torchrec_managed_collision.py
 #                      (managed collision, evicting) tests/test_torchrec_hash_zch.py (multi-probe
-#                      ZCH, inserting); pytest-xdist -n XDIST_N (4) when installed
+#                      ZCH, inserting) tests/test_torchrec_two_dim.py (2D parallel vs TorchRec's
+#                      DMPCollection); pytest-xdist -n XDIST_N (4) when installed
 #   torchrec_layout 90 pytest tests/test_torchrec_cuda_layout.py (-n XDIST_N too)
 #   torchrec_emulated 100 pytest tests/test_torchrec_gpu_emulated.py (-n XDIST_N; CPU-bound:
 #                      this fbgemm-gpu 1.6.0 against metamat's emulated device)
-#   cuda          150  every other `cuda` test: pytest -m cuda tests/ (less the four above)
+#   cuda          150  every other `cuda` test: pytest -m cuda tests/ (less the files above)
 #   bench_dmp     100  bench/materialize.py --mode dmp --device cuda (DMP_GIB 4, DMP_REPS 3,
 #                      SMALL_TABLES 2048)
 #   bench_load    100  bench/materialize.py --mode load --device cuda (LOAD_GIB 4, LOAD_REPS 3)
@@ -245,10 +246,12 @@ step backend 30 cmd "$py" -c "import metamat._C as C; assert C.cuda_compiled(), 
 
 # --- TorchRec on the GPU first, then every other cuda test -------------------------------------
 trec_files=(tests/test_torchrec_gpu.py tests/test_torchrec_cuda_layout.py tests/test_torchrec_gpu_emulated.py
-            tests/test_torchrec_managed_collision.py tests/test_torchrec_hash_zch.py)
+            tests/test_torchrec_managed_collision.py tests/test_torchrec_hash_zch.py
+            tests/test_torchrec_two_dim.py)
 if ((has_torchrec)); then
   pytest_step torchrec_gpu 200 "${xdist_args[@]}" -m cuda tests/test_torchrec_gpu.py \
-    tests/test_torchrec_managed_collision.py tests/test_torchrec_hash_zch.py
+    tests/test_torchrec_managed_collision.py tests/test_torchrec_hash_zch.py \
+    tests/test_torchrec_two_dim.py
   pytest_step torchrec_layout 90 "${xdist_args[@]}" tests/test_torchrec_cuda_layout.py
   pytest_step torchrec_emulated 100 "${xdist_args[@]}" tests/test_torchrec_gpu_emulated.py
 else
