@@ -221,6 +221,8 @@ def test_a_plain_training_checkpoint_loads_into_every_replica(tmp_path):
 
 
 def worker_refusals(rank, world_size):
+    from torchrec.distributed.types import ShardingStrategy
+
     import metamat
 
     out = {}
@@ -230,6 +232,8 @@ def worker_refusals(rank, world_size):
         "no_plan": dict(compute_device="cuda", sharding_group_size=1),
         "size": dict(plan=plan, compute_device="cuda", sharding_group_size=3),
         "fixed": dict(plan=plan, compute_device="cuda", sharding_group_size=1, world_size=2),
+        "fully": dict(plan=plan, compute_device="cuda", sharding_group_size=1,
+                      sharding_strategy=ShardingStrategy.FULLY_SHARDED),
     }
     for name, kw in cases.items():
         try:
@@ -254,6 +258,7 @@ def test_what_two_dim_needs_is_checked_before_building():
     assert "plan of one sharding group" in out["no_plan"], out
     assert "must divide the world size 2" in out["size"], out
     assert "'world_size' is fixed" in out["fixed"], out
+    assert "FULLY_SHARDED strategy is not supported" in out["fully"], out
     assert "table-row-wise" in out["twrw"] and ".t0" in out["twrw"], out
     assert out["meta"]
 

@@ -200,9 +200,9 @@ def shard_on_meta(
             averages them). Needs ``compute_device="cuda"`` and a plan, as TorchRec does.
         **dmp_kwargs: forwarded to ``DistributedModelParallel`` (``device``,
             ``init_parameters`` and ``init_data_parallel`` are fixed by this function), or
-            to ``DMPCollection`` with ``sharding_group_size`` (``sharding_strategy``,
-            ``node_group_size``, ``use_inter_host_allreduce``, ...; ``world_size`` and
-            ``global_pg`` are the env's).
+            to ``DMPCollection`` with ``sharding_group_size`` (``sharding_strategy`` but
+            ``FULLY_SHARDED``, ``node_group_size``, ``use_inter_host_allreduce``, ...;
+            ``world_size`` and ``global_pg`` are the env's).
 
     Returns:
         A ``DistributedModelParallel`` (a ``DMPCollection`` with ``sharding_group_size``) on
@@ -234,7 +234,7 @@ def shard_on_meta(
         env = ShardingEnv.from_process_group(dist.group.WORLD)
     cuda_layout = compute_device is not None and torch.device(compute_device).type == "cuda"
     if sharding_group_size is not None:
-        check_two_dim(module, env, plan, cuda_layout, sharding_group_size)
+        check_two_dim(module, env, plan, cuda_layout, sharding_group_size, dmp_kwargs)
     if cuda_layout:
         compute_device = this_ranks_gpu(torch.device(compute_device))
     if plan is None:

@@ -70,10 +70,12 @@ def dmp_collection_on_meta(rank_devices: Dict[int, torch.device],
 
 
 def check_two_dim(module: Any, env: Any, plan: Any, cuda_layout: bool,
-                  sharding_group_size: int) -> None:
+                  sharding_group_size: int, kwargs: Dict[str, Any]) -> None:
     """What ``shard_on_meta(sharding_group_size=...)`` needs, checked before anything is built:
     TorchRec's ``DMPCollection`` runs on GPUs only and takes the sharding group's plan; the
-    group size divides the world size; managed collision needs torchrec 1.8 or later."""
+    group size divides the world size; managed collision needs torchrec 1.8 or later; the
+    fully sharded strategy is refused (its kernels open CUDA streams on the tables' device
+    while TorchRec builds them)."""
     if not cuda_layout:
         raise ValueError("shard_on_meta: sharding_group_size builds TorchRec's DMPCollection, "
                          "which runs on GPUs only: pass compute_device='cuda'")
@@ -81,6 +83,12 @@ def check_two_dim(module: Any, env: Any, plan: Any, cuda_layout: bool,
         raise ValueError("shard_on_meta: sharding_group_size needs the plan of one sharding "
                          "group (DMPCollection takes one; plan with world_size = "
                          "sharding_group_size)")
+    strategy = kwargs.get("sharding_strategy")
+    if strategy is not None and getattr(strategy, "name", strategy) == "FULLY_SHARDED":
+        raise UnsupportedError(
+            "shard_on_meta: DMPCollection's FULLY_SHARDED strategy is not supported on meta "
+            "(its kernels open CUDA streams on the tables' device while TorchRec builds "
+            "them); use ShardingStrategy.DEFAULT or PER_MODULE")
     world = env.world_size
     node_grouped = sorted(
         f"{path or '<root>'}.{table}" for path, module_plan in plan.plan.items()
