@@ -38,6 +38,33 @@ def _state(model) -> dict:
     return out
 
 
+def unsharded_mismatches(model, tables) -> list:
+    """Table keys of ``model`` whose local blocks are not metamat's materialize of the same
+    tables unsharded (values are plan-invariant), or that hold no block; a block's rows and
+    columns are read at its global offsets."""
+    from torchrec import EmbeddingBagCollection
+
+    import metamat
+
+    ref = EmbeddingBagCollection(tables=tables, device="meta")
+    metamat.materialize(ref, device="cpu", seed=SEED)
+    want = ref.state_dict()
+    bad = []
+    for key, blocks in M.local_blocks(model.state_dict()).items():
+        if key not in want:
+            continue
+        full = want[key]
+        covered = torch.zeros(full.shape, dtype=torch.bool)
+        for (r, c), t in blocks:
+            rows, cols = slice(r, r + t.shape[0]), slice(c, c + t.shape[1])
+            covered[rows, cols] = True
+            if not torch.equal(M.bits(t.cpu()), M.bits(full[rows, cols])):
+                bad.append(key)
+        if not covered.any():
+            bad.append(key)
+    return bad
+
+
 def _two_dim(kind: str, layout, **opts):
     import metamat
 
@@ -234,6 +261,10 @@ def worker_refusals(rank, world_size):
         "fixed": dict(plan=plan, compute_device="cuda", sharding_group_size=1, world_size=2),
         "fully": dict(plan=plan, compute_device="cuda", sharding_group_size=1,
                       sharding_strategy=ShardingStrategy.FULLY_SHARDED),
+        "submodules": dict(plan=plan, compute_device="cuda", sharding_group_size=1,
+                           submodule_configs=[object()]),
+        "world_plan": dict(plan=M.build("ebc", {"t0": ("tw", "fused")}, 2)[2],
+                           compute_device="cuda", sharding_group_size=1),
     }
     for name, kw in cases.items():
         try:
@@ -259,6 +290,8 @@ def test_what_two_dim_needs_is_checked_before_building():
     assert "must divide the world size 2" in out["size"], out
     assert "'world_size' is fixed" in out["fixed"], out
     assert "FULLY_SHARDED strategy is not supported" in out["fully"], out
+    assert "submodule_configs" in out["submodules"], out
+    assert "places shards on rank 1" in out["world_plan"], out
     assert "table-row-wise" in out["twrw"] and ".t0" in out["twrw"], out
     assert out["meta"]
 
@@ -285,9 +318,11 @@ def _train_step(model, batch):
 
 
 def _close(a: dict, b: dict) -> list:
-    return [k for k in a for (o1, x), (o2, y) in zip(a[k], b[k])
-            if o1 != o2 or x.shape != y.shape
-            or not torch.allclose(x.float(), y.float(), rtol=1e-5, atol=1e-6)]
+    """Keys whose blocks differ (in number, offsets, shape or beyond float tolerance)."""
+    return [k for k in sorted(set(a) | set(b)) if len(a.get(k, [])) != len(b.get(k, [])) or any(
+        o1 != o2 or x.shape != y.shape
+        or not torch.allclose(x.float(), y.float(), rtol=1e-5, atol=1e-6)
+        for (o1, x), (o2, y) in zip(a[k], b[k]))]
 
 
 def worker_gpu(rank, world_size):
@@ -298,45 +333,81 @@ def worker_gpu(rank, world_size):
 
     dev = torch.device("cuda", rank)
     torch.cuda.set_device(dev)
+    # groups of one rank: each GPU holds every table (two column shards of t2), a replica
     layout = {"t0": ("tw", "fused"), "t1": ("rw", "fused_uvm"), "t2": ("cw", "fused_uvm_caching"),
               "t3": ("dp", "dense")}
     module, sharder, plan, tables = M.build("ebc", layout, 1)
     gpu = metamat.shard_on_meta(module, plan=plan, sharders=[sharder], compute_device="cuda",
                                 sharding_group_size=1)
     report = metamat.materialize(gpu, seed=SEED)
-    res = dict(device=report.device, memory=report.bytes_by_memory)
-    cmod, csharder, cplan, _ = M.build("ebc", M.cpu_layout(layout), 1, device_type="cpu")
-    ref = metamat.shard_on_meta(cmod, plan=cplan, sharders=[csharder])
-    metamat.materialize(ref, device="cpu", seed=SEED)
-    mine, want = M.local_blocks(gpu.state_dict()), M.local_blocks(ref.state_dict())
-    res["init_bits"] = [k for k in want if any(
-        not torch.equal(x, y) for (_, x), (_, y) in zip(mine[k], want[k]))]
+    res = dict(device=report.device, memory=report.bytes_by_memory,
+               init_bits=unsharded_mismatches(gpu, tables))
     # TorchRec's own DMPCollection on the GPU, given the same values
     emod, esharder, eplan, _ = M.build("ebc", layout, 1)
     eager = DMPCollection(emod, device=dev, plan=eplan, world_size=world_size,
                           sharding_group_size=1, global_pg=dist.group.WORLD,
                           sharders=[esharder])
     eager.load_state_dict(gpu.state_dict())
+    res["loaded"] = _close(_state(gpu), _state(eager))
     outs = []
-    for step in range(2):
+    for step in range(2):  # each replica its own batch: sync() averages them
         b = M.batch(len(tables), seed=step + 10 * rank, device=dev)
         outs.append((_train_step(gpu, b), _train_step(eager, b)))
     res["out_close"] = [torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in outs]
-    mine, want = _state(gpu), _state(eager)
-    res["after"] = _close(mine, want)
+    res["after"] = _close(_state(gpu), _state(eager))
+    res["replicas"] = [t.cpu() for t in _shard_views(gpu)]
     return res
 
 
 @pytest.mark.cuda
 def test_trains_and_syncs_like_torchrecs_own_dmp_collection_on_gpus():
+    """On one GPU, TorchRec's 2D path on CUDA (NCCL mesh, unified memory, training); with two
+    or more, two replicas that train on different batches and sync."""
     world = min(2, torch.cuda.device_count())
     ranks = run_dist(worker_gpu, world, backend="nccl")
     for r in ranks:
         assert r["device"].startswith("cuda:"), r["device"]
         assert "uvm" in r["memory"] and r["memory"]["device"] > 0, r["memory"]
         assert r["init_bits"] == [], r["init_bits"]
+        assert r["loaded"] == [], r["loaded"]
         assert all(r["out_close"]), r["out_close"]
         assert r["after"] == [], r["after"]
+    if world > 1:  # synced: both replicas hold the same tables and state
+        assert all(torch.allclose(a, b) for a, b in zip(ranks[0]["replicas"],
+                                                         ranks[1]["replicas"]))
+
+
+# ------------------------------------------------------------------------------------------
+# Groups of one rank on the emulated GPU: every rank a whole replica, column shards together
+
+def worker_one_rank_groups(rank, world_size):
+    import metamat
+    from metamat.emulation import emulated_cuda
+
+    layout = {"t0": ("cw", "fused"), "t1": ("rw", "fused_uvm_caching"), "t2": ("tw", "fused_uvm"),
+              "t3": ("cw", "fused_uvm")}
+    module, sharder, plan, tables = M.build("ebc", layout, 1)  # cw: two shards on rank 0
+    model = metamat.shard_on_meta(module, plan=plan, sharders=[sharder], compute_device="cuda",
+                                  sharding_group_size=1)
+    with emulated_cuda():
+        metamat.materialize(model, seed=SEED)
+    blocks = M.local_blocks(model.state_dict())
+    return dict(bad=unsharded_mismatches(model, tables),
+                shards={k: len(v) for k, v in blocks.items()},
+                whole={k: not torch.isnan(_global([blocks], k).float()).any() for k in blocks},
+                state=M.optimizer_blocks(model))
+
+
+@pytest.mark.multiprocess
+def test_groups_of_one_rank_hold_whole_tables_with_several_column_shards():
+    ranks = run_dist(worker_one_rank_groups, 2)
+    for r in ranks:
+        assert r["bad"] == [], r["bad"]
+        assert r["shards"]["embedding_bags.t0.weight"] == 2, r["shards"]
+        assert r["shards"]["embedding_bags.t3.weight"] == 2, r["shards"]
+        assert all(r["whole"].values()), r["whole"]
+        state = r["state"]
+        assert len(state) == 4 and all(not t.any() for v in state.values() for _, t in v)
 
 
 # ------------------------------------------------------------------------------------------

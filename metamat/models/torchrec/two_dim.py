@@ -2,9 +2,9 @@
 
 ``DMPCollection`` shards the tables over a *sharding group* of ``sharding_group_size`` ranks
 and replicates that group ``world_size / sharding_group_size`` times; ``sync()`` averages the
-replicas' tables and optimizer state. TorchRec builds it for CUDA only (it asserts a CUDA
-device) and allocates every table there. ``dmp_collection_on_meta`` builds it with its DMP
-part on meta instead:
+replicas' tables and optimizer state. TorchRec builds it for GPUs only (it asserts a CUDA
+or MTIA device) and allocates every table there. ``dmp_collection_on_meta`` builds it with
+its DMP part on meta instead:
 
 * the DMP constructor DMPCollection calls gets ``device=meta`` and the plan with meta
   placements (``plan_to_meta``, after DMPCollection has mapped the group's ranks to global
@@ -12,6 +12,9 @@ part on meta instead:
 * where the process group has no NCCL backend (gloo ranks, as on the emulated GPU of
   ``metamat.emulation``) the 2D device mesh is a CPU mesh; with NCCL it is TorchRec's CUDA
   mesh.
+
+Like the other patches of ``building_on_meta``, these replace class attributes for the whole
+process while the model is built: build models from one thread at a time.
 
 Values need nothing special: metamat's values are keyed by global row and column, so every
 replica of a shard gets the same bytes, from init or from a checkpoint. The tables' DTensors
@@ -83,26 +86,37 @@ def check_two_dim(module: Any, env: Any, plan: Any, cuda_layout: bool,
         raise ValueError("shard_on_meta: sharding_group_size needs the plan of one sharding "
                          "group (DMPCollection takes one; plan with world_size = "
                          "sharding_group_size)")
+    world = env.world_size
+    if not isinstance(sharding_group_size, int) or sharding_group_size < 1 or \
+            world % sharding_group_size:
+        raise ValueError(f"shard_on_meta: sharding_group_size {sharding_group_size!r} must "
+                         f"divide the world size {world}")
+    if kwargs.get("submodule_configs"):
+        raise UnsupportedError(
+            "shard_on_meta: DMPCollection's submodule_configs (per-module plans and sharding "
+            "groups) are not supported on meta; give one plan for the whole model")
     strategy = kwargs.get("sharding_strategy")
     if strategy is not None and getattr(strategy, "name", strategy) == "FULLY_SHARDED":
         raise UnsupportedError(
             "shard_on_meta: DMPCollection's FULLY_SHARDED strategy is not supported on meta "
             "(its kernels open CUDA streams on the tables' device while TorchRec builds "
             "them); use ShardingStrategy.DEFAULT or PER_MODULE")
-    world = env.world_size
-    node_grouped = sorted(
-        f"{path or '<root>'}.{table}" for path, module_plan in plan.plan.items()
-        if hasattr(module_plan, "items") for table, ps in module_plan.items()
-        if getattr(ps, "sharding_type", None) in _NODE_GROUPED)
+    params = [(f"{path or '<root>'}.{table}", ps) for path, module_plan in plan.plan.items()
+              if hasattr(module_plan, "items") for table, ps in module_plan.items()]
+    beyond = max((int(r) for _, ps in params for r in (getattr(ps, "ranks", None) or [])),
+                 default=-1)
+    if beyond >= sharding_group_size:
+        raise ValueError(
+            f"shard_on_meta: the plan places shards on rank {beyond}, but a sharding group "
+            f"has {sharding_group_size} ranks: give the plan of one group (planned for "
+            f"world_size={sharding_group_size}), as DMPCollection takes it")
+    node_grouped = sorted(name for name, ps in params
+                          if getattr(ps, "sharding_type", None) in _NODE_GROUPED)
     if node_grouped:
         raise UnsupportedError(
             "shard_on_meta: table-row-wise and grid sharding under 2D parallelism "
             f"(sharding_group_size) are not supported on meta yet: {', '.join(node_grouped)}; "
             "shard those tables table-, row- or column-wise, or data-parallel")
-    if not isinstance(sharding_group_size, int) or sharding_group_size < 1 or \
-            world % sharding_group_size:
-        raise ValueError(f"shard_on_meta: sharding_group_size {sharding_group_size!r} must "
-                         f"divide the world size {world}")
     _check_managed_collision(module)
 
 
