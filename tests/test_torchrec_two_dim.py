@@ -65,13 +65,20 @@ def unsharded_mismatches(model, tables) -> list:
     return bad
 
 
-def _two_dim(kind: str, layout, **opts):
+def _two_dim(kind: str, layout, inter_host: bool = False, **opts):
     import metamat
 
     module, sharder, plan, tables = M.build(kind, layout, GROUP, **opts)
+    extra = {"use_inter_host_allreduce": True} if inter_host else {}
     model = metamat.shard_on_meta(module, plan=plan, sharders=[sharder], compute_device="cuda",
-                                  sharding_group_size=GROUP)
+                                  sharding_group_size=GROUP, **extra)
     return model, tables
+
+
+def _group_of(rank: int, inter_host: bool = False) -> int:
+    """The sharding group (replica) of a global rank: TorchRec strides a group over the world
+    (0, 2 | 1, 3), or with ``use_inter_host_allreduce`` takes consecutive ranks (0, 1 | 2, 3)."""
+    return rank // GROUP if inter_host else rank % (WORLD // GROUP)
 
 
 def _plain_cpu(kind: str, layout):
@@ -96,13 +103,13 @@ def _shard_views(model) -> list:
     return out
 
 
-def worker_init(rank, world_size, kind, layout, tmp):
+def worker_init(rank, world_size, kind, layout, tmp, inter_host=False):
     import torch.distributed.checkpoint as dcp
 
     import metamat
     from metamat.emulation import emulated_cuda
 
-    model, _ = _two_dim(kind, layout)
+    model, _ = _two_dim(kind, layout, inter_host)
     with emulated_cuda():
         report = metamat.materialize(model, seed=SEED)
     ref = _plain_cpu(kind, layout)
@@ -116,7 +123,7 @@ def worker_init(rank, world_size, kind, layout, tmp):
     before = [t.clone() for t in tensors]
     with torch.no_grad():
         for t in tensors:
-            t.add_(2.0 * (rank % (WORLD // GROUP)))  # replicas: ranks of one replica group
+            t.add_(2.0 * _group_of(rank, inter_host))
     model.sync()
     res["synced"] = [float((t - (b + 1.0)).abs().max()) for t, b in zip(tensors, before)]
     with torch.no_grad():
@@ -128,7 +135,7 @@ def worker_init(rank, world_size, kind, layout, tmp):
     back = _plain_cpu(kind, layout)
     metamat.materialize(back, path, device="cpu")
     res["roundtrip"] = M.local_blocks(back.state_dict())
-    again, _ = _two_dim(kind, layout)  # and into a fresh 2D model
+    again, _ = _two_dim(kind, layout, inter_host)  # and into a fresh 2D model
     with emulated_cuda():
         metamat.materialize(again, path)
     res["roundtrip_2d"] = M.local_blocks(again.state_dict())
@@ -172,10 +179,10 @@ def worker_load(rank, world_size, tmp):
     return res
 
 
-def _groups(ranks: list) -> list:
+def _groups(ranks: list, inter_host: bool = False) -> list:
     """The ranks' results split by sharding group (each one whole replica of the model)."""
-    step = WORLD // GROUP
-    return [[ranks[r] for r in range(WORLD) if r % step == g] for g in range(step)]
+    return [[ranks[r] for r in range(WORLD) if _group_of(r, inter_host) == g]
+            for g in range(WORLD // GROUP)]
 
 
 def _global(per_rank, key):
@@ -195,19 +202,19 @@ def assert_same(a_ranks, b_ranks, what: str, keys=None):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("kind,layout", [("ebc", LAYOUT), ("ec", M.MIXED_EC),
-                                         ("dlrm", {"t0": ("rw", "fused"), "t1": ("tw", "fused"),
-                                                   "t2": ("dp", "dense")})],
-                         ids=["ebc", "ec", "dlrm"])
+@pytest.mark.parametrize("kind,layout,inter_host", [
+    ("ebc", LAYOUT, False), ("ec", M.MIXED_EC, False),
+    ("dlrm", {"t0": ("rw", "fused"), "t1": ("tw", "fused"), "t2": ("dp", "dense")}, False),
+    ("ebc", LAYOUT, True)], ids=["ebc", "ec", "dlrm", "ebc-inter-host"])
 def test_every_replica_gets_the_plain_models_values_and_sync_reduces_them(kind, layout,
-                                                                        tmp_path):
-    ranks = run_dist(worker_init, WORLD, kind, layout, str(tmp_path))
+                                                                        inter_host, tmp_path):
+    ranks = run_dist(worker_init, WORLD, kind, layout, str(tmp_path), inter_host)
     assert all(r["kind"] == "DMPCollection" for r in ranks)
     assert all(r["device"] == "cuda (emulated on the CPU)" for r in ranks)
     assert all(r["meta_left"] == [] for r in ranks)
     assert all(r["buffers"] == [] for r in ranks), [r["buffers"] for r in ranks]
     ref = [r["ref"] for r in ranks]
-    for g, group in enumerate(_groups(ranks)):
+    for g, group in enumerate(_groups(ranks, inter_host)):
         # each sharding group holds every table once: the CPU values
         mine = [r["two_dim"] for r in group]
         tables = sorted({k for r in mine for k in r if not k.startswith("state.")})
