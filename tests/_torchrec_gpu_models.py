@@ -235,3 +235,51 @@ def fbgemm_mismatches(model) -> list:
             if not name.startswith("weights_") and not torch.equal(getattr(emb, name), p):
                 bad.append(name)
     return bad
+
+
+def forward(model, batch) -> torch.Tensor:
+    """One tensor of a TorchRec model's output (pooled values, or an EmbeddingCollection's
+    sequence values in feature order)."""
+    out = model(batch)
+    out = out.wait() if hasattr(out, "wait") else out
+    if isinstance(out, dict):  # EmbeddingCollection: {feature: JaggedTensor}
+        return torch.cat([out[k].values() for k in sorted(out)])
+    return out.values() if hasattr(out, "values") and callable(out.values) else out
+
+
+def backward(model, batch) -> torch.Tensor:
+    """A forward and backward: fused kernels update their tables and state in backward."""
+    out = forward(model, batch)
+    (out * out).sum().backward()
+    return out
+
+
+def train_step(model, batch) -> torch.Tensor:
+    """``backward``, then plain SGD on what has a gradient (data-parallel tables); the
+    forward's output, on the CPU."""
+    out = backward(model, batch)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.grad is not None:
+                p.add_(p.grad, alpha=-0.05)
+                p.grad = None
+    return out.detach().cpu()
+
+
+def global_of(per_rank: List[Dict[str, list]], key: str) -> torch.Tensor:
+    """The global tensor of ``key`` from the ranks' blocks (its shape: the blocks' extent)."""
+    blocks = [b for r in per_rank for b in r.get(key, [])]
+    shape = [max(o[d] + t.shape[d] for o, t in blocks) for d in range(blocks[0][1].dim())]
+    return assemble(per_rank, key, shape, dtype=blocks[0][1].dtype)
+
+
+def assert_same(a_ranks, b_ranks, what: str, keys=None) -> None:
+    """Every key's global tensor (``keys``, default all of ``a_ranks``): the same shape and
+    bits on both sides, every row and column written."""
+    keys = keys or sorted({k for r in a_ranks for k in r})
+    assert keys, what
+    for k in keys:
+        a, b = global_of(a_ranks, k), global_of(b_ranks, k)
+        assert a.shape == b.shape, f"{what} {k}: {a.shape} vs {b.shape}"
+        assert not torch.isnan(a.float()).any(), f"{what} {k}: rows or columns not written"
+        assert torch.equal(bits(a), bits(b)), f"{what} {k} differs"

@@ -59,25 +59,6 @@ def _state(model):
     return out
 
 
-def _forward(model, batch):
-    out = model(batch)
-    out = out.wait() if hasattr(out, "wait") else out
-    if isinstance(out, dict):  # EmbeddingCollection: {feature: JaggedTensor}
-        return torch.cat([out[k].values() for k in sorted(out)])
-    return out.values() if hasattr(out, "values") and callable(out.values) else out
-
-
-def _step(model, batch):
-    out = _forward(model, batch)
-    (out * out).sum().backward()  # fused kernels update tables and state in backward
-    with torch.no_grad():  # what has a gradient (data-parallel tables): plain SGD
-        for p in model.parameters():
-            if p.grad is not None:
-                p.add_(p.grad, alpha=-0.05)
-                p.grad = None
-    return out.detach().cpu()
-
-
 def _close(a: dict, b: dict) -> list:
     bad = []
     for k in a:
@@ -137,7 +118,7 @@ def worker_train(rank, world_size, case, tmp, via="shard_on_meta"):
     outs = []
     for step in range(2):
         b = M.batch(len(tables), seed=step, device=dev)
-        outs.append((_step(gpu, b), _step(eager, b)))
+        outs.append((M.train_step(gpu, b), M.train_step(eager, b)))
     res["out_close"] = [torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in outs]
     res["after"] = _close(_state(gpu), _state(eager))
     # the trained eager model's checkpoint, into a fresh model and into the live one
@@ -147,12 +128,12 @@ def worker_train(rank, world_size, case, tmp, via="shard_on_meta"):
     fresh = metamat.shard_on_meta(M.build(kind, layout, world_size, extra=extra)[0],
                                   plan=plan, sharders=[sharder], compute_device="cuda")
     metamat.materialize(fresh, path)
-    _step(gpu, M.batch(len(tables), seed=7, device=dev))  # the cache holds newer rows
+    M.train_step(gpu, M.batch(len(tables), seed=7, device=dev))  # the cache holds newer rows
     metamat.materialize(gpu, path)  # in place (shadow copies)
     b = M.batch(len(tables), seed=8, device=dev)
-    want = _forward(eager, b).detach().cpu()
-    res["fresh_forward"] = torch.allclose(_forward(fresh, b).detach().cpu(), want)
-    res["live_forward"] = torch.allclose(_forward(gpu, b).detach().cpu(), want)
+    want = M.forward(eager, b).detach().cpu()
+    res["fresh_forward"] = torch.allclose(M.forward(fresh, b).detach().cpu(), want)
+    res["live_forward"] = torch.allclose(M.forward(gpu, b).detach().cpu(), want)
     res["live_state"] = _close(_state(gpu), _state(eager))
     return res
 

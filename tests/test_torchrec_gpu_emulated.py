@@ -77,22 +77,6 @@ def worker_init(rank, world_size, kind, layout, opts, tmp):
     return res
 
 
-def _global(per_rank, key):
-    blocks = [b for r in per_rank for b in r.get(key, [])]
-    shape = [max(o[d] + t.shape[d] for o, t in blocks) for d in range(blocks[0][1].dim())]
-    return M.assemble(per_rank, key, shape, dtype=blocks[0][1].dtype)
-
-
-def assert_same(a_ranks, b_ranks, what: str, keys=None):
-    keys = keys or sorted({k for r in a_ranks for k in r})
-    assert keys, what
-    for k in keys:
-        a, b = _global(a_ranks, k), _global(b_ranks, k)
-        assert a.shape == b.shape, f"{what} {k}: {a.shape} vs {b.shape}"
-        assert not torch.isnan(a.float()).any(), f"{what} {k}: rows or columns not written"
-        assert torch.equal(_bits(a), _bits(b)), f"{what} {k} differs"
-
-
 CASES = {
     "ebc-mixed-world2": ("ebc", M.MIXED, {}, 2),
     "ec-world2": ("ec", M.MIXED_EC, {}, 2),
@@ -144,7 +128,7 @@ def test_init_equals_cpu_materialize_and_fbgemm(case, tmp_path):
         keys = sorted({k for r in cpu for k in r if not k.startswith("state.")})
         state = [t for r in gpu for k, v in r.items() if k.startswith("state.") for _, t in v]
         assert len(state) >= 2 * len(layout) and all(not t.any() for t in state)
-    assert_same(gpu, cpu, case, keys)
+    M.assert_same(gpu, cpu, case, keys)
     assert all(r["meta_left"] == [] for r in ranks)
     assert all(r["buffers"] == [] for r in ranks), [r["buffers"] for r in ranks]
     assert all(r["device"] == "cuda (emulated on the CPU)" for r in ranks)
@@ -155,7 +139,7 @@ def test_init_equals_cpu_materialize_and_fbgemm(case, tmp_path):
         assert ("fused_uvm" in kernels or "fused_uvm_caching" in kernels) == (uvm in r["memory"])
         assert r["memory"]["device"] > 0
     # dcp.save of the emulated model's state_dict, loaded into the CPU layout: the same bits
-    assert_same([r["roundtrip"] for r in ranks],
+    M.assert_same([r["roundtrip"] for r in ranks],
                 [{k: v for k, v in r["gpu"].items() if not k.startswith("state.")}
                  for r in ranks], f"{case} dcp round trip")
 
@@ -172,13 +156,6 @@ SAVED = {"t0": ("rw", "fused"), "t1": ("tw", "fused"), "t2": ("cw", "fused"),
 UVM_TABLES = {n for n, (_, k) in M.MIXED.items() if k.startswith("fused_uvm")}
 
 
-def _step(model, batch):
-    out = model(batch)
-    out = out.wait() if hasattr(out, "wait") else out
-    out = out.values() if hasattr(out, "values") and callable(out.values) else out
-    (out * out).sum().backward()
-
-
 def worker_load(rank, world_size, tmp):
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -193,7 +170,7 @@ def worker_load(rank, world_size, tmp):
     env = ShardingEnv.from_process_group(dist.group.WORLD)
     eager = DistributedModelParallel(module, env, device=torch.device("cpu"), plan=plan,
                                      sharders=[sharder])
-    _step(eager, M.batch(len(SAVED), seed=10 + rank))  # momentum != 0
+    M.backward(eager, M.batch(len(SAVED), seed=10 + rank))  # momentum != 0
     path = os.path.join(tmp, "full")
     dcp.save({"model": eager.state_dict(), "optim": eager.fused_optimizer.state_dict()},
              checkpoint_id=path)
@@ -218,7 +195,7 @@ def worker_load(rank, world_size, tmp):
 def test_load_other_plan_and_locations_world2(tmp_path):
     ranks = run_dist(worker_load, 2, str(tmp_path))
     saved, loaded = [r["saved"] for r in ranks], [r["loaded"] for r in ranks]
-    assert_same(saved, loaded, "load")  # tables, DP table, row-wise momentum: saved bits
+    M.assert_same(saved, loaded, "load")  # tables, DP table, row-wise momentum: saved bits
     assert all(r["initialized"] == [] for r in ranks)
     staged = {k for r in ranks for k in r["staged"]}
     table = {k.split(".")[-2] for k in staged if k.endswith(".weight")}
@@ -404,7 +381,7 @@ def test_torchrec_dmp_on_meta_is_laid_out_again_for_the_gpu():
     ranks = run_dist(worker_relayout, 2)
     assert all(r["restored"] for r in ranks)
     assert all("uvm" in r["memory"] and r["buffers"] == [] for r in ranks)
-    assert_same([r["gpu"] for r in ranks], [r["cpu"] for r in ranks], "relayout")
+    M.assert_same([r["gpu"] for r in ranks], [r["cpu"] for r in ranks], "relayout")
 
 
 def test_placements_name_each_ranks_gpu(monkeypatch):

@@ -24,9 +24,8 @@ pytest.importorskip("fbgemm_gpu")
 
 import _torchrec_gpu_models as M  # noqa: E402
 from _dist import run_dist  # noqa: E402
-from test_torchrec_gpu_emulated import assert_same  # noqa: E402
 
-fbgemm_mismatches = M.fbgemm_mismatches
+assert_same, fbgemm_mismatches = M.assert_same, M.fbgemm_mismatches
 
 SEED = 13
 TWCW_CPU = {"t0": ("table_column_wise", "fused"), "t1": ("table_wise", "fused"),

@@ -142,13 +142,6 @@ def worker_init(rank, world_size, kind, layout, tmp, inter_host=False):
     return res
 
 
-def _step(model, batch):
-    out = model(batch)
-    out = out.wait() if hasattr(out, "wait") else out
-    out = out.values() if hasattr(out, "values") and callable(out.values) else out
-    (out * out).sum().backward()
-
-
 def worker_load(rank, world_size, tmp):
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -161,7 +154,7 @@ def worker_load(rank, world_size, tmp):
     module, sharder, plan, _ = M.build("ebc", SAVED, world_size, device_type="cpu")
     eager = DistributedModelParallel(module, ShardingEnv.from_process_group(dist.group.WORLD),
                                      device=torch.device("cpu"), plan=plan, sharders=[sharder])
-    _step(eager, M.batch(len(SAVED), seed=20 + rank))  # momentum != 0
+    M.backward(eager, M.batch(len(SAVED), seed=20 + rank))  # momentum != 0
     path = os.path.join(tmp, "training")
     dcp.save({"model": eager.state_dict(), "optim": eager.fused_optimizer.state_dict()},
              checkpoint_id=path)
@@ -185,22 +178,6 @@ def _groups(ranks: list, inter_host: bool = False) -> list:
             for g in range(WORLD // GROUP)]
 
 
-def _global(per_rank, key):
-    blocks = [b for r in per_rank for b in r.get(key, [])]
-    shape = [max(o[d] + t.shape[d] for o, t in blocks) for d in range(blocks[0][1].dim())]
-    return M.assemble(per_rank, key, shape, dtype=blocks[0][1].dtype)
-
-
-def assert_same(a_ranks, b_ranks, what: str, keys=None):
-    keys = keys or sorted({k for r in a_ranks for k in r})
-    assert keys, what
-    for k in keys:
-        a, b = _global(a_ranks, k), _global(b_ranks, k)
-        assert a.shape == b.shape, f"{what} {k}: {a.shape} vs {b.shape}"
-        assert not torch.isnan(a.float()).any(), f"{what} {k}: rows or columns not written"
-        assert torch.equal(M.bits(a), M.bits(b)), f"{what} {k} differs"
-
-
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("kind,layout,inter_host", [
     ("ebc", LAYOUT, False), ("ec", M.MIXED_EC, False),
@@ -218,18 +195,18 @@ def test_every_replica_gets_the_plain_models_values_and_sync_reduces_them(kind, 
         # each sharding group holds every table once: the CPU values
         mine = [r["two_dim"] for r in group]
         tables = sorted({k for r in mine for k in r if not k.startswith("state.")})
-        assert_same(mine, ref, f"{kind} replica {g}", tables)
+        M.assert_same(mine, ref, f"{kind} replica {g}", tables)
         # and the optimizer state, TorchRec's zeros (its shape follows the column split)
         state = sorted({k for r in mine for k in r if k.startswith("state.")})
         assert len(state) == sum(k != "dense" for _, k in layout.values()), state
         for k in state:
-            full = _global(mine, k)
+            full = M.global_of(mine, k)
             assert not torch.isnan(full).any() and not full.any(), f"{kind} {k}"
         tables_only = [{k: v for k, v in r["two_dim"].items() if not k.startswith("state.")}
                        for r in group]
-        assert_same([r["roundtrip"] for r in ranks], tables_only,
+        M.assert_same([r["roundtrip"] for r in ranks], tables_only,
                     f"{kind} dcp round trip, replica {g}")
-        assert_same([r["roundtrip_2d"] for r in group], tables_only,
+        M.assert_same([r["roundtrip_2d"] for r in group], tables_only,
                     f"{kind} dcp round trip into 2D, replica {g}")
     for r in ranks:
         assert len(r["synced"]) >= 2 and max(r["synced"]) < 1e-6, r["synced"]
@@ -250,8 +227,8 @@ def test_a_plain_training_checkpoint_loads_into_every_replica(tmp_path):
                                                        LAYOUT[k.split(".")[2]][0])})
     assert [k.split(".")[2] for k in keys if k.startswith("state.")] == ["t0", "t1"], keys
     for g, group in enumerate(_groups(ranks)):
-        assert_same([r["loaded"] for r in group], saved, f"replica {g}", keys)
-        assert_same([r["reloaded"] for r in group], saved, f"replica {g} in place", keys)
+        M.assert_same([r["loaded"] for r in group], saved, f"replica {g}", keys)
+        M.assert_same([r["reloaded"] for r in group], saved, f"replica {g} in place", keys)
 
 
 def worker_refusals(rank, world_size):
@@ -306,22 +283,10 @@ def test_what_two_dim_needs_is_checked_before_building():
 # ------------------------------------------------------------------------------------------
 # On GPUs (NCCL): against TorchRec's own DMPCollection on CUDA holding the same values
 
-def _forward(model, batch):
-    out = model(batch)
-    out = out.wait() if hasattr(out, "wait") else out
-    return out.values() if hasattr(out, "values") and callable(out.values) else out
-
-
 def _train_step(model, batch):
-    out = _forward(model, batch)
-    (out * out).sum().backward()  # fused kernels update tables and state in backward
-    with torch.no_grad():  # what has a gradient (data-parallel tables): plain SGD
-        for p in model.parameters():
-            if p.grad is not None:
-                p.add_(p.grad, alpha=-0.05)
-                p.grad = None
+    out = M.train_step(model, batch)
     model.sync()
-    return out.detach().cpu()
+    return out
 
 
 def _close(a: dict, b: dict) -> list:
@@ -401,7 +366,7 @@ def worker_one_rank_groups(rank, world_size):
     blocks = M.local_blocks(model.state_dict())
     return dict(bad=unsharded_mismatches(model, tables),
                 shards={k: len(v) for k, v in blocks.items()},
-                whole={k: not torch.isnan(_global([blocks], k).float()).any() for k in blocks},
+                whole={k: not torch.isnan(M.global_of([blocks], k).float()).any() for k in blocks},
                 state=M.optimizer_blocks(model))
 
 
