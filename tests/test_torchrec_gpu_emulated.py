@@ -26,9 +26,6 @@ SEED = 5
 CPU_LACKS = ("ADAM", "PARTIAL_ROWWISE_ADAM", "LAMB", "PARTIAL_ROWWISE_LAMB")  # fbgemm CPU
 
 
-_bits = M.bits
-
-
 def _state(model) -> dict:
     out = M.local_blocks(model.state_dict())
     if hasattr(model, "fused_optimizer"):
