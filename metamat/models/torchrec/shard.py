@@ -212,8 +212,11 @@ def shard_on_meta(
     Raises:
         metamat.UnsupportedError: unsupported torchrec/fbgemm version; with a CUDA
             compute device, a table whose compute kernel is not fused / fused_uvm /
-            fused_uvm_caching; a managed-collision module other than MCH.
-        ValueError: ``dmp_kwargs`` names an argument fixed here.
+            fused_uvm_caching; a managed-collision module other than MCH; with
+            ``sharding_group_size``: what 2D parallelism on meta refuses (docs/TORCHREC_GPU.md).
+        ValueError: ``dmp_kwargs`` names an argument fixed here; with
+            ``sharding_group_size``: no CUDA compute device or plan, a group size that does
+            not divide the world size, or a plan for more ranks than one group.
     """
     from . import upstream
 

@@ -40,7 +40,7 @@ __all__ = ["build_dmp_collection", "check_two_dim", "dmp_collection_on_meta"]
 
 _META = torch.device("meta")
 MODEL_PARALLEL = "torchrec.distributed.model_parallel"
-#: sharding types whose node groups TorchRec builds differently in 2D (register refuses them)
+#: sharding types with node groups, which TorchRec builds differently under 2D (refused)
 _NODE_GROUPED = ("table_row_wise", "grid_shard")
 
 
