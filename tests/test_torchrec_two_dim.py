@@ -1,5 +1,6 @@
 """TorchRec's 2D parallelism (``DMPCollection``) built on meta and materialized, on the
-emulated GPU: 4 gloo ranks, sharding groups of 2, so every shard has two replicas.
+emulated GPU: 4 gloo ranks in sharding groups of 2 (every shard has two replicas), and 2 ranks
+in groups of 1.
 
 ``shard_on_meta(..., sharding_group_size=2)`` builds TorchRec's own ``DMPCollection`` with its
 tables on meta; ``materialize`` fills every replica with the same plan-invariant values (each
@@ -7,8 +8,9 @@ sharding group, assembled on its own, equals metamat's CPU materialize of a plai
 a training checkpoint of a plain DMP into every replica, and leaves ``sync()`` reducing the
 real tensors. Managed-collision collections (MCH, HashZch): each replica's tables and MC state
 equal those of the same rank of a plain 2-rank sharding (metamat's init; TorchRec's own load
-of a trained eager model's checkpoint). TorchRec runs ``DMPCollection`` on GPUs only; what only a GPU shows (NCCL,
-training) waits for a host with several GPUs.
+of a trained eager model's checkpoint). TorchRec runs ``DMPCollection`` on GPUs only: the
+``cuda`` test compares with it there (NCCL, training, and replicas syncing where a host has two
+or more GPUs).
 """
 from __future__ import annotations
 
