@@ -123,20 +123,26 @@ def batch(num_features: int, seed: int, rows: int = 40, size: int = 4, device="c
         keys=[f"f{i}" for i in range(num_features)], values=values, lengths=lengths).to(device)
 
 
-def local_blocks(state_dict) -> Dict[str, List[Tuple[Tuple[int, ...], torch.Tensor]]]:
-    """{key: [(offsets, CPU clone)]} of a state dict's local blocks (ShardedTensors, plain)."""
+def local_views(state_dict) -> Dict[str, List[Tuple[Tuple[int, ...], torch.Tensor]]]:
+    """{key: [(global offsets, the tensor itself)]} of a state dict's local blocks: TorchRec's
+    2D DTensors (a LocalShardsWrapper: none, one or several shards), ShardedTensors, plain."""
     out = {}
     for k, v in state_dict.items():
-        local = getattr(v, "_local_tensor", None)  # a DTensor of TorchRec's 2D parallelism
+        local = getattr(v, "_local_tensor", None)
         if local is not None and hasattr(local, "local_offsets"):
-            out[k] = [(tuple(int(x) for x in o), t.detach().cpu().clone())
+            out[k] = [(tuple(int(x) for x in o), t)
                       for o, t in zip(local.local_offsets(), local.local_shards())]
         elif hasattr(v, "local_shards"):
-            out[k] = [(tuple(s.metadata.shard_offsets), s.tensor.detach().cpu().clone())
-                      for s in v.local_shards()]
+            out[k] = [(tuple(s.metadata.shard_offsets), s.tensor) for s in v.local_shards()]
         elif isinstance(v, torch.Tensor):
-            out[k] = [(tuple(0 for _ in v.shape), v.detach().cpu().clone())]
+            out[k] = [(tuple(0 for _ in v.shape), v)]
     return out
+
+
+def local_blocks(state_dict) -> Dict[str, List[Tuple[Tuple[int, ...], torch.Tensor]]]:
+    """{key: [(offsets, CPU clone)]} of a state dict's local blocks (``local_views``)."""
+    return {k: [(o, t.detach().cpu().clone()) for o, t in v]
+            for k, v in local_views(state_dict).items()}
 
 
 def optimizer_blocks(model) -> Dict[str, list]:

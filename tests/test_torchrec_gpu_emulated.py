@@ -137,8 +137,8 @@ def test_init_equals_cpu_materialize_and_fbgemm(case, tmp_path):
         assert r["memory"]["device"] > 0
     # dcp.save of the emulated model's state_dict, loaded into the CPU layout: the same bits
     M.assert_same([r["roundtrip"] for r in ranks],
-                [{k: v for k, v in r["gpu"].items() if not k.startswith("state.")}
-                 for r in ranks], f"{case} dcp round trip")
+                  [{k: v for k, v in r["gpu"].items() if not k.startswith("state.")}
+                   for r in ranks], f"{case} dcp round trip")
 
 
 # ------------------------------------------------------------------------------------------
