@@ -2,8 +2,8 @@
 (``shard_on_meta(compute_device="cuda")``) or for its CPU layout, on any world size.
 
 A *layout* maps each table to (sharding, compute kernel): sharding ``tw``, ``rw``, ``cw``,
-``twrw``, ``dp``; kernel ``fused`` (DEVICE), ``fused_uvm`` (MANAGED), ``fused_uvm_caching``
-(MANAGED_CACHING) or ``dense`` (data-parallel tables). :func:`cpu_layout` gives the same
+``twrw``, ``grid`` (both on host 0), ``dp``; kernel ``fused`` (DEVICE), ``fused_uvm``
+(MANAGED), ``fused_uvm_caching`` (MANAGED_CACHING) or ``dense`` (data-parallel tables). :func:`cpu_layout` gives the same
 tables on the CPU kernels, whose materialize is the reference (values are plan-invariant).
 """
 from __future__ import annotations
@@ -41,13 +41,14 @@ def dim_of(i: int) -> int:
 
 
 def _sharding(kind: str, world_size: int):
-    from torchrec.distributed.sharding_plan import (column_wise, data_parallel, row_wise,
-                                                    table_row_wise, table_wise)
+    from torchrec.distributed.sharding_plan import (column_wise, data_parallel, grid_shard,
+                                                    row_wise, table_row_wise, table_wise)
 
     return {"tw": lambda: table_wise(rank=world_size - 1), "rw": row_wise,
             "cw": lambda: column_wise(ranks=list(range(world_size)) if world_size > 1
                                       else [0, 0]),
-            "twrw": lambda: table_row_wise(host_index=0), "dp": data_parallel}[kind]()
+            "twrw": lambda: table_row_wise(host_index=0),
+            "grid": lambda: grid_shard(host_indexes=[0]), "dp": data_parallel}[kind]()
 
 
 def fused_params(optimizer: str = "EXACT_ROWWISE_ADAGRAD", **extra) -> dict:
@@ -60,7 +61,8 @@ def build(kind: str, layout: Layout, world_size: int, *, data_type: Optional[str
           optimizer: str = "EXACT_ROWWISE_ADAGRAD", device_type: str = "cuda",
           extra: Optional[dict] = None, device=torch.device("meta")):
     """(module, sharder, ShardingPlan, tables) for ``kind`` in ebc, ec, fpebc, dlrm; the
-    plan names ``device_type`` placements and each table's kernel from ``layout``."""
+    plan names ``device_type`` placements and each table's kernel from ``layout`` (one host:
+    table-row-wise and grid tables are split over every rank)."""
     from torchrec import (EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection,
                           EmbeddingConfig)
     from torchrec.distributed.embedding import EmbeddingCollectionSharder

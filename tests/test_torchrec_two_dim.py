@@ -1,6 +1,7 @@
 """TorchRec's 2D parallelism (``DMPCollection``) built on meta and materialized, on the
-emulated GPU: 4 gloo ranks in sharding groups of 2 (every shard has two replicas), and 2 ranks
-in groups of 1.
+emulated GPU: 4 gloo ranks in sharding groups of 2 (every shard has two replicas), 8 ranks in
+groups of 4 split into nodes of 2 (table-row-wise and grid sharding), and 2 ranks in groups
+of 1.
 
 ``shard_on_meta(..., sharding_group_size=2)`` builds TorchRec's own ``DMPCollection`` with its
 tables on meta; ``materialize`` fills every replica with the same plan-invariant values (each
@@ -27,11 +28,15 @@ from _dist import run_dist  # noqa: E402
 
 WORLD, GROUP = 4, 2
 SEED = 11
-# every location and sharding type TorchRec's 2D parallelism takes here (TWRW is refused)
+# every location and sharding type TorchRec's 2D parallelism takes; table-row-wise and grid
+# sharding split a group into nodes of NODE ranks (DMPCollection's node_group_size)
 LAYOUT = {"t0": ("tw", "fused"), "t1": ("rw", "fused_uvm"), "t2": ("cw", "fused_uvm_caching"),
-          "t3": ("dp", "dense"), "t4": ("rw", "fused_uvm_caching"), "t5": ("cw", "fused")}
+          "t3": ("dp", "dense"), "t4": ("rw", "fused_uvm_caching"), "t5": ("cw", "fused"),
+          "t6": ("twrw", "fused_uvm"), "t7": ("grid", "fused")}
 SAVED = {"t0": ("rw", "fused"), "t1": ("tw", "fused"), "t2": ("rw", "fused"),
-         "t3": ("dp", "dense"), "t4": ("cw", "fused"), "t5": ("tw", "fused")}
+         "t3": ("dp", "dense"), "t4": ("cw", "fused"), "t5": ("tw", "fused"),
+         "t6": ("cw", "fused"), "t7": ("twrw", "fused")}
+NODE = GROUP
 
 
 def _state(model) -> dict:
@@ -73,6 +78,8 @@ def _two_dim(kind: str, layout, inter_host: bool = False, **opts):
 
     module, sharder, plan, tables = M.build(kind, layout, GROUP, **opts)
     extra = {"use_inter_host_allreduce": True} if inter_host else {}
+    if any(s in ("twrw", "grid") for s, _ in layout.values()):
+        extra["node_group_size"] = NODE
     model = metamat.shard_on_meta(module, plan=plan, sharders=[sharder], compute_device="cuda",
                                   sharding_group_size=GROUP, **extra)
     return model, tables
@@ -218,11 +225,12 @@ def test_a_plain_training_checkpoint_loads_into_every_replica(tmp_path):
     momentum = sorted({k for r in saved for k in r if k.startswith("state.")})
     assert len(momentum) == len(SAVED) - 1  # every fused table's row-wise Adagrad state
     assert any(t.any() for r in saved for k in momentum for _, t in r.get(k, []))
-    # the tables, and the momentum where both plans keep one per row (a column-wise table
-    # keeps one per row and column shard)
+    # the tables, and the momentum where both plans keep one per row (a column-wise or grid
+    # table keeps one per row and column shard)
+    split = ("cw", "grid")
     keys = sorted({k for r in saved for k in r if not k.startswith("state.")} |
-                  {k for k in momentum if "cw" not in (SAVED[k.split(".")[2]][0],
-                                                       LAYOUT[k.split(".")[2]][0])})
+                  {k for k in momentum if SAVED[k.split(".")[2]][0] not in split
+                   and LAYOUT[k.split(".")[2]][0] not in split})
     assert [k.split(".")[2] for k in keys if k.startswith("state.")] == ["t0", "t1"], keys
     for g, group in enumerate(_groups(ranks)):
         M.assert_same([r["loaded"] for r in group], saved, f"replica {g}", keys)
@@ -255,11 +263,11 @@ def worker_refusals(rank, world_size):
             out[name] = str(e)
     module, sharder, plan, _ = M.build("ebc", {"t0": ("twrw", "fused"), "t1": ("tw", "fused")},
                                        world_size)
-    try:
+    try:  # TorchRec asserts that nodes tile the sharding group, after creating groups
         metamat.shard_on_meta(module, plan=plan, sharders=[sharder], compute_device="cuda",
-                              sharding_group_size=world_size)
-    except metamat.UnsupportedError as e:
-        out["twrw"] = str(e)
+                              sharding_group_size=world_size, node_group_size=3)
+    except ValueError as e:
+        out["nodes"] = str(e)
     out["meta"] = all(t.is_meta for t in module.parameters())
     return out
 
@@ -274,8 +282,79 @@ def test_what_two_dim_needs_is_checked_before_building():
     assert "FULLY_SHARDED strategy is not supported" in out["fully"], out
     assert "submodule_configs" in out["submodules"], out
     assert "places shards on rank 1" in out["world_plan"], out
-    assert "table-row-wise" in out["twrw"] and ".t0" in out["twrw"], out
+    assert "into nodes of 3 ranks (node_group_size)" in out["nodes"], out
+    assert ".t0" in out["nodes"] and ".t1" not in out["nodes"], out
     assert out["meta"]
+
+
+# ------------------------------------------------------------------------------------------
+# Table-row-wise and grid sharding under 2D: 8 ranks, sharding groups of 4 split into nodes
+# of 2 (TorchRec's intra_and_cross_node_pg_2D example: group 0,2,4,6 has nodes 0,2 | 4,6)
+
+# each table constrained to one sharding type and kernel; TorchRec's planner places them
+NODES = {"t0": ("table_row_wise", "fused"), "t1": ("table_row_wise", "fused_uvm_caching"),
+         "t2": ("grid_shard", "fused"), "t3": ("grid_shard", "fused_uvm"),
+         "t4": ("row_wise", "fused_uvm")}
+
+
+def worker_nodes(rank, world_size, tmp):
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torchrec import EmbeddingBagCollection
+
+    import metamat
+    from metamat.emulation import emulated_cuda
+    from metamat.models.torchrec import upstream
+
+    module, sharder, plan, tables = M.build_planned(NODES, world_size=4, local_size=2)
+    model = metamat.shard_on_meta(module, plan=plan, sharders=[sharder], compute_device="cuda",
+                                  sharding_group_size=4, node_group_size=2)
+    with emulated_cuda():
+        metamat.materialize(model, seed=SEED)
+    groups = []
+    for m in model.modules():
+        for sh in upstream.shardings(m) if hasattr(m, "_embedding_shardings") else []:
+            intra_cross = upstream.node_groups(sh)
+            if intra_cross is not None:
+                groups.append([dist.get_process_group_ranks(g) for g in intra_cross]
+                              + [sh._local_size])
+    # the reference: the same tables unsharded (values are plan-invariant)
+    ref = EmbeddingBagCollection(tables=tables, device="meta")
+    metamat.materialize(ref, device="cpu", seed=SEED)
+    path = os.path.join(tmp, "saved")
+    dcp.save(model.state_dict(), checkpoint_id=path)
+    back = EmbeddingBagCollection(tables=tables, device="meta")
+    metamat.materialize(back, path, device="cpu")
+    return dict(two_dim=_state(model), groups=groups, buffers=M.fbgemm_mismatches(model),
+                plan={t: (ps.sharding_type, sorted({int(r) for r in ps.ranks}))
+                      for m in plan.plan.values() for t, ps in m.items()},
+                ref=M.local_blocks(ref.state_dict()),
+                roundtrip=M.local_blocks(back.state_dict()))
+
+
+@pytest.mark.multiprocess
+def test_table_row_wise_and_grid_shards_split_each_group_into_nodes_as_torchrec_does(
+        tmp_path):
+    world = 8
+    ranks = run_dist(worker_nodes, world, str(tmp_path))
+    plan = ranks[0]["plan"]
+    # the planner used both nodes of a group: grid tables' column shards span them
+    assert {t: s for t, (s, _) in plan.items()} == {t: s for t, (s, _) in NODES.items()}
+    assert any(set(r) == {0, 1, 2, 3} for s, r in plan.values() if s == "grid_shard"), plan
+    for rank, r in enumerate(ranks):
+        assert r["buffers"] == [], r["buffers"]
+        # TorchRec's node groups: nodes of 2 in the group's order, cross groups across them
+        group = [rank % 2 + 2 * i for i in range(4)]
+        node = group[:2] if rank in group[:2] else group[2:]
+        cross = [g for g in group if group.index(g) % 2 == group.index(rank) % 2]
+        assert r["groups"] and all(g == [node, cross, 2] for g in r["groups"]), r["groups"]
+    for g in range(2):
+        mine = [ranks[r]["two_dim"] for r in range(world) if r % 2 == g]
+        tables = sorted({k for r in mine for k in r if not k.startswith("state.")})
+        assert len(tables) == len(NODES), tables
+        M.assert_same(mine, [ranks[0]["ref"]], f"replica {g}", tables)
+    for r in ranks:  # dcp.save of the 2D model, loaded whole into an unsharded collection
+        M.assert_same([r["roundtrip"]], [ranks[0]["ref"]], "dcp round trip")
 
 
 # ------------------------------------------------------------------------------------------
@@ -295,7 +374,16 @@ def _close(a: dict, b: dict) -> list:
         for (o1, x), (o2, y) in zip(a[k], b[k]))]
 
 
-def worker_gpu(rank, world_size):
+GPU_LAYOUTS = {
+    "locations": {"t0": ("tw", "fused"), "t1": ("rw", "fused_uvm"),
+                  "t2": ("cw", "fused_uvm_caching"), "t3": ("dp", "dense")},
+    # node groups of one rank each (node_group_size=1)
+    "node-grouped": {"t0": ("twrw", "fused"), "t1": ("grid", "fused_uvm_caching"),
+                     "t2": ("cw", "fused")},
+}
+
+
+def worker_gpu(rank, world_size, name):
     import torch.distributed as dist
     from torchrec.distributed.model_parallel import DMPCollection
 
@@ -304,11 +392,11 @@ def worker_gpu(rank, world_size):
     dev = torch.device("cuda", rank)
     torch.cuda.set_device(dev)
     # groups of one rank: each GPU holds every table (two column shards of t2), a replica
-    layout = {"t0": ("tw", "fused"), "t1": ("rw", "fused_uvm"), "t2": ("cw", "fused_uvm_caching"),
-              "t3": ("dp", "dense")}
+    layout = GPU_LAYOUTS[name]
+    nodes = {"node_group_size": 1} if name == "node-grouped" else {}
     module, sharder, plan, tables = M.build("ebc", layout, 1)
     gpu = metamat.shard_on_meta(module, plan=plan, sharders=[sharder], compute_device="cuda",
-                                sharding_group_size=1)
+                                sharding_group_size=1, **nodes)
     report = metamat.materialize(gpu, seed=SEED)
     res = dict(device=report.device, memory=report.bytes_by_memory,
                init_bits=unsharded_mismatches(gpu, tables))
@@ -316,7 +404,7 @@ def worker_gpu(rank, world_size):
     emod, esharder, eplan, _ = M.build("ebc", layout, 1)
     eager = DMPCollection(emod, device=dev, plan=eplan, world_size=world_size,
                           sharding_group_size=1, global_pg=dist.group.WORLD,
-                          sharders=[esharder])
+                          sharders=[esharder], **nodes)
     eager.load_state_dict(gpu.state_dict())
     res["loaded"] = _close(_state(gpu), _state(eager))
     outs = []
@@ -330,11 +418,12 @@ def worker_gpu(rank, world_size):
 
 
 @pytest.mark.cuda
-def test_trains_and_syncs_like_torchrecs_own_dmp_collection_on_gpus():
-    """On one GPU, TorchRec's 2D path on CUDA (NCCL mesh, unified memory, training); with two
-    or more, two replicas that train on different batches and sync."""
+@pytest.mark.parametrize("name", sorted(GPU_LAYOUTS))
+def test_trains_and_syncs_like_torchrecs_own_dmp_collection_on_gpus(name):
+    """On one GPU, TorchRec's 2D path on CUDA (NCCL mesh, unified memory, node groups,
+    training); with two or more, two replicas that train on different batches and sync."""
     world = min(2, torch.cuda.device_count())
-    ranks = run_dist(worker_gpu, world, backend="nccl")
+    ranks = run_dist(worker_gpu, world, name, backend="nccl")
     for r in ranks:
         assert r["device"].startswith("cuda:"), r["device"]
         assert "uvm" in r["memory"] and r["memory"]["device"] > 0, r["memory"]

@@ -88,9 +88,10 @@ def _rebuild_ddps(plan: Plan) -> None:
 
 
 def _fix_process_groups(plan: Plan) -> None:
-    """Create the intra/cross-node groups TWRW sharding skips on meta, and rebuild the
-    output dists TorchRec built with the missing groups (collective: same order on all
-    ranks, since every rank walks the same module structure)."""
+    """Create the intra/cross-node groups TWRW and grid sharding skip on meta (under 2D,
+    two_dim.py creates them while building), and rebuild the output dists TorchRec built
+    with the missing groups (collective: same order on all ranks, since every rank walks the
+    same module structure)."""
     import torch.distributed as dist
     from torchrec.distributed.comm import intra_and_cross_node_pg
 
@@ -101,8 +102,9 @@ def _fix_process_groups(plan: Plan) -> None:
             groups = upstream.node_groups(sh)  # TWRW and grid shardings have them
             if groups is None or groups[0] is not None:
                 continue
-            if upstream.is_2d_parallel(sh):
-                raise RuntimeError("metamat: 2D-parallel TWRW sharding on meta is not supported")
+            if upstream.is_2d_parallel(sh):  # two_dim.py creates them while building
+                raise RuntimeError("metamat: a 2D-parallel TWRW/grid sharding was built "
+                                   "without its node groups")
             intra, cross = intra_and_cross_node_pg(
                 plan.device, backend=dist.get_backend(upstream.sharding_pg(sh)))
             upstream.set_node_groups(sh, intra, cross)

@@ -216,7 +216,8 @@ def shard_on_meta(
             ``sharding_group_size``: what 2D parallelism on meta refuses (docs/TORCHREC_GPU.md).
         ValueError: ``dmp_kwargs`` names an argument fixed here; with
             ``sharding_group_size``: no CUDA compute device or plan, a group size that does
-            not divide the world size, or a plan for more ranks than one group.
+            not divide the world size, a plan for more ranks than one group, or (with
+            table-row-wise or grid tables) nodes that do not divide the group.
     """
     from . import upstream
 

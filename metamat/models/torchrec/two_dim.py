@@ -11,7 +11,11 @@ its DMP part on meta instead:
   ranks), so the tables are laid out for CUDA and allocated nowhere;
 * where the process group has no NCCL backend (gloo ranks, as on the emulated GPU of
   ``metamat.emulation``) the 2D device mesh is a CPU mesh; with NCCL it is TorchRec's CUDA
-  mesh.
+  mesh;
+* table-row-wise and grid shardings get their node groups (TorchRec's
+  ``intra_and_cross_node_pg_2D``, which skips them on meta) while they are built, as on GPUs:
+  the node size those shardings lay their tables out with is the groups' size, which a meta
+  build would otherwise guess from the sharding group alone.
 
 Like the other patches of ``building_on_meta``, these replace class attributes for the whole
 process while the model is built: build models from one thread at a time.
@@ -40,8 +44,9 @@ __all__ = ["build_dmp_collection", "check_two_dim", "dmp_collection_on_meta"]
 
 _META = torch.device("meta")
 MODEL_PARALLEL = "torchrec.distributed.model_parallel"
-#: sharding types with node groups, which TorchRec builds differently under 2D (refused)
+#: sharding types with node groups (intra- and cross-node process groups)
 _NODE_GROUPED = ("table_row_wise", "grid_shard")
+_NODE_GROUPS = "intra_and_cross_node_pg_2D"
 
 
 @contextlib.contextmanager
@@ -67,9 +72,20 @@ def dmp_collection_on_meta(rank_devices: Dict[int, torch.device],
 
     with contextlib.ExitStack() as stack:
         stack.enter_context(upstream.patch(upstream.DMP, "__init__", init_on_meta))
+        for mod in (upstream.TWRW_MODULE, upstream.GRID_MODULE):
+            stack.enter_context(upstream.patch(mod, _NODE_GROUPS, _node_groups_as_on_gpus))
         if cpu_mesh_only:
             stack.enter_context(upstream.patch(MODEL_PARALLEL, "DeviceMesh", cpu_mesh))
         yield
+
+
+def _node_groups_as_on_gpus(env: Any, device: Optional[torch.device] = None):
+    """TorchRec's 2D node groups, created whatever the device: a collective every rank
+    reaches in the same order (each builds the same shardings), and TorchRec keeps one pair
+    per process."""
+    from torchrec.distributed import comm
+
+    return getattr(comm, _NODE_GROUPS)(env, device=None)
 
 
 def check_two_dim(module: Any, env: Any, plan: Any, cuda_layout: bool,
@@ -78,7 +94,8 @@ def check_two_dim(module: Any, env: Any, plan: Any, cuda_layout: bool,
     TorchRec's ``DMPCollection`` runs on GPUs only and takes the sharding group's plan; the
     group size divides the world size; managed collision needs torchrec 1.8 or later; the
     fully sharded strategy is refused (its kernels open CUDA streams on the tables' device
-    while TorchRec builds them)."""
+    while TorchRec builds them); table-row-wise and grid sharding need nodes that tile the
+    group."""
     if not cuda_layout:
         raise ValueError("shard_on_meta: sharding_group_size builds TorchRec's DMPCollection, "
                          "which runs on GPUs only: pass compute_device='cuda'")
@@ -113,11 +130,26 @@ def check_two_dim(module: Any, env: Any, plan: Any, cuda_layout: bool,
     node_grouped = sorted(name for name, ps in params
                           if getattr(ps, "sharding_type", None) in _NODE_GROUPED)
     if node_grouped:
-        raise UnsupportedError(
-            "shard_on_meta: table-row-wise and grid sharding under 2D parallelism "
-            f"(sharding_group_size) are not supported on meta yet: {', '.join(node_grouped)}; "
-            "shard those tables table-, row- or column-wise, or data-parallel")
+        _check_node_size(node_grouped, world, sharding_group_size,
+                         kwargs.get("node_group_size"))
     _check_managed_collision(module)
+
+
+def _check_node_size(tables: List[str], world: int, group: int,
+                     node_group_size: Optional[int]) -> None:
+    """TorchRec splits a sharding group into nodes of ``node_group_size`` ranks (by default
+    the local world size) for table-row-wise and grid sharding, and asserts that they tile
+    the group: checked here, before any group is created, with the tables named."""
+    from torchrec.distributed.comm import get_local_size
+
+    node = node_group_size or get_local_size(world)
+    if node < 1 or group % node:
+        raise ValueError(
+            f"shard_on_meta: table-row-wise and grid sharding under 2D parallelism split each "
+            f"sharding group ({group} ranks) into nodes of {node} ranks "
+            f"({'node_group_size' if node_group_size else 'the local world size'}), which "
+            f"must divide it: {', '.join(tables)}; pass node_group_size=<a divisor of "
+            f"{group}> or set LOCAL_WORLD_SIZE")
 
 
 def _check_managed_collision(module: Any) -> None:

@@ -70,8 +70,10 @@ POOLED_LOOKUP = "torchrec.distributed.embedding_lookup.GroupedPooledEmbeddingsLo
 SEQ_LOOKUP = "torchrec.distributed.embedding_lookup.GroupedEmbeddingsLookup"
 BASE_BAG = f"{BEK}.BaseBatchedEmbeddingBag"
 BASE_EMB = f"{BEK}.BaseBatchedEmbedding"
-TWRW = "torchrec.distributed.sharding.twrw_sharding.BaseTwRwEmbeddingSharding"
-GRID = "torchrec.distributed.sharding.grid_sharding.BaseGridEmbeddingSharding"
+TWRW_MODULE = "torchrec.distributed.sharding.twrw_sharding"
+GRID_MODULE = "torchrec.distributed.sharding.grid_sharding"
+TWRW = f"{TWRW_MODULE}.BaseTwRwEmbeddingSharding"
+GRID = f"{GRID_MODULE}.BaseGridEmbeddingSharding"
 PERMUTE = "fbgemm_gpu.permute_pooled_embedding_modules.PermutePooledEmbeddings"
 TRAINING = "fbgemm_gpu.split_table_batched_embeddings_ops_training"
 TRAIN_TBE = f"{TRAINING}.SplitTableBatchedEmbeddingBagsCodegen"
@@ -166,11 +168,11 @@ DECLARED: Tuple[Private, ...] = (
     _tr(TWRW, "_pg", "attr", "the backend of the node groups"),
     _tr(TWRW, "_intra_pg", "attr", "None on meta: created at register"),
     _tr(TWRW, "_cross_pg", "attr", "None on meta: created at register"),
-    _tr(TWRW, "_is_2D_parallel", "attr", "2-D parallel TWRW on meta is refused"),
+    _tr(TWRW, "_is_2D_parallel", "attr", "2D: its node groups exist from the build on"),
     _tr(GRID, "_pg", "attr", "the backend of the node groups"),
     _tr(GRID, "_intra_pg", "attr", "None on meta: created at register"),
     _tr(GRID, "_cross_pg", "attr", "None on meta: created at register"),
-    _tr(GRID, "_is_2D_parallel", "attr", "2-D parallel grid sharding on meta is refused"),
+    _tr(GRID, "_is_2D_parallel", "attr", "2D: its node groups exist from the build on"),
     # -- lookups and kernel wrappers (sharded.py, tbe.py, cuda_plan.py) --------------------------
     _tr(POOLED_LOOKUP, "_emb_modules", "attr", "the kernel wrappers of an EBC's lookup"),
     _tr(SEQ_LOOKUP, "_emb_modules", "attr", "the kernel wrappers of an EC's lookup"),
@@ -206,6 +208,9 @@ DECLARED: Tuple[Private, ...] = (
         patched=True),
     _tr("torchrec.distributed.model_parallel", "DeviceMesh", "class", "two_dim: a gloo-only "
         "process group's 2D mesh is a CPU mesh (the emulated GPU)", patched=True),
+    *[_tr(mod, "intra_and_cross_node_pg_2D", "function", "two_dim: the node groups of a "
+          "2D-parallel TWRW/grid sharding are created while it is built, as on GPUs",
+          patched=True) for mod in (TWRW_MODULE, GRID_MODULE)],
     *[_tr(SHARDS_WRAPPER, n, "method", "two_dim: the local tensor of a 2D-parallel table's "
           "DTensor holds the rank's shards (none, one or several) and their offsets")
       for n in ("local_shards", "local_offsets")],
