@@ -98,14 +98,16 @@ def _plain_cpu(kind: str, layout):
     return metamat.shard_on_meta(module, plan=plan, sharders=[sharder])
 
 
-def _shard_views(model) -> list:
+def _shard_views(model, prefix: str = "") -> list:
     """The model's table shards and fused optimizer state as TorchRec gives them (views of
-    the TBEs' storage), data-parallel tables left out (DDP averages their gradients)."""
+    the TBEs' storage), data-parallel tables left out (DDP averages their gradients); only
+    those whose key starts with ``prefix``."""
     state = {f"{k}.{n}": t for k, v in model.fused_optimizer.state_dict()["state"].items()
              for n, t in v.items() if isinstance(t, torch.Tensor)}
     return [t for sd in (model.state_dict(), state)
-            for k, blocks in M.local_views(sd).items() if hasattr(sd[k], "_local_tensor")
-            or hasattr(sd[k], "local_shards") for _, t in blocks if t.numel()]
+            for k, blocks in M.local_views(sd).items() if k.startswith(prefix) and (
+                hasattr(sd[k], "_local_tensor") or hasattr(sd[k], "local_shards"))
+            for _, t in blocks if t.numel()]
 
 
 def worker_init(rank, world_size, kind, layout, tmp, inter_host=False):
@@ -238,7 +240,8 @@ def test_a_plain_training_checkpoint_loads_into_every_replica(tmp_path):
 
 
 def worker_refusals(rank, world_size):
-    from torchrec.distributed.types import ShardingStrategy
+    from torchrec import EmbeddingBagCollection
+    from torchrec.distributed.types import DMPCollectionConfig, ShardingStrategy
 
     import metamat
 
@@ -251,8 +254,13 @@ def worker_refusals(rank, world_size):
         "fixed": dict(plan=plan, compute_device="cuda", sharding_group_size=1, world_size=2),
         "fully": dict(plan=plan, compute_device="cuda", sharding_group_size=1,
                       sharding_strategy=ShardingStrategy.FULLY_SHARDED),
-        "submodules": dict(plan=plan, compute_device="cuda", sharding_group_size=1,
-                           submodule_configs=[object()]),
+        "sub_fully": dict(plan=plan, compute_device="cuda", sharding_group_size=1,
+                          submodule_configs=[DMPCollectionConfig(
+                              module=EmbeddingBagCollection, plan=plan, sharding_group_size=1,
+                              sharding_strategy=ShardingStrategy.FULLY_SHARDED)]),
+        "sub_size": dict(plan=plan, compute_device="cuda", sharding_group_size=1,
+                         submodule_configs=[DMPCollectionConfig(
+                             module=EmbeddingBagCollection, plan=plan, sharding_group_size=3)]),
         "world_plan": dict(plan=M.build("ebc", {"t0": ("tw", "fused")}, 2)[2],
                            compute_device="cuda", sharding_group_size=1),
     }
@@ -280,7 +288,10 @@ def test_what_two_dim_needs_is_checked_before_building():
     assert "must divide the world size 2" in out["size"], out
     assert "'world_size' is fixed" in out["fixed"], out
     assert "FULLY_SHARDED strategy is not supported" in out["fully"], out
-    assert "submodule_configs" in out["submodules"], out
+    assert "FULLY_SHARDED strategy (the submodule config of EmbeddingBagCollection)" in \
+        out["sub_fully"], out
+    assert "config of EmbeddingBagCollection: its sharding_group_size 3 must divide" in \
+        out["sub_size"], out
     assert "places shards on rank 1" in out["world_plan"], out
     assert "into nodes of 3 ranks (node_group_size)" in out["nodes"], out
     assert ".t0" in out["nodes"] and ".t1" not in out["nodes"], out
@@ -355,6 +366,98 @@ def test_table_row_wise_and_grid_shards_split_each_group_into_nodes_as_torchrec_
         M.assert_same(mine, [ranks[0]["ref"]], f"replica {g}", tables)
     for r in ranks:  # dcp.save of the 2D model, loaded whole into an unsharded collection
         M.assert_same([r["roundtrip"]], [ranks[0]["ref"]], "dcp round trip")
+
+
+# ------------------------------------------------------------------------------------------
+# submodule_configs: a module type with its own plan and sharding group. 4 ranks: the
+# EmbeddingBagCollection in the default groups of 2 (two replicas), the EmbeddingCollection
+# in groups of 1 (four replicas, each rank holding every table)
+
+SUB_EBC = {"t0": ("rw", "fused"), "t1": ("tw", "fused_uvm_caching"), "t2": ("twrw", "fused")}
+SUB_EC = {"t0": ("rw", "fused_uvm"), "t1": ("cw", "fused"), "t2": ("tw", "fused")}
+
+
+def _ebc_and_ec():
+    """(container on meta, sharders, default plan, the EC's submodule config, the same
+    container unsharded on meta): an EBC planned for groups of 2, an EC for groups of 1."""
+    from torch import nn
+    from torchrec import EmbeddingBagCollection, EmbeddingCollection
+    from torchrec.distributed.types import DMPCollectionConfig, ShardingPlan
+
+    ebc, ebc_sharder, ebc_plan, ebc_tables = M.build("ebc", SUB_EBC, GROUP)
+    ec, ec_sharder, ec_plan, ec_tables = M.build("ec", SUB_EC, 1)
+
+    def container(bags, seqs):
+        m = nn.Module()
+        m.ebc, m.ec = bags, seqs
+        return m
+
+    ref = container(EmbeddingBagCollection(tables=ebc_tables, device="meta"),
+                    EmbeddingCollection(tables=ec_tables, device="meta"))
+    config = DMPCollectionConfig(module=EmbeddingCollection,
+                                 plan=ShardingPlan({"ec": ec_plan.plan[""]}),
+                                 sharding_group_size=1)
+    return (container(ebc, ec), [ebc_sharder, ec_sharder],
+            ShardingPlan({"ebc": ebc_plan.plan[""]}), config, ref)
+
+
+def worker_submodule_configs(rank, world_size, tmp):
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    import metamat
+    from metamat.emulation import emulated_cuda
+
+    module, sharders, plan, config, ref = _ebc_and_ec()
+    given = [list(ps.ranks) for ps in config.plan.plan["ec"].values()]
+    model = metamat.shard_on_meta(module, plan=plan, sharders=sharders, compute_device="cuda",
+                                  sharding_group_size=GROUP, submodule_configs=[config],
+                                  node_group_size=GROUP)
+    with emulated_cuda():
+        metamat.materialize(model, seed=SEED)
+    metamat.materialize(ref, device="cpu", seed=SEED)
+    res = dict(two_dim=_state(model), ref=M.local_blocks(ref.state_dict()),
+               buffers=M.fbgemm_mismatches(model),
+               kept=given == [list(ps.ranks) for ps in config.plan.plan["ec"].values()],
+               group_sizes=[dist.get_world_size(c.sharding_pg) for c in model._ctxs])
+    # sync(): replicas pushed 2.0 apart (by the EBC's replica) come back to their mean, +1.0,
+    # in the EBC's two replicas and the EC's four
+    ebc, ec = _shard_views(model, "ebc."), _shard_views(model, "ec.")
+    before = [t.clone() for t in ebc + ec]
+    with torch.no_grad():
+        for t in ebc + ec:
+            t.add_(2.0 * _group_of(rank))
+    model.sync()
+    res["synced"] = [float((t - (b + 1.0)).abs().max()) for t, b in zip(ebc + ec, before)]
+    res["views"] = (len(ebc), len(ec))
+    with torch.no_grad():
+        for t, b in zip(ebc + ec, before):
+            t.copy_(b)
+    path = os.path.join(tmp, "saved")  # dcp.save of the model, loaded into the unsharded one
+    dcp.save(model.state_dict(), checkpoint_id=path)
+    _, _, _, _, back = _ebc_and_ec()
+    metamat.materialize(back, path, device="cpu")
+    res["roundtrip"] = M.local_blocks(back.state_dict())
+    return res
+
+
+@pytest.mark.multiprocess
+def test_submodule_configs_give_a_module_type_its_own_plan_and_sharding_group(tmp_path):
+    ranks = run_dist(worker_submodule_configs, WORLD, str(tmp_path))
+    ref = ranks[0]["ref"]
+    for r in ranks:
+        assert r["kept"], "the caller's submodule plan was changed"
+        assert r["group_sizes"] == [GROUP, 1], r["group_sizes"]
+        assert r["buffers"] == [], r["buffers"]
+        assert all(n > 0 for n in r["views"]) and max(r["synced"]) < 1e-6, r["synced"]
+        M.assert_same([r["roundtrip"]], [ref], "dcp round trip")
+    ec_keys = sorted(k for k in ref if k.startswith("ec."))
+    ebc_keys = sorted(k for k in ref if k.startswith("ebc."))
+    assert len(ec_keys) == len(SUB_EC) and len(ebc_keys) == len(SUB_EBC)
+    for rank, r in enumerate(ranks):
+        M.assert_same([r["two_dim"]], [ref], f"EC on rank {rank}", ec_keys)
+    for g, group in enumerate(_groups(ranks)):
+        M.assert_same([r["two_dim"] for r in group], [ref], f"EBC replica {g}", ebc_keys)
 
 
 # ------------------------------------------------------------------------------------------

@@ -201,8 +201,8 @@ def shard_on_meta(
         **dmp_kwargs: forwarded to ``DistributedModelParallel`` (``device``,
             ``init_parameters`` and ``init_data_parallel`` are fixed by this function), or
             to ``DMPCollection`` with ``sharding_group_size`` (``sharding_strategy`` but
-            ``FULLY_SHARDED``, ``node_group_size``, ``use_inter_host_allreduce``, ...;
-            ``world_size`` and ``global_pg`` are the env's).
+            ``FULLY_SHARDED``, ``node_group_size``, ``use_inter_host_allreduce``,
+            ``submodule_configs``, ...; ``world_size`` and ``global_pg`` are the env's).
 
     Returns:
         A ``DistributedModelParallel`` (a ``DMPCollection`` with ``sharding_group_size``) on

@@ -30,6 +30,7 @@ their real twins at registration.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 from typing import Any, Dict, Iterator, List, Optional
 
@@ -95,7 +96,10 @@ def check_two_dim(module: Any, env: Any, plan: Any, cuda_layout: bool,
     group size divides the world size; managed collision needs torchrec 1.8 or later; the
     fully sharded strategy is refused (its kernels open CUDA streams on the tables' device
     while TorchRec builds them); table-row-wise and grid sharding need nodes that tile the
-    group."""
+    group. Each of ``submodule_configs`` (a module type's own plan and sharding group) is
+    checked the same way."""
+    from .cuda_kernels import check_cuda_plan
+
     if not cuda_layout:
         raise ValueError("shard_on_meta: sharding_group_size builds TorchRec's DMPCollection, "
                          "which runs on GPUs only: pass compute_device='cuda'")
@@ -104,35 +108,51 @@ def check_two_dim(module: Any, env: Any, plan: Any, cuda_layout: bool,
                          "group (DMPCollection takes one; plan with world_size = "
                          "sharding_group_size)")
     world = env.world_size
-    if not isinstance(sharding_group_size, int) or sharding_group_size < 1 or \
-            world % sharding_group_size:
-        raise ValueError(f"shard_on_meta: sharding_group_size {sharding_group_size!r} must "
-                         f"divide the world size {world}")
-    if kwargs.get("submodule_configs"):
-        raise UnsupportedError(
-            "shard_on_meta: DMPCollection's submodule_configs (per-module plans and sharding "
-            "groups) are not supported on meta; give one plan for the whole model")
-    strategy = kwargs.get("sharding_strategy")
+    _check_group("sharding_group_size", sharding_group_size, world)
+    _check_strategy("", kwargs.get("sharding_strategy"))
+    _check_group_plan("the plan", plan, sharding_group_size, world,
+                      kwargs.get("node_group_size"))
+    for cfg in kwargs.get("submodule_configs") or []:
+        what = f"the submodule config of {getattr(cfg.module, '__name__', cfg.module)}"
+        _check_group(f"{what}: its sharding_group_size", cfg.sharding_group_size, world)
+        _check_strategy(f" ({what})", cfg.sharding_strategy)
+        # TorchRec makes a config's whole sharding group one node
+        _check_group_plan(f"{what}: its plan", cfg.plan, cfg.sharding_group_size, world,
+                          cfg.sharding_group_size)
+        check_cuda_plan(cfg.plan)  # shard_on_meta checks the main plan
+    _check_managed_collision(module)
+
+
+def _check_group(what: str, size: Any, world: int) -> None:
+    if not isinstance(size, int) or size < 1 or world % size:
+        raise ValueError(f"shard_on_meta: {what} {size!r} must divide the world size {world}")
+
+
+def _check_strategy(where: str, strategy: Any) -> None:
     if strategy is not None and getattr(strategy, "name", strategy) == "FULLY_SHARDED":
         raise UnsupportedError(
-            "shard_on_meta: DMPCollection's FULLY_SHARDED strategy is not supported on meta "
-            "(its kernels open CUDA streams on the tables' device while TorchRec builds "
-            "them); use ShardingStrategy.DEFAULT or PER_MODULE")
+            f"shard_on_meta: DMPCollection's FULLY_SHARDED strategy{where} is not supported "
+            "on meta (its kernels open CUDA streams on the tables' device while TorchRec "
+            "builds them); use ShardingStrategy.DEFAULT or PER_MODULE")
+
+
+def _check_group_plan(what: str, plan: Any, group: int, world: int,
+                      node_group_size: Optional[int]) -> None:
+    """A plan for one sharding group of ``group`` ranks, whose table-row-wise and grid tables
+    have nodes that tile the group."""
     params = [(f"{path or '<root>'}.{table}", ps) for path, module_plan in plan.plan.items()
               if hasattr(module_plan, "items") for table, ps in module_plan.items()]
     beyond = max((int(r) for _, ps in params for r in (getattr(ps, "ranks", None) or [])),
                  default=-1)
-    if beyond >= sharding_group_size:
+    if beyond >= group:
         raise ValueError(
-            f"shard_on_meta: the plan places shards on rank {beyond}, but a sharding group "
-            f"has {sharding_group_size} ranks: give the plan of one group (planned for "
-            f"world_size={sharding_group_size}), as DMPCollection takes it")
+            f"shard_on_meta: {what} places shards on rank {beyond}, but a sharding group "
+            f"has {group} ranks: give the plan of one group (planned for world_size={group}), "
+            "as DMPCollection takes it")
     node_grouped = sorted(name for name, ps in params
                           if getattr(ps, "sharding_type", None) in _NODE_GROUPED)
     if node_grouped:
-        _check_node_size(node_grouped, world, sharding_group_size,
-                         kwargs.get("node_group_size"))
-    _check_managed_collision(module)
+        _check_node_size(node_grouped, world, group, node_group_size)
 
 
 def _check_node_size(tables: List[str], world: int, group: int,
@@ -169,6 +189,12 @@ def _check_managed_collision(module: Any) -> None:
                 "gathers its table sizes over the whole world, not the sharding group)")
 
 
+def _with_plan_copy(config: Any) -> Any:
+    config = copy.copy(config)
+    config.plan = plan_to_meta(config.plan)
+    return config
+
+
 def build_dmp_collection(module: Any, env: Any, compute_device: torch.device, plan: Any,
                          sharders: Optional[List[Any]], sharding_group_size: int,
                          rank_devices: Dict[int, torch.device], kwargs: Dict[str, Any]):
@@ -176,6 +202,9 @@ def build_dmp_collection(module: Any, env: Any, compute_device: torch.device, pl
     the caller has entered ``building_on_meta``; ``plan`` is a copy the remap may change."""
     from torchrec.distributed.model_parallel import DMPCollection
 
+    configs = kwargs.get("submodule_configs")
+    if configs:  # TorchRec remaps their plans in place: give it copies, as for ``plan``
+        kwargs = dict(kwargs, submodule_configs=[_with_plan_copy(c) for c in configs])
     pg = env.process_group
     with dmp_collection_on_meta(rank_devices, cpu_mesh_only="nccl" not in dist.get_backend(pg)):
         return DMPCollection(
