@@ -76,6 +76,7 @@ def build_training(env, seen):
     from torchrec import EmbeddingBagCollection, EmbeddingCollection
     from torchrec.distributed.embedding import EmbeddingCollectionSharder
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.types import ShardingStrategy
 
     kinds = {"t0": "tw", "t1": "rw", "t2": "cw", "t3": "twrw", "t4": "dp", "t5": "grid"}
     for kernel, device in (("fused", None), ("dense", None), ("fused", "cuda")):
@@ -90,14 +91,20 @@ def build_training(env, seen):
         sharded = sharded_modules(dmp.module)
         tr.check_sharded(sharded)
         seen.update(_objects(dmp))
-    # TorchRec's 2D parallelism (DMPCollection): one sharding group of this one rank
-    ebc = EmbeddingBagCollection(tables=_tables(3), device="meta")
-    sh = EmbeddingBagCollectionSharder(fused_params=_fused())
-    dmpc = metamat.shard_on_meta(ebc, env, plan=_plan(ebc, {"t0": "tw", "t1": "rw", "t2": "cw"},
-                                                      "fused", sh),
-                                 sharders=[sh], compute_device="cuda", sharding_group_size=1)
-    tr.check_dmp(dmpc)
-    seen.update(_objects(dmpc))
+    # TorchRec's 2D parallelism (DMPCollection): one sharding group of this one rank, the
+    # default strategy and the fully sharded one (its own kernel wrappers)
+    for coll, tables, sharder in ((EmbeddingBagCollection, _tables(3),
+                                   EmbeddingBagCollectionSharder),
+                                  (EmbeddingCollection, _ec_tables(), EmbeddingCollectionSharder)):
+        for strategy in (ShardingStrategy.DEFAULT, ShardingStrategy.FULLY_SHARDED):
+            m = coll(tables=tables, device="meta")
+            sh = sharder(fused_params=_fused())
+            dmpc = metamat.shard_on_meta(
+                m, env, plan=_plan(m, {"t0": "tw", "t1": "rw", "t2": "cw"}, "fused", sh),
+                sharders=[sh], compute_device="cuda", sharding_group_size=1,
+                sharding_strategy=strategy)
+            tr.check_dmp(dmpc)
+            seen.update(_objects(dmpc))
     ec = EmbeddingCollection(tables=_ec_tables(), device="meta")
     sh = EmbeddingCollectionSharder(fused_params=_fused())
     dmp = metamat.shard_on_meta(ec, env, plan=_plan(ec, {"t0": "tw", "t1": "rw", "t2": "cw"},

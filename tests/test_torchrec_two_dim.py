@@ -241,7 +241,7 @@ def test_a_plain_training_checkpoint_loads_into_every_replica(tmp_path):
 
 def worker_refusals(rank, world_size):
     from torchrec import EmbeddingBagCollection
-    from torchrec.distributed.types import DMPCollectionConfig, ShardingStrategy
+    from torchrec.distributed.types import DMPCollectionConfig
 
     import metamat
 
@@ -252,12 +252,6 @@ def worker_refusals(rank, world_size):
         "no_plan": dict(compute_device="cuda", sharding_group_size=1),
         "size": dict(plan=plan, compute_device="cuda", sharding_group_size=3),
         "fixed": dict(plan=plan, compute_device="cuda", sharding_group_size=1, world_size=2),
-        "fully": dict(plan=plan, compute_device="cuda", sharding_group_size=1,
-                      sharding_strategy=ShardingStrategy.FULLY_SHARDED),
-        "sub_fully": dict(plan=plan, compute_device="cuda", sharding_group_size=1,
-                          submodule_configs=[DMPCollectionConfig(
-                              module=EmbeddingBagCollection, plan=plan, sharding_group_size=1,
-                              sharding_strategy=ShardingStrategy.FULLY_SHARDED)]),
         "sub_size": dict(plan=plan, compute_device="cuda", sharding_group_size=1,
                          submodule_configs=[DMPCollectionConfig(
                              module=EmbeddingBagCollection, plan=plan, sharding_group_size=3)]),
@@ -287,9 +281,6 @@ def test_what_two_dim_needs_is_checked_before_building():
     assert "plan of one sharding group" in out["no_plan"], out
     assert "must divide the world size 2" in out["size"], out
     assert "'world_size' is fixed" in out["fixed"], out
-    assert "FULLY_SHARDED strategy is not supported" in out["fully"], out
-    assert "FULLY_SHARDED strategy (the submodule config of EmbeddingBagCollection)" in \
-        out["sub_fully"], out
     assert "config of EmbeddingBagCollection: its sharding_group_size 3 must divide" in \
         out["sub_size"], out
     assert "places shards on rank 1" in out["world_plan"], out
@@ -366,6 +357,62 @@ def test_table_row_wise_and_grid_shards_split_each_group_into_nodes_as_torchrec_
         M.assert_same(mine, [ranks[0]["ref"]], f"replica {g}", tables)
     for r in ranks:  # dcp.save of the 2D model, loaded whole into an unsharded collection
         M.assert_same([r["roundtrip"]], [ranks[0]["ref"]], "dcp round trip")
+
+
+# ------------------------------------------------------------------------------------------
+# The FULLY_SHARDED strategy: each replica holds the whole tables until TorchRec's first
+# training forward reduce-scatters them; its kernels keep a view of the weights and a stream
+
+FULLY = {"t0": ("tw", "fused"), "t1": ("rw", "fused"), "t2": ("cw", "fused"),
+         "t3": ("rw", "fused_uvm_caching"), "t4": ("dp", "dense")}
+
+
+def worker_fully_sharded(rank, world_size, kind, layout):
+    from torchrec.distributed.types import ShardingStrategy
+
+    import metamat
+    from metamat.emulation import emulated_cuda
+
+    module, sharder, plan, tables = M.build(kind, layout, GROUP)
+    model = metamat.shard_on_meta(module, plan=plan, sharders=[sharder], compute_device="cuda",
+                                  sharding_group_size=GROUP,
+                                  sharding_strategy=ShardingStrategy.FULLY_SHARDED)
+    with emulated_cuda():
+        metamat.materialize(model, seed=SEED)
+    ref = _plain_cpu(kind, layout)
+    metamat.materialize(ref, device="cpu", seed=SEED)
+    kernels = []
+    for w in M.wrappers(model):
+        if hasattr(w, "_unsharded_param"):
+            weights = w._emb_module.weights_dev
+            kernels.append(dict(
+                kind=type(w).__name__, numel=weights.numel(),
+                same=w._unsharded_param.data_ptr() == weights.data_ptr()
+                and w._unsharded_param.shape == weights.shape,
+                stream=repr(w._async_stream), sharded=w.weights_sharded))
+    return dict(two_dim=_state(model), ref=_state(ref), kernels=kernels,
+                buffers=M.fbgemm_mismatches(model))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("kind,layout,wrapper", [
+    ("ebc", FULLY, "ShardedBatchedFusedEmbeddingBag"),
+    ("ec", {t: v for t, v in FULLY.items() if v[0] != "dp"}, "ShardedBatchedFusedEmbedding")],
+    ids=["ebc", "ec"])
+def test_fully_sharded_replicas_hold_whole_tables_that_its_kernels_see(kind, layout, wrapper):
+    ranks = run_dist(worker_fully_sharded, WORLD, kind, layout)
+    for r in ranks:
+        assert r["buffers"] == [], r["buffers"]
+        kinds = {k["kind"] for k in r["kernels"]}
+        assert kinds == {wrapper}, r["kernels"]
+        assert any(k["numel"] for k in r["kernels"]), r["kernels"]
+        for k in r["kernels"]:  # TorchRec's view of the weights is the real storage
+            assert k["same"] and not k["sharded"], k
+            assert k["stream"] == "NoStream(cuda: no CUDA in this process)", k
+    for g, group in enumerate(_groups(ranks)):
+        mine = [r["two_dim"] for r in group]
+        M.assert_same(mine, [r["ref"] for r in ranks], f"replica {g}",
+                      sorted(k for k in mine[0] if not k.startswith("state.")))
 
 
 # ------------------------------------------------------------------------------------------
@@ -483,6 +530,9 @@ GPU_LAYOUTS = {
     # node groups of one rank each (node_group_size=1)
     "node-grouped": {"t0": ("twrw", "fused"), "t1": ("grid", "fused_uvm_caching"),
                      "t2": ("cw", "fused")},
+    # the FULLY_SHARDED strategy (weights reduce-scattered after each forward)
+    "fully-sharded": {"t0": ("tw", "fused"), "t1": ("rw", "fused"), "t2": ("cw", "fused"),
+                      "t3": ("dp", "dense")},
 }
 
 
@@ -495,14 +545,19 @@ def worker_gpu(rank, world_size, name):
     dev = torch.device("cuda", rank)
     torch.cuda.set_device(dev)
     # groups of one rank: each GPU holds every table (two column shards of t2), a replica
+    from torchrec.distributed.types import ShardingStrategy
+
     layout = GPU_LAYOUTS[name]
-    nodes = {"node_group_size": 1} if name == "node-grouped" else {}
+    nodes = {"node_group_size": 1} if name == "node-grouped" else \
+        {"sharding_strategy": ShardingStrategy.FULLY_SHARDED} if name == "fully-sharded" else {}
     module, sharder, plan, tables = M.build("ebc", layout, 1)
     gpu = metamat.shard_on_meta(module, plan=plan, sharders=[sharder], compute_device="cuda",
                                 sharding_group_size=1, **nodes)
     report = metamat.materialize(gpu, seed=SEED)
     res = dict(device=report.device, memory=report.bytes_by_memory,
-               init_bits=unsharded_mismatches(gpu, tables))
+               init_bits=unsharded_mismatches(gpu, tables),
+               streams={str(w._async_stream.device) for w in M.wrappers(gpu)
+                        if hasattr(w, "_async_stream")})
     # TorchRec's own DMPCollection on the GPU, given the same values
     emod, esharder, eplan, _ = M.build("ebc", layout, 1)
     eager = DMPCollection(emod, device=dev, plan=eplan, world_size=world_size,
@@ -527,9 +582,12 @@ def test_trains_and_syncs_like_torchrecs_own_dmp_collection_on_gpus(name):
     training); with two or more, two replicas that train on different batches and sync."""
     world = min(2, torch.cuda.device_count())
     ranks = run_dist(worker_gpu, world, name, backend="nccl")
+    uvm = any(k.startswith("fused_uvm") for _, k in GPU_LAYOUTS[name].values())
     for r in ranks:
         assert r["device"].startswith("cuda:"), r["device"]
-        assert "uvm" in r["memory"] and r["memory"]["device"] > 0, r["memory"]
+        assert r["memory"]["device"] > 0 and ("uvm" in r["memory"]) == uvm, r["memory"]
+        if name == "fully-sharded":  # its kernels' streams on the rank's GPU
+            assert r["streams"] == {r["device"]}, r["streams"]
         assert r["init_bits"] == [], r["init_bits"]
         assert r["loaded"] == [], r["loaded"]
         assert all(r["out_close"]), r["out_close"]

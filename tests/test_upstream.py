@@ -151,11 +151,12 @@ def applied(monkeypatch):
 
 
 def test_every_patch_site_is_used_and_undone(world1_env, applied):
-    """shard_on_meta (CPU and CUDA layouts, 2D parallel) and the materialize of a DMP TorchRec built on
+    """shard_on_meta (CPU and CUDA layouts, 2D parallel, fully sharded) and the materialize of a DMP TorchRec built on
     meta (fbgemm's constructor re-run: tbe.capture_tbe_args) apply every declared patch site
     that exists here, each put back afterwards."""
     import metamat
     from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.types import ShardingStrategy
 
     before = _snapshot()
     ebc, sharder, plan = _ebc_model()
@@ -167,7 +168,8 @@ def test_every_patch_site_is_used_and_undone(world1_env, applied):
     _assert_restored(before)
     fused_only = _ebc_model(3)  # TorchRec's 2D parallelism, one group of this one rank
     metamat.shard_on_meta(fused_only[0](), world1_env, plan=fused_only[2],
-                          sharders=[fused_only[1]], compute_device="cuda", sharding_group_size=1)
+                          sharders=[fused_only[1]], compute_device="cuda", sharding_group_size=1,
+                          sharding_strategy=ShardingStrategy.FULLY_SHARDED)
     _assert_restored(before)
     dmp = DistributedModelParallel(ebc(), env=world1_env, device=torch.device("meta"),
                                    plan=plan, sharders=[sharder])

@@ -200,8 +200,8 @@ def shard_on_meta(
             averages them). Needs ``compute_device="cuda"`` and a plan, as TorchRec does.
         **dmp_kwargs: forwarded to ``DistributedModelParallel`` (``device``,
             ``init_parameters`` and ``init_data_parallel`` are fixed by this function), or
-            to ``DMPCollection`` with ``sharding_group_size`` (``sharding_strategy`` but
-            ``FULLY_SHARDED``, ``node_group_size``, ``use_inter_host_allreduce``,
+            to ``DMPCollection`` with ``sharding_group_size`` (``sharding_strategy``,
+            ``node_group_size``, ``use_inter_host_allreduce``,
             ``submodule_configs``, ...; ``world_size`` and ``global_pg`` are the env's).
 
     Returns:

@@ -84,6 +84,7 @@ def _tensors_of(m: nn.Module) -> List[torch.Tensor]:
 
 
 def wrappers(sm: nn.Module) -> List[nn.Module]:
+    import torchrec.distributed.batched_embedding_kernel as bek
     from torchrec.distributed.batched_embedding_kernel import (
         BatchedDenseEmbedding,
         BatchedDenseEmbeddingBag,
@@ -91,10 +92,10 @@ def wrappers(sm: nn.Module) -> List[nn.Module]:
         BatchedFusedEmbeddingBag,
     )
 
-    from .upstream import emb_modules, lookups
+    from .upstream import FULLY_SHARDED_KERNELS, emb_modules, lookups
 
     supported = (BatchedFusedEmbeddingBag, BatchedDenseEmbeddingBag, BatchedFusedEmbedding,
-                 BatchedDenseEmbedding)
+                 BatchedDenseEmbedding, *(getattr(bek, c) for c in FULLY_SHARDED_KERNELS))
     out = []
     for lookup in lookups(sm):
         for w in emb_modules(lookup):

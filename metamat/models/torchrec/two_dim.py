@@ -15,10 +15,13 @@ its DMP part on meta instead:
 * table-row-wise and grid shardings get their node groups (TorchRec's
   ``intra_and_cross_node_pg_2D``, which skips them on meta) while they are built, as on GPUs:
   the node size those shardings lay their tables out with is the groups' size, which a meta
-  build would otherwise guess from the sharding group alone.
+  build would otherwise guess from the sharding group alone;
+* with the ``FULLY_SHARDED`` strategy, the CUDA stream its kernels make on the device of the
+  tables (meta) is made on the compute device.
 
-Like the other patches of ``building_on_meta``, these replace class attributes for the whole
-process while the model is built: build models from one thread at a time.
+Like the other patches of ``building_on_meta``, these replace class and module attributes
+(``torch.cuda.Stream`` too) for the whole process while the model is built: build models from
+one thread at a time.
 
 Values need nothing special: metamat's values are keyed by global row and column, so every
 replica of a shard gets the same bytes, from init or from a checkpoint. The tables' DTensors
@@ -50,15 +53,45 @@ _NODE_GROUPED = ("table_row_wise", "grid_shard")
 _NODE_GROUPS = "intra_and_cross_node_pg_2D"
 
 
+class NoStream:
+    """What a FULLY_SHARDED kernel gets for its CUDA stream where no GPU is (the emulated
+    device, whose models never run a forward): the device it stands for."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def __repr__(self) -> str:
+        return f"NoStream({self.device}: no CUDA in this process)"
+
+
+def _streams_on(compute_device: torch.device):
+    """``torch.cuda.Stream`` for a FULLY_SHARDED kernel built on meta: TorchRec makes its
+    stream on the device of the kernel's weights, meta while built; it goes to
+    ``compute_device``, where materialize puts them."""
+    real = torch.cuda.Stream
+
+    def stream(device: Any = None, *args: Any, **kwargs: Any):
+        if device is not None and torch.device(device).type == "meta":
+            if not torch.cuda.is_available():
+                return NoStream(compute_device)
+            device = compute_device
+        return real(device, *args, **kwargs)
+    return stream
+
+
 @contextlib.contextmanager
-def dmp_collection_on_meta(rank_devices: Dict[int, torch.device],
-                           cpu_mesh_only: bool) -> Iterator[None]:
+def dmp_collection_on_meta(rank_devices: Dict[int, torch.device], cpu_mesh_only: bool,
+                           compute_device: torch.device,
+                           fully_sharded: bool = False) -> Iterator[None]:
     """While active, a ``DMPCollection`` built for CUDA shards on meta (module docstring).
     ``rank_devices`` receives each global rank's CUDA device as the remapped plan placed it;
     ``cpu_mesh_only``: the process group has no NCCL backend (the emulated GPU's gloo ranks),
-    so the 2D mesh is built for the CPU."""
+    so the 2D mesh is built for the CPU; ``fully_sharded``: the FULLY_SHARDED strategy, whose
+    kernels get their stream on ``compute_device``."""
     from torch.distributed.device_mesh import DeviceMesh
     from torchrec.distributed.model_parallel import DistributedModelParallel
+
+    from .. import torch_upstream
 
     dmp_init = DistributedModelParallel.__dict__["__init__"]
 
@@ -77,6 +110,9 @@ def dmp_collection_on_meta(rank_devices: Dict[int, torch.device],
             stack.enter_context(upstream.patch(mod, _NODE_GROUPS, _node_groups_as_on_gpus))
         if cpu_mesh_only:
             stack.enter_context(upstream.patch(MODEL_PARALLEL, "DeviceMesh", cpu_mesh))
+        if fully_sharded:
+            stack.enter_context(torch_upstream.patch("torch.cuda", "Stream",
+                                                     _streams_on(compute_device)))
         yield
 
 
@@ -93,10 +129,8 @@ def check_two_dim(module: Any, env: Any, plan: Any, cuda_layout: bool,
                   sharding_group_size: int, kwargs: Dict[str, Any]) -> None:
     """What ``shard_on_meta(sharding_group_size=...)`` needs, checked before anything is built:
     TorchRec's ``DMPCollection`` runs on GPUs only and takes the sharding group's plan; the
-    group size divides the world size; managed collision needs torchrec 1.8 or later; the
-    fully sharded strategy is refused (its kernels open CUDA streams on the tables' device
-    while TorchRec builds them); table-row-wise and grid sharding need nodes that tile the
-    group. Each of ``submodule_configs`` (a module type's own plan and sharding group) is
+    group size divides the world size; managed collision needs torchrec 1.8 or later;
+    table-row-wise and grid sharding need nodes that tile the group. Each of ``submodule_configs`` (a module type's own plan and sharding group) is
     checked the same way."""
     from .cuda_kernels import check_cuda_plan
 
@@ -109,13 +143,11 @@ def check_two_dim(module: Any, env: Any, plan: Any, cuda_layout: bool,
                          "sharding_group_size)")
     world = env.world_size
     _check_group("sharding_group_size", sharding_group_size, world)
-    _check_strategy("", kwargs.get("sharding_strategy"))
     _check_group_plan("the plan", plan, sharding_group_size, world,
                       kwargs.get("node_group_size"))
     for cfg in kwargs.get("submodule_configs") or []:
         what = f"the submodule config of {getattr(cfg.module, '__name__', cfg.module)}"
         _check_group(f"{what}: its sharding_group_size", cfg.sharding_group_size, world)
-        _check_strategy(f" ({what})", cfg.sharding_strategy)
         # TorchRec makes a config's whole sharding group one node
         _check_group_plan(f"{what}: its plan", cfg.plan, cfg.sharding_group_size, world,
                           cfg.sharding_group_size)
@@ -128,12 +160,8 @@ def _check_group(what: str, size: Any, world: int) -> None:
         raise ValueError(f"shard_on_meta: {what} {size!r} must divide the world size {world}")
 
 
-def _check_strategy(where: str, strategy: Any) -> None:
-    if strategy is not None and getattr(strategy, "name", strategy) == "FULLY_SHARDED":
-        raise UnsupportedError(
-            f"shard_on_meta: DMPCollection's FULLY_SHARDED strategy{where} is not supported "
-            "on meta (its kernels open CUDA streams on the tables' device while TorchRec "
-            "builds them); use ShardingStrategy.DEFAULT or PER_MODULE")
+def _is_fully_sharded(strategy: Any) -> bool:
+    return strategy is not None and getattr(strategy, "name", strategy) == "FULLY_SHARDED"
 
 
 def _check_group_plan(what: str, plan: Any, group: int, world: int,
@@ -206,7 +234,10 @@ def build_dmp_collection(module: Any, env: Any, compute_device: torch.device, pl
     if configs:  # TorchRec remaps their plans in place: give it copies, as for ``plan``
         kwargs = dict(kwargs, submodule_configs=[_with_plan_copy(c) for c in configs])
     pg = env.process_group
-    with dmp_collection_on_meta(rank_devices, cpu_mesh_only="nccl" not in dist.get_backend(pg)):
+    fully = any(_is_fully_sharded(s) for s in [kwargs.get("sharding_strategy")] + [
+        c.sharding_strategy for c in configs or []])
+    with dmp_collection_on_meta(rank_devices, "nccl" not in dist.get_backend(pg),
+                                compute_device, fully):
         return DMPCollection(
             module,
             device=compute_device,

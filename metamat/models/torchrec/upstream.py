@@ -69,6 +69,9 @@ SHARDS_WRAPPER = "torchrec.distributed.shards_wrapper.LocalShardsWrapper"
 POOLED_LOOKUP = "torchrec.distributed.embedding_lookup.GroupedPooledEmbeddingsLookup"
 SEQ_LOOKUP = "torchrec.distributed.embedding_lookup.GroupedEmbeddingsLookup"
 BASE_BAG = f"{BEK}.BaseBatchedEmbeddingBag"
+#: the fused kernel wrappers of DMPCollection's FULLY_SHARDED strategy (subclasses of the
+#: fused ones, same storage)
+FULLY_SHARDED_KERNELS = ("ShardedBatchedFusedEmbeddingBag", "ShardedBatchedFusedEmbedding")
 BASE_EMB = f"{BEK}.BaseBatchedEmbedding"
 TWRW_MODULE = "torchrec.distributed.sharding.twrw_sharding"
 GRID_MODULE = "torchrec.distributed.sharding.grid_sharding"
@@ -208,6 +211,9 @@ DECLARED: Tuple[Private, ...] = (
         patched=True),
     _tr("torchrec.distributed.model_parallel", "DeviceMesh", "class", "two_dim: a gloo-only "
         "process group's 2D mesh is a CPU mesh (the emulated GPU)", patched=True),
+    *[_tr(f"{BEK}.{c}", n, "attr", why) for c in FULLY_SHARDED_KERNELS for n, why in (
+        ("_unsharded_param", "FULLY_SHARDED: the whole weights (a view the graph swaps)"),
+        ("_async_stream", "FULLY_SHARDED: made on the compute device while built"))],
     *[_tr(mod, "intra_and_cross_node_pg_2D", "function", "two_dim: the node groups of a "
           "2D-parallel TWRW/grid sharding are created while it is built, as on GPUs",
           patched=True) for mod in (TWRW_MODULE, GRID_MODULE)],
