@@ -263,14 +263,33 @@ def worker_refusals(rank, world_size):
             metamat.shard_on_meta(module, sharders=[sharder], **kw)
         except (ValueError, metamat.UnsupportedError) as e:
             out[name] = str(e)
-    module, sharder, plan, _ = M.build("ebc", {"t0": ("twrw", "fused"), "t1": ("tw", "fused")},
-                                       world_size)
-    try:  # TorchRec asserts that nodes tile the sharding group, after creating groups
+    # a submodule config's type planned in the main plan
+    container, sharders, plan2, config, _ = _ebc_and_ec()
+    plan2.plan.update(config.plan.plan)
+    try:
+        metamat.shard_on_meta(container, plan=plan2, sharders=sharders, compute_device="cuda",
+                              sharding_group_size=2, submodule_configs=[config])
+    except ValueError as e:
+        out["context"] = str(e)
+    twrw = {"t0": ("twrw", "fused"), "t1": ("tw", "fused")}
+    module, sharder, plan, _ = M.build("ebc", twrw, world_size)
+    try:  # TorchRec asserts it too, later
         metamat.shard_on_meta(module, plan=plan, sharders=[sharder], compute_device="cuda",
                               sharding_group_size=world_size, node_group_size=3)
     except ValueError as e:
         out["nodes"] = str(e)
     out["meta"] = all(t.is_meta for t in module.parameters())
+    # TorchRec keeps the first node groups a process makes: nodes of 1, then of 2
+    module, sharder, plan, _ = M.build("ebc", twrw, world_size)
+    metamat.shard_on_meta(module, plan=plan, sharders=[sharder], compute_device="cuda",
+                          sharding_group_size=world_size, node_group_size=1)
+    module, sharder, plan, _ = M.build("ebc", twrw, world_size)
+    try:
+        metamat.shard_on_meta(module, plan=plan, sharders=[sharder], compute_device="cuda",
+                              sharding_group_size=world_size, node_group_size=2)
+    except metamat.UnsupportedError as e:
+        out["second_nodes"] = str(e)
+    out["meta_again"] = all(t.is_meta for t in module.parameters())
     return out
 
 
@@ -284,7 +303,12 @@ def test_what_two_dim_needs_is_checked_before_building():
     assert "config of EmbeddingBagCollection: its sharding_group_size 3 must divide" in \
         out["sub_size"], out
     assert "places shards on rank 1" in out["world_plan"], out
+    assert "the plan plans ec (EmbeddingCollection), which DMPCollection shards in the " \
+        "submodule config of EmbeddingCollection" in out["context"], out
     assert "into nodes of 3 ranks (node_group_size)" in out["nodes"], out
+    assert "needs nodes of 2 ranks, but this process's node group is [" in \
+        out["second_nodes"], out
+    assert out["meta_again"], out
     assert ".t0" in out["nodes"] and ".t1" not in out["nodes"], out
     assert out["meta"]
 
@@ -299,7 +323,7 @@ NODES = {"t0": ("table_row_wise", "fused"), "t1": ("table_row_wise", "fused_uvm_
          "t4": ("row_wise", "fused_uvm")}
 
 
-def worker_nodes(rank, world_size, tmp):
+def worker_nodes(rank, world_size, tmp, inter_host):
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torchrec import EmbeddingBagCollection
@@ -310,7 +334,8 @@ def worker_nodes(rank, world_size, tmp):
 
     module, sharder, plan, tables = M.build_planned(NODES, world_size=4, local_size=2)
     model = metamat.shard_on_meta(module, plan=plan, sharders=[sharder], compute_device="cuda",
-                                  sharding_group_size=4, node_group_size=2)
+                                  sharding_group_size=4, node_group_size=2,
+                                  use_inter_host_allreduce=inter_host)
     with emulated_cuda():
         metamat.materialize(model, seed=SEED)
     groups = []
@@ -335,26 +360,36 @@ def worker_nodes(rank, world_size, tmp):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.parametrize("inter_host", [False, True], ids=["strided", "inter-host"])
 def test_table_row_wise_and_grid_shards_split_each_group_into_nodes_as_torchrec_does(
-        tmp_path):
+        tmp_path, inter_host):
     world = 8
-    ranks = run_dist(worker_nodes, world, str(tmp_path))
+    ranks = run_dist(worker_nodes, world, str(tmp_path), inter_host)
     plan = ranks[0]["plan"]
     # the planner used both nodes of a group: grid tables' column shards span them
     assert {t: s for t, (s, _) in plan.items()} == {t: s for t, (s, _) in NODES.items()}
     assert any(set(r) == {0, 1, 2, 3} for s, r in plan.values() if s == "grid_shard"), plan
+    def replica(rank):  # strided groups 0,2,4,6 | 1,3,5,7; inter-host 0-3 | 4-7
+        return rank // 4 if inter_host else rank % 2
+
     for rank, r in enumerate(ranks):
         assert r["buffers"] == [], r["buffers"]
         # TorchRec's node groups: nodes of 2 in the group's order, cross groups across them
-        group = [rank % 2 + 2 * i for i in range(4)]
+        group = [q for q in range(world) if replica(q) == replica(rank)]
         node = group[:2] if rank in group[:2] else group[2:]
         cross = [g for g in group if group.index(g) % 2 == group.index(rank) % 2]
         assert r["groups"] and all(g == [node, cross, 2] for g in r["groups"]), r["groups"]
     for g in range(2):
-        mine = [ranks[r]["two_dim"] for r in range(world) if r % 2 == g]
+        mine = [ranks[r]["two_dim"] for r in range(world) if replica(r) == g]
         tables = sorted({k for r in mine for k in r if not k.startswith("state.")})
         assert len(tables) == len(NODES), tables
         M.assert_same(mine, [ranks[0]["ref"]], f"replica {g}", tables)
+        # the optimizer state (grid's follows the node size), TorchRec's zeros, all covered
+        state = sorted({k for r in mine for k in r if k.startswith("state.")})
+        assert len(state) == len(NODES), state
+        for k in state:
+            full = M.global_of(mine, k)
+            assert not torch.isnan(full).any() and not full.any(), k
     for r in ranks:  # dcp.save of the 2D model, loaded whole into an unsharded collection
         M.assert_same([r["roundtrip"]], [ranks[0]["ref"]], "dcp round trip")
 
@@ -456,7 +491,12 @@ def worker_submodule_configs(rank, world_size, tmp):
     from metamat.emulation import emulated_cuda
 
     module, sharders, plan, config, ref = _ebc_and_ec()
-    given = [list(ps.ranks) for ps in config.plan.plan["ec"].values()]
+    def placed(cfg):  # every table's ranks and shard placements
+        return [(list(ps.ranks), [str(sm.placement) for sm in ps.sharding_spec.shards]
+                 if ps.sharding_spec is not None else None)
+                for ps in cfg.plan.plan["ec"].values()]
+
+    given = placed(config)
     model = metamat.shard_on_meta(module, plan=plan, sharders=sharders, compute_device="cuda",
                                   sharding_group_size=GROUP, submodule_configs=[config],
                                   node_group_size=GROUP)
@@ -465,7 +505,7 @@ def worker_submodule_configs(rank, world_size, tmp):
     metamat.materialize(ref, device="cpu", seed=SEED)
     res = dict(two_dim=_state(model), ref=M.local_blocks(ref.state_dict()),
                buffers=M.fbgemm_mismatches(model),
-               kept=given == [list(ps.ranks) for ps in config.plan.plan["ec"].values()],
+               kept=given == placed(config),
                group_sizes=[dist.get_world_size(c.sharding_pg) for c in model._ctxs])
     # sync(): replicas pushed 2.0 apart (by the EBC's replica) come back to their mean, +1.0,
     # in the EBC's two replicas and the EC's four

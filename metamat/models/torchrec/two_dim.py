@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import os
 from typing import Any, Dict, Iterator, List, Optional
 
 import torch
@@ -118,11 +119,34 @@ def dmp_collection_on_meta(rank_devices: Dict[int, torch.device], cpu_mesh_only:
 
 def _node_groups_as_on_gpus(env: Any, device: Optional[torch.device] = None):
     """TorchRec's 2D node groups, created whatever the device: a collective every rank
-    reaches in the same order (each builds the same shardings), and TorchRec keeps one pair
-    per process."""
+    reaches in the same order (each builds the same shardings). TorchRec keeps one pair per
+    process, made for the first sharding that asks: a later one that needs other nodes (a
+    submodule config's group, another model) is refused here, where TorchRec would lay its
+    tables out over the first one's nodes."""
     from torchrec.distributed import comm
 
-    return getattr(comm, _NODE_GROUPS)(env, device=None)
+    intra, cross = getattr(comm, _NODE_GROUPS)(env, device=None)
+    node = node_size(env.node_group_size, dist.get_world_size())
+    group = dist.get_process_group_ranks(env.sharding_pg)
+    have = dist.get_process_group_ranks(intra)
+    if len(have) != node or not set(have) <= set(group):
+        raise UnsupportedError(
+            f"shard_on_meta: a table-row-wise or grid sharding in sharding group {group} needs "
+            f"nodes of {node} ranks, but this process's node group is {have}: TorchRec keeps "
+            "one node group a process, made for the first such sharding (another "
+            "submodule config, or a model built before), and would lay these tables out over "
+            "it; build every table-row-wise and grid table with the same sharding group and "
+            "node size in one process")
+    return intra, cross
+
+
+def node_size(node_group_size: Optional[int], world: int) -> int:
+    """The ranks of a node TorchRec gives table-row-wise and grid sharding under 2D:
+    ``node_group_size``, else the local world size (``LOCAL_WORLD_SIZE``; unset, TorchRec
+    takes 8, or the world size where 8 does not divide it)."""
+    from torchrec.distributed.comm import get_local_size
+
+    return node_group_size or get_local_size(world)
 
 
 def check_two_dim(module: Any, env: Any, plan: Any, cuda_layout: bool,
@@ -145,14 +169,38 @@ def check_two_dim(module: Any, env: Any, plan: Any, cuda_layout: bool,
     _check_group("sharding_group_size", sharding_group_size, world)
     _check_group_plan("the plan", plan, sharding_group_size, world,
                       kwargs.get("node_group_size"))
-    for cfg in kwargs.get("submodule_configs") or []:
+    configs = kwargs.get("submodule_configs") or []
+    for cfg in configs:
         what = f"the submodule config of {getattr(cfg.module, '__name__', cfg.module)}"
         _check_group(f"{what}: its sharding_group_size", cfg.sharding_group_size, world)
         # TorchRec makes a config's whole sharding group one node
         _check_group_plan(f"{what}: its plan", cfg.plan, cfg.sharding_group_size, world,
                           cfg.sharding_group_size)
         check_cuda_plan(cfg.plan)  # shard_on_meta checks the main plan
+    _check_config_paths(module, plan, configs)
     _check_managed_collision(module)
+
+
+def _check_config_paths(module: Any, plan: Any, configs: List[Any]) -> None:
+    """TorchRec shards a module in the context of its type (the submodule config of that
+    type, else the default one), whichever plan names it: a plan entry built in another
+    context's sharding group than the one it was planned for is refused."""
+    if not configs:
+        return
+    types = {p: type(m) for p, m in module.named_modules()}
+    contexts = [("the plan", plan, None)] + [
+        (f"the submodule config of {getattr(c.module, '__name__', c.module)}", c.plan, c.module)
+        for c in configs]
+    for what, p, owner in contexts:
+        for path in p.plan:
+            t = types.get(path)
+            shards_it = next((o for _, _, o in contexts[1:] if o is t), None)
+            if t is not None and shards_it is not owner:
+                where = (f"the submodule config of {shards_it.__name__}" if shards_it
+                         else "the default context")
+                raise ValueError(
+                    f"shard_on_meta: {what} plans {path or '<root>'} ({t.__name__}), which "
+                    f"DMPCollection shards in {where} (by module type): give its plan there")
 
 
 def _check_group(what: str, size: Any, world: int) -> None:
@@ -185,17 +233,17 @@ def _check_group_plan(what: str, plan: Any, group: int, world: int,
 
 def _check_node_size(tables: List[str], world: int, group: int,
                      node_group_size: Optional[int]) -> None:
-    """TorchRec splits a sharding group into nodes of ``node_group_size`` ranks (by default
-    the local world size) for table-row-wise and grid sharding, and asserts that they tile
-    the group: checked here, before any group is created, with the tables named."""
-    from torchrec.distributed.comm import get_local_size
-
-    node = node_group_size or get_local_size(world)
+    """TorchRec splits a sharding group into nodes (:func:`node_size`) for table-row-wise and
+    grid sharding, and asserts that they tile the group: checked here, before any group is
+    created, with the tables named."""
+    node = node_size(node_group_size, world)
     if node < 1 or group % node:
+        where = "node_group_size" if node_group_size else (
+            "LOCAL_WORLD_SIZE" if "LOCAL_WORLD_SIZE" in os.environ
+            else "TorchRec's guess with LOCAL_WORLD_SIZE unset")
         raise ValueError(
             f"shard_on_meta: table-row-wise and grid sharding under 2D parallelism split each "
-            f"sharding group ({group} ranks) into nodes of {node} ranks "
-            f"({'node_group_size' if node_group_size else 'the local world size'}), which "
+            f"sharding group ({group} ranks) into nodes of {node} ranks ({where}), which "
             f"must divide it: {', '.join(tables)}; pass node_group_size=<a divisor of "
             f"{group}> or set LOCAL_WORLD_SIZE")
 

@@ -169,12 +169,12 @@ DECLARED: Tuple[Private, ...] = (
         patched=True),
     # -- shardings (register.py: the node groups TWRW/grid sharding skip on meta) ---------------
     _tr(TWRW, "_pg", "attr", "the backend of the node groups"),
-    _tr(TWRW, "_intra_pg", "attr", "None on meta: created at register"),
-    _tr(TWRW, "_cross_pg", "attr", "None on meta: created at register"),
+    _tr(TWRW, "_intra_pg", "attr", "None on meta: created at register (under 2D: built)"),
+    _tr(TWRW, "_cross_pg", "attr", "None on meta: created at register (under 2D: built)"),
     _tr(TWRW, "_is_2D_parallel", "attr", "2D: its node groups exist from the build on"),
     _tr(GRID, "_pg", "attr", "the backend of the node groups"),
-    _tr(GRID, "_intra_pg", "attr", "None on meta: created at register"),
-    _tr(GRID, "_cross_pg", "attr", "None on meta: created at register"),
+    _tr(GRID, "_intra_pg", "attr", "None on meta: created at register (under 2D: built)"),
+    _tr(GRID, "_cross_pg", "attr", "None on meta: created at register (under 2D: built)"),
     _tr(GRID, "_is_2D_parallel", "attr", "2D: its node groups exist from the build on"),
     # -- lookups and kernel wrappers (sharded.py, tbe.py, cuda_plan.py) --------------------------
     _tr(POOLED_LOOKUP, "_emb_modules", "attr", "the kernel wrappers of an EBC's lookup"),
