@@ -355,9 +355,11 @@ def test_an_endless_empty_listing_ends_at_the_deadline(s3):
     with pytest.raises(ReadError, match="deadline of 3 s") as ei:
         open_checkpoint(s3.url("empty-endless"), storage_options=_opts(s3, deadline=3))
     assert "s3://ckpts/empty-endless" in str(ei.value)
-    pages = s3.proxy.list_pages
+    pages = s3.proxy.list_pages  # ~40 a second while it ran
     time.sleep(1.0)
-    assert s3.proxy.list_pages <= pages + 1  # cancelled, not abandoned to run on
+    # cancelled, not abandoned to run on: at most the requests already in flight (two seen
+    # on a loaded 2-core machine) are answered after the error
+    assert s3.proxy.list_pages <= pages + 3, (pages, s3.proxy.list_pages)
 
 
 def test_a_slow_store_fails_the_load_at_the_deadline_model_untouched(s3, tmp_path):
