@@ -249,7 +249,9 @@ def worker_refusals(rank, world_size):
     module, sharder, plan, _ = M.build("ebc", {"t0": ("tw", "fused")}, 1)
     cases = {
         "cpu": dict(plan=plan, compute_device="cpu", sharding_group_size=1),
-        "no_plan": dict(compute_device="cuda", sharding_group_size=1),
+        "no_plan": dict(compute_device="cuda", sharding_group_size=1, submodule_configs=[
+            DMPCollectionConfig(module=EmbeddingBagCollection, plan=plan,
+                                sharding_group_size=1)]),
         "size": dict(plan=plan, compute_device="cuda", sharding_group_size=3),
         "fixed": dict(plan=plan, compute_device="cuda", sharding_group_size=1, world_size=2),
         "sub_size": dict(plan=plan, compute_device="cuda", sharding_group_size=1,
@@ -297,7 +299,7 @@ def worker_refusals(rank, world_size):
 def test_what_two_dim_needs_is_checked_before_building():
     out = run_dist(worker_refusals, 2)[0]
     assert "GPUs only" in out["cpu"], out
-    assert "plan of one sharding group" in out["no_plan"], out
+    assert "with submodule_configs, give the plan" in out["no_plan"], out
     assert "must divide the world size 2" in out["size"], out
     assert "'world_size' is fixed" in out["fixed"], out
     assert "config of EmbeddingBagCollection: its sharding_group_size 3 must divide" in \
@@ -311,6 +313,39 @@ def test_what_two_dim_needs_is_checked_before_building():
     assert out["meta_again"], out
     assert ".t0" in out["nodes"] and ".t1" not in out["nodes"], out
     assert out["meta"]
+
+
+def worker_planned(rank, world_size):
+    from torchrec import EmbeddingBagCollection
+
+    import metamat
+    from metamat.emulation import emulated_cuda
+
+    _, _, _, tables = M.build("ebc", LAYOUT, GROUP)
+    module = EmbeddingBagCollection(tables=tables, device="meta")
+    model = metamat.shard_on_meta(module, compute_device="cuda", sharding_group_size=GROUP)
+    with emulated_cuda():
+        metamat.materialize(model, seed=SEED)
+    ref = EmbeddingBagCollection(tables=tables, device="meta")
+    metamat.materialize(ref, device="cpu", seed=SEED)
+    plan = model.plan.plan[""]
+    return dict(two_dim=_state(model), ref=M.local_blocks(ref.state_dict()),
+                kernels=sorted({ps.compute_kernel for ps in plan.values()}),
+                ranks=sorted({int(r) for ps in plan.values() for r in ps.ranks or []}))
+
+
+@pytest.mark.multiprocess
+def test_without_a_plan_torchrecs_planner_plans_one_sharding_group():
+    ranks = run_dist(worker_planned, WORLD)
+    for g, group in enumerate(_groups(ranks)):
+        # the plan DMPCollection kept: the group's own global ranks, GPU kernels
+        assert all(r["ranks"] == sorted(q for q in range(WORLD) if _group_of(q) == g)
+                   for r in group), [r["ranks"] for r in group]
+        assert all(set(r["kernels"]) <= {"fused", "fused_uvm", "fused_uvm_caching", "dense"}
+                   for r in group), group[0]["kernels"]
+        mine = [r["two_dim"] for r in group]
+        M.assert_same(mine, [ranks[0]["ref"]], f"replica {g}",
+                      sorted(k for k in mine[0] if not k.startswith("state.")))
 
 
 # ------------------------------------------------------------------------------------------

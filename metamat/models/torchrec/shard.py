@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -33,7 +33,7 @@ from .fastranks import indexed_group_ranks
 from .host_kernels import host_dense_kernels
 from .mc_sharding import mc_sharding_on_meta, refuse_unsupported_kinds
 from .meta_plan import plan_to_meta
-from .two_dim import build_dmp_collection, check_two_dim
+from .two_dim import build_dmp_collection, check_group_plan, check_two_dim, node_size
 from .meta_factories import MetaFactories
 
 __all__ = ["shard_on_meta", "MetaDDP", "building_on_meta", "plan_to_meta", "this_ranks_gpu"]
@@ -106,17 +106,19 @@ def _to_meta_inplace(module: nn.Module) -> None:
 
 
 def _default_plan(module: nn.Module, env: Any, sharders: Optional[List[Any]],
-                  compute_device: str):
+                  compute_device: str, group: Optional[Tuple[int, int]] = None):
     """TorchRec's planner, as ``DistributedModelParallel(module)`` without a plan runs it, but
-    for the device the tables will be materialized on (its ``Topology`` refuses "meta")."""
+    for the device the tables will be materialized on (its ``Topology`` refuses "meta");
+    ``group``: (ranks, ranks a node) of the one sharding group a 2D plan is for, planned
+    collectively over the whole world all the same (every rank gets the same plan)."""
     from torchrec.distributed.comm import get_local_size
     from torchrec.distributed.model_parallel import get_default_sharders
     from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
 
     sharders = sharders if sharders is not None else get_default_sharders()
+    world, local = group or (env.world_size, get_local_size(env.world_size))
     planner = EmbeddingShardingPlanner(topology=Topology(
-        local_world_size=get_local_size(env.world_size), world_size=env.world_size,
-        compute_device=compute_device))
+        local_world_size=local, world_size=world, compute_device=compute_device))
     pg = getattr(env, "process_group", None)
     return planner.collective_plan(module, sharders, pg) if pg is not None \
         else planner.plan(module, sharders)
@@ -196,8 +198,9 @@ def shard_on_meta(
             built as before, whatever the planner chose.
         sharding_group_size: build TorchRec's 2D parallelism, a ``DMPCollection``: the
             tables are sharded over groups of this many ranks by ``plan`` (a plan for one
-            group, as ``DMPCollection`` takes it) and each group is a replica (``sync()``
-            averages them). Needs ``compute_device="cuda"`` and a plan, as TorchRec does.
+            group, as ``DMPCollection`` takes it; default: TorchRec's planner for one group
+            of GPUs) and each group is a replica (``sync()`` averages them). Needs
+            ``compute_device="cuda"``, as TorchRec does.
         **dmp_kwargs: forwarded to ``DistributedModelParallel`` (``device``,
             ``init_parameters`` and ``init_data_parallel`` are fixed by this function), or
             to ``DMPCollection`` with ``sharding_group_size`` (``sharding_strategy``,
@@ -215,7 +218,7 @@ def shard_on_meta(
             fused_uvm_caching; a managed-collision module other than MCH; with
             ``sharding_group_size``: what 2D parallelism on meta refuses (docs/TORCHREC_GPU.md).
         ValueError: ``dmp_kwargs`` names an argument fixed here; with
-            ``sharding_group_size``: no CUDA compute device or plan, a group size that does
+            ``sharding_group_size``: no CUDA compute device, a group size that does
             not divide the world size, a plan for more ranks than one group, or (with
             table-row-wise or grid tables) nodes that do not divide the group.
     """
@@ -241,7 +244,14 @@ def shard_on_meta(
         check_two_dim(module, env, plan, cuda_layout, sharding_group_size, dmp_kwargs)
     if cuda_layout:
         compute_device = this_ranks_gpu(torch.device(compute_device))
-    if plan is None:
+    if plan is None and sharding_group_size is not None:  # one group's plan, nodes as 2D's
+        node = node_size(dmp_kwargs.get("node_group_size"), env.world_size)
+        plan = _default_plan(module, env, sharders, "cuda", (
+            sharding_group_size, node if sharding_group_size % node == 0 else
+            sharding_group_size))
+        check_group_plan("TorchRec's plan", plan, sharding_group_size, env.world_size,
+                         dmp_kwargs.get("node_group_size"))
+    elif plan is None:
         if compute_device is None:
             compute_device = "cuda" if torch.cuda.is_available() else "cpu"
         # plan on the module as built (meta tables are fine: only shapes are read)

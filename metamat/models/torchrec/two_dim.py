@@ -45,7 +45,8 @@ from ...errors import UnsupportedError
 from . import upstream
 from .meta_plan import plan_to_meta
 
-__all__ = ["build_dmp_collection", "check_two_dim", "dmp_collection_on_meta"]
+__all__ = ["build_dmp_collection", "check_group_plan", "check_two_dim", "dmp_collection_on_meta",
+           "node_size"]
 
 _META = torch.device("meta")
 MODEL_PARALLEL = "torchrec.distributed.model_parallel"
@@ -152,30 +153,31 @@ def node_size(node_group_size: Optional[int], world: int) -> int:
 def check_two_dim(module: Any, env: Any, plan: Any, cuda_layout: bool,
                   sharding_group_size: int, kwargs: Dict[str, Any]) -> None:
     """What ``shard_on_meta(sharding_group_size=...)`` needs, checked before anything is built:
-    TorchRec's ``DMPCollection`` runs on GPUs only and takes the sharding group's plan; the
-    group size divides the world size; managed collision needs torchrec 1.8 or later;
-    table-row-wise and grid sharding need nodes that tile the group. Each of ``submodule_configs`` (a module type's own plan and sharding group) is
-    checked the same way."""
+    TorchRec's ``DMPCollection`` runs on GPUs only and takes the sharding group's plan (none:
+    shard_on_meta plans one); the group size divides the world size; managed collision needs
+    torchrec 1.8 or later; table-row-wise and grid sharding need nodes that tile the group.
+    Each of ``submodule_configs`` (a module type's own plan and sharding group) is checked
+    the same way, and plans a module of its own type only."""
     from .cuda_kernels import check_cuda_plan
 
     if not cuda_layout:
         raise ValueError("shard_on_meta: sharding_group_size builds TorchRec's DMPCollection, "
                          "which runs on GPUs only: pass compute_device='cuda'")
-    if plan is None:
-        raise ValueError("shard_on_meta: sharding_group_size needs the plan of one sharding "
-                         "group (DMPCollection takes one; plan with world_size = "
-                         "sharding_group_size)")
     world = env.world_size
     _check_group("sharding_group_size", sharding_group_size, world)
-    _check_group_plan("the plan", plan, sharding_group_size, world,
-                      kwargs.get("node_group_size"))
     configs = kwargs.get("submodule_configs") or []
+    if plan is not None:  # else shard_on_meta plans one group (and checks that plan)
+        check_group_plan("the plan", plan, sharding_group_size, world,
+                         kwargs.get("node_group_size"))
+    elif configs:
+        raise ValueError("shard_on_meta: with submodule_configs, give the plan of the modules "
+                         "they leave out (a planner would plan those modules twice)")
     for cfg in configs:
         what = f"the submodule config of {getattr(cfg.module, '__name__', cfg.module)}"
         _check_group(f"{what}: its sharding_group_size", cfg.sharding_group_size, world)
         # TorchRec makes a config's whole sharding group one node
-        _check_group_plan(f"{what}: its plan", cfg.plan, cfg.sharding_group_size, world,
-                          cfg.sharding_group_size)
+        check_group_plan(f"{what}: its plan", cfg.plan, cfg.sharding_group_size, world,
+                         cfg.sharding_group_size)
         check_cuda_plan(cfg.plan)  # shard_on_meta checks the main plan
     _check_config_paths(module, plan, configs)
     _check_managed_collision(module)
@@ -212,8 +214,8 @@ def _is_fully_sharded(strategy: Any) -> bool:
     return strategy is not None and getattr(strategy, "name", strategy) == "FULLY_SHARDED"
 
 
-def _check_group_plan(what: str, plan: Any, group: int, world: int,
-                      node_group_size: Optional[int]) -> None:
+def check_group_plan(what: str, plan: Any, group: int, world: int,
+                     node_group_size: Optional[int]) -> None:
     """A plan for one sharding group of ``group`` ranks, whose table-row-wise and grid tables
     have nodes that tile the group."""
     params = [(f"{path or '<root>'}.{table}", ps) for path, module_plan in plan.plan.items()
