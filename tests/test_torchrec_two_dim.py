@@ -292,12 +292,30 @@ def worker_refusals(rank, world_size):
     except metamat.UnsupportedError as e:
         out["second_nodes"] = str(e)
     out["meta_again"] = all(t.is_meta for t in module.parameters())
+    # no plan, and TorchRec's planner fails on rank 0: every rank raises (none waits for it)
+    from torchrec.distributed.planner import EmbeddingShardingPlanner
+    from torchrec.distributed.planner.types import PlannerError
+
+    def fail(self, *a, **k):
+        raise PlannerError("no plan fits")
+    if rank == 0:
+        EmbeddingShardingPlanner.plan = fail
+    module, sharder, _, _ = M.build("ebc", twrw, world_size)
+    try:
+        metamat.shard_on_meta(module, sharders=[sharder], compute_device="cuda",
+                              sharding_group_size=world_size)
+    except (PlannerError, RuntimeError) as e:
+        out["planner"] = f"{type(e).__name__}: {e}"
     return out
 
 
 @pytest.mark.multiprocess
 def test_what_two_dim_needs_is_checked_before_building():
-    out = run_dist(worker_refusals, 2)[0]
+    ranks = run_dist(worker_refusals, 2)
+    out = ranks[0]
+    assert out["planner"] == "PlannerError: no plan fits", out["planner"]
+    assert ranks[1]["planner"] == "RuntimeError: shard_on_meta: TorchRec's planner failed on " \
+        "rank 0: PlannerError: no plan fits", ranks[1]["planner"]
     assert "GPUs only" in out["cpu"], out
     assert "with submodule_configs, give the plan" in out["no_plan"], out
     assert "must divide the world size 2" in out["size"], out
@@ -437,16 +455,20 @@ FULLY = {"t0": ("tw", "fused"), "t1": ("rw", "fused"), "t2": ("cw", "fused"),
          "t3": ("rw", "fused_uvm_caching"), "t4": ("dp", "dense")}
 
 
-def worker_fully_sharded(rank, world_size, kind, layout):
+def worker_fully_sharded(rank, world_size, kind, layout, tmp):
+    import torch.distributed.checkpoint as dcp
     from torchrec.distributed.types import ShardingStrategy
 
     import metamat
     from metamat.emulation import emulated_cuda
 
-    module, sharder, plan, tables = M.build(kind, layout, GROUP)
-    model = metamat.shard_on_meta(module, plan=plan, sharders=[sharder], compute_device="cuda",
-                                  sharding_group_size=GROUP,
-                                  sharding_strategy=ShardingStrategy.FULLY_SHARDED)
+    def build():
+        module, sharder, plan, _ = M.build(kind, layout, GROUP)
+        return metamat.shard_on_meta(module, plan=plan, sharders=[sharder],
+                                     compute_device="cuda", sharding_group_size=GROUP,
+                                     sharding_strategy=ShardingStrategy.FULLY_SHARDED)
+
+    model = build()
     with emulated_cuda():
         metamat.materialize(model, seed=SEED)
     ref = _plain_cpu(kind, layout)
@@ -457,11 +479,38 @@ def worker_fully_sharded(rank, world_size, kind, layout):
             weights = w._emb_module.weights_dev
             kernels.append(dict(
                 kind=type(w).__name__, numel=weights.numel(),
-                same=w._unsharded_param.data_ptr() == weights.data_ptr()
-                and w._unsharded_param.shape == weights.shape,
+                same=w._unsharded_param is weights and not weights.is_meta,
                 stream=repr(w._async_stream), sharded=w.weights_sharded))
-    return dict(two_dim=_state(model), ref=_state(ref), kernels=kernels,
-                buffers=M.fbgemm_mismatches(model))
+    res = dict(two_dim=_state(model), ref=_state(ref), kernels=kernels,
+               buffers=M.fbgemm_mismatches(model))
+    # its own checkpoint, into a fresh model and in place into the live one
+    path = os.path.join(tmp, "saved")
+    dcp.save(model.state_dict(), checkpoint_id=path)
+    fresh = build()
+    with emulated_cuda():
+        metamat.materialize(fresh, path)
+    res["fresh"] = _state(fresh)
+    views = _shard_views(model)
+    with torch.no_grad():
+        for t in views:
+            t.add_(1.0)
+    with emulated_cuda():
+        metamat.materialize(model, path)
+    res["in_place"] = _state(model)
+    # a training forward reduce-scattered the weights (TorchRec's flag, its backward not run):
+    # refused, nothing written
+    scattered = next(w for w in M.wrappers(model) if hasattr(w, "weights_sharded"))
+    scattered.weights_sharded = True
+    with torch.no_grad():
+        for t in views:
+            t.add_(1.0)
+    try:
+        with emulated_cuda():
+            metamat.materialize(model, path)
+    except metamat.UnsupportedError as e:
+        res["refused"] = str(e)
+    res["kept"] = _state(model)
+    return res
 
 
 @pytest.mark.multiprocess
@@ -469,8 +518,9 @@ def worker_fully_sharded(rank, world_size, kind, layout):
     ("ebc", FULLY, "ShardedBatchedFusedEmbeddingBag"),
     ("ec", {t: v for t, v in FULLY.items() if v[0] != "dp"}, "ShardedBatchedFusedEmbedding")],
     ids=["ebc", "ec"])
-def test_fully_sharded_replicas_hold_whole_tables_that_its_kernels_see(kind, layout, wrapper):
-    ranks = run_dist(worker_fully_sharded, WORLD, kind, layout)
+def test_fully_sharded_replicas_hold_whole_tables_that_its_kernels_see(kind, layout, wrapper,
+                                                                      tmp_path):
+    ranks = run_dist(worker_fully_sharded, WORLD, kind, layout, str(tmp_path))
     for r in ranks:
         assert r["buffers"] == [], r["buffers"]
         kinds = {k["kind"] for k in r["kernels"]}
@@ -478,11 +528,18 @@ def test_fully_sharded_replicas_hold_whole_tables_that_its_kernels_see(kind, lay
         assert any(k["numel"] for k in r["kernels"]), r["kernels"]
         for k in r["kernels"]:  # TorchRec's view of the weights is the real storage
             assert k["same"] and not k["sharded"], k
-            assert k["stream"] == "NoStream(cuda: no CUDA in this process)", k
+            assert k["stream"] == "NoStream(cuda: made at registration)", k
     for g, group in enumerate(_groups(ranks)):
         mine = [r["two_dim"] for r in group]
-        M.assert_same(mine, [r["ref"] for r in ranks], f"replica {g}",
-                      sorted(k for k in mine[0] if not k.startswith("state.")))
+        tables = sorted(k for k in mine[0] if not k.startswith("state."))
+        M.assert_same(mine, [r["ref"] for r in ranks], f"replica {g}", tables)
+        M.assert_same([r["fresh"] for r in group], mine, f"load, replica {g}", tables)
+        M.assert_same([r["in_place"] for r in group], mine, f"in place, replica {g}", tables)
+        for r in group:  # the refused load wrote nothing: the +1.0 drift is still there
+            assert "reduce-scattered over the replicas" in r["refused"], r.get("refused")
+            assert all(torch.equal(b, a + 1.0) for k in tables
+                       for (_, a), (_, b) in zip(r["in_place"][k], r["kept"][k])
+                       if k.split(".")[1] not in ("t4",)), "the refused load wrote"
 
 
 # ------------------------------------------------------------------------------------------

@@ -87,6 +87,20 @@ def _rebuild_ddps(plan: Plan) -> None:
             slot.set(new)
 
 
+def _make_streams(plan: Plan) -> None:
+    """The CUDA stream of each FULLY_SHARDED kernel (a placeholder while built on meta), made
+    on the GPU its weights now live on (not on the emulated device: no CUDA there)."""
+    from . import upstream
+    from .sharded import named_wrappers
+    from .two_dim import NoStream
+
+    if plan.device.type != "cuda" or plan.emulated:
+        return
+    for _, w in named_wrappers(plan.sharded):
+        if isinstance(upstream.fully_sharded_stream(w), NoStream):
+            upstream.set_fully_sharded_stream(w, torch.cuda.Stream(device=plan.device))
+
+
 def _fix_process_groups(plan: Plan) -> None:
     """Create the intra/cross-node groups TWRW and grid sharding skip on meta (under 2D,
     two_dim.py creates them while building), and rebuild the output dists TorchRec built
@@ -132,6 +146,7 @@ def register(model: Any, plan: Plan, alloc: Allocation) -> None:
         for slot in plan.graph.slots.get(tid, []):
             slot.set(new_tuple)
     _fix_devices(model, plan, plan.device)
+    _make_streams(plan)
     _fix_process_groups(plan)
     _rebuild_ddps(plan)
     if getattr(model, "_metamat_defer_ddp", False) and hasattr(model, "init_data_parallel"):

@@ -119,9 +119,30 @@ def _default_plan(module: nn.Module, env: Any, sharders: Optional[List[Any]],
     world, local = group or (env.world_size, get_local_size(env.world_size))
     planner = EmbeddingShardingPlanner(topology=Topology(
         local_world_size=local, world_size=world, compute_device=compute_device))
-    pg = getattr(env, "process_group", None)
-    return planner.collective_plan(module, sharders, pg) if pg is not None \
-        else planner.plan(module, sharders)
+    return _plan_on_rank0(planner, module, sharders, getattr(env, "process_group", None))
+
+
+def _plan_on_rank0(planner: Any, module: nn.Module, sharders: List[Any], pg: Any):
+    """TorchRec's ``collective_plan`` (rank 0 plans, the others receive its plan), except that
+    a planner error on rank 0 reaches every rank instead of leaving them waiting for a plan
+    until the process group times out."""
+    if pg is None:
+        return planner.plan(module, sharders)
+    box: List[Any] = [None]
+    error: Optional[BaseException] = None
+    if dist.get_rank(pg) == 0:
+        try:
+            box = [("plan", planner.plan(module, sharders))]
+        except Exception as e:  # noqa: BLE001 - sent to the other ranks, raised here below
+            error, box = e, [("error", f"{type(e).__name__}: {e}")]
+    if dist.get_world_size(pg) > 1:
+        dist.broadcast_object_list(box, src=dist.get_global_rank(pg, 0), group=pg)
+    if error is not None:
+        raise error
+    kind, value = box[0]
+    if kind == "error":
+        raise RuntimeError(f"shard_on_meta: TorchRec's planner failed on rank 0: {value}")
+    return value
 
 
 @contextlib.contextmanager

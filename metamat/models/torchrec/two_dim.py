@@ -17,7 +17,7 @@ its DMP part on meta instead:
   the node size those shardings lay their tables out with is the groups' size, which a meta
   build would otherwise guess from the sharding group alone;
 * with the ``FULLY_SHARDED`` strategy, the CUDA stream its kernels make on the device of the
-  tables (meta) is made on the compute device.
+  tables (meta) is a :class:`NoStream` until registration makes it on the tables' GPU.
 
 Like the other patches of ``building_on_meta``, these replace class and module attributes
 (``torch.cuda.Stream`` too) for the whole process while the model is built: build models from
@@ -56,27 +56,26 @@ _NODE_GROUPS = "intra_and_cross_node_pg_2D"
 
 
 class NoStream:
-    """What a FULLY_SHARDED kernel gets for its CUDA stream where no GPU is (the emulated
-    device, whose models never run a forward): the device it stands for."""
+    """What a FULLY_SHARDED kernel built on meta holds for its CUDA stream until
+    registration makes the real one on the device its weights went to (on the emulated
+    device, whose models never run a forward, it stays)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
 
     def __repr__(self) -> str:
-        return f"NoStream({self.device}: no CUDA in this process)"
+        return f"NoStream({self.device}: made at registration)"
 
 
-def _streams_on(compute_device: torch.device):
-    """``torch.cuda.Stream`` for a FULLY_SHARDED kernel built on meta: TorchRec makes its
-    stream on the device of the kernel's weights, meta while built; it goes to
-    ``compute_device``, where materialize puts them."""
+def _streams_on_meta(compute_device: torch.device):
+    """``torch.cuda.Stream`` while a FULLY_SHARDED model is built: TorchRec makes each
+    kernel's stream on the device of its weights, meta then; that one is a :class:`NoStream`
+    naming ``compute_device`` (no CUDA context is opened while building)."""
     real = torch.cuda.Stream
 
     def stream(device: Any = None, *args: Any, **kwargs: Any):
         if device is not None and torch.device(device).type == "meta":
-            if not torch.cuda.is_available():
-                return NoStream(compute_device)
-            device = compute_device
+            return NoStream(compute_device)
         return real(device, *args, **kwargs)
     return stream
 
@@ -114,7 +113,7 @@ def dmp_collection_on_meta(rank_devices: Dict[int, torch.device], cpu_mesh_only:
             stack.enter_context(upstream.patch(MODEL_PARALLEL, "DeviceMesh", cpu_mesh))
         if fully_sharded:
             stack.enter_context(torch_upstream.patch("torch.cuda", "Stream",
-                                                     _streams_on(compute_device)))
+                                                     _streams_on_meta(compute_device)))
         yield
 
 

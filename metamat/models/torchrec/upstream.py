@@ -213,7 +213,9 @@ DECLARED: Tuple[Private, ...] = (
         "process group's 2D mesh is a CPU mesh (the emulated GPU)", patched=True),
     *[_tr(f"{BEK}.{c}", n, "attr", why) for c in FULLY_SHARDED_KERNELS for n, why in (
         ("_unsharded_param", "FULLY_SHARDED: the whole weights (a view the graph swaps)"),
-        ("_async_stream", "FULLY_SHARDED: made on the compute device while built"))],
+        ("_async_stream", "FULLY_SHARDED: made at registration on the tables' GPU"),
+        ("weights_sharded", "FULLY_SHARDED: reduce-scattered weights refuse a load"),
+        ("_rs_awaitable", "FULLY_SHARDED: a pending reduce-scatter refuses a load"))],
     *[_tr(mod, "intra_and_cross_node_pg_2D", "function", "two_dim: the node groups of a "
           "2D-parallel TWRW/grid sharding are created while it is built, as on GPUs",
           patched=True) for mod in (TWRW_MODULE, GRID_MODULE)],
@@ -390,6 +392,31 @@ def _wrapper_owner(w: nn.Module) -> str:
 def kernel_module(w: nn.Module) -> nn.Module:
     """The fbgemm TBE of a kernel wrapper."""
     return _read(w, _wrapper_owner(w), "_emb_module")
+
+
+def weights_scattered(w: nn.Module) -> bool:
+    """A FULLY_SHARDED kernel wrapper whose weights a training forward reduce-scattered (or is
+    reduce-scattering), until its backward gathers them back; False for other wrappers."""
+    name = type(w).__name__
+    if name not in FULLY_SHARDED_KERNELS:
+        return False
+    owner = f"{BEK}.{name}"
+    return bool(_read(w, owner, "weights_sharded")) or \
+        _read(w, owner, "_rs_awaitable") is not None
+
+
+def fully_sharded_stream(w: nn.Module) -> Any:
+    """A FULLY_SHARDED kernel wrapper's CUDA stream (None for other wrappers)."""
+    name = type(w).__name__
+    return _read(w, f"{BEK}.{name}", "_async_stream") if name in FULLY_SHARDED_KERNELS \
+        else None
+
+
+def set_fully_sharded_stream(wrapper: nn.Module, stream: Any) -> None:
+    """Give a FULLY_SHARDED kernel wrapper its CUDA stream (register.py)."""
+    if type(wrapper).__name__ not in FULLY_SHARDED_KERNELS:
+        raise TypeError(f"{type(wrapper).__name__} has no stream of its own")
+    wrapper._async_stream = stream
 
 
 def kernel_config(w: nn.Module) -> Any:

@@ -68,6 +68,20 @@ def _extent(t: torch.Tensor) -> int:
     return (last + 1) * t.element_size()
 
 
+def _refuse_scattered(sharded: List[Tuple[str, nn.Module]]) -> None:
+    """A FULLY_SHARDED model between a training forward and its backward holds only its
+    replica's slice of each table (TorchRec reduce-scatters the weights in the forward and
+    gathers them back in the backward): nothing can be read or loaded whole then."""
+    scattered = [name for name, w in named_wrappers(sharded) if upstream.weights_scattered(w)]
+    if scattered:
+        raise UnsupportedError(
+            f"{scattered[0]}{f' and {len(scattered) - 1} more' if len(scattered) > 1 else ''}: "
+            "its weights are reduce-scattered over the replicas (DMPCollection's "
+            "FULLY_SHARDED strategy, after a training forward whose backward has not run; "
+            "torchrec < 1.7 after any forward): materialize into the model after the "
+            "backward, which gathers them back")
+
+
 def build_plan(model: nn.Module, device: torch.device, init=None, *, claimed=frozenset(),
                loading: bool = False,
                sharded: Optional[List[Tuple[str, nn.Module]]] = None,
@@ -103,6 +117,7 @@ def build_plan(model: nn.Module, device: torch.device, init=None, *, claimed=fro
         upstream.check_sharded(sharded)
         upstream.check_dmp(model)
     torch_upstream.require("module")
+    _refuse_scattered(sharded)
     graph = scan(model)
     layout = laid_out_for(model, sharded)
     cuda = bool(sharded) and layout is not None
