@@ -698,9 +698,12 @@ def worker_gpu(rank, world_size, name):
     eager.load_state_dict(gpu.state_dict())
     res["loaded"] = _close(_state(gpu), _state(eager))
     outs = []
-    for step in range(2):  # each replica its own batch: sync() averages them
+    # each replica its own batch: sync() averages them (FULLY_SHARDED: its forward's
+    # reduce-scatter and its backward's all-gather, no sync())
+    step_of = M.train_step if name == "fully-sharded" else _train_step
+    for step in range(2):
         b = M.batch(len(tables), seed=step + 10 * rank, device=dev)
-        outs.append((_train_step(gpu, b), _train_step(eager, b)))
+        outs.append((step_of(gpu, b), step_of(eager, b)))
     res["out_close"] = [torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in outs]
     res["after"] = _close(_state(gpu), _state(eager))
     res["replicas"] = [t.cpu() for t in _shard_views(gpu)]
