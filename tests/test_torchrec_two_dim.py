@@ -333,15 +333,17 @@ def test_what_two_dim_needs_is_checked_before_building():
     assert out["meta"]
 
 
-def worker_planned(rank, world_size):
+def worker_planned(rank, world_size, strategy):
     from torchrec import EmbeddingBagCollection
+    from torchrec.distributed.types import ShardingStrategy
 
     import metamat
     from metamat.emulation import emulated_cuda
 
     _, _, _, tables = M.build("ebc", LAYOUT, GROUP)
     module = EmbeddingBagCollection(tables=tables, device="meta")
-    model = metamat.shard_on_meta(module, compute_device="cuda", sharding_group_size=GROUP)
+    model = metamat.shard_on_meta(module, compute_device="cuda", sharding_group_size=GROUP,
+                                  sharding_strategy=ShardingStrategy[strategy])
     with emulated_cuda():
         metamat.materialize(model, seed=SEED)
     ref = EmbeddingBagCollection(tables=tables, device="meta")
@@ -349,12 +351,16 @@ def worker_planned(rank, world_size):
     plan = model.plan.plan[""]
     return dict(two_dim=_state(model), ref=M.local_blocks(ref.state_dict()),
                 kernels=sorted({ps.compute_kernel for ps in plan.values()}),
-                ranks=sorted({int(r) for ps in plan.values() for r in ps.ranks or []}))
+                ranks=sorted({int(r) for ps in plan.values() for r in ps.ranks or []}),
+                wrappers=sorted({type(w).__name__ for w in M.wrappers(model)}))
 
 
 @pytest.mark.multiprocess
-def test_without_a_plan_torchrecs_planner_plans_one_sharding_group():
-    ranks = run_dist(worker_planned, WORLD)
+@pytest.mark.parametrize("strategy", ["DEFAULT", "FULLY_SHARDED"])
+def test_without_a_plan_torchrecs_planner_plans_one_sharding_group(strategy):
+    ranks = run_dist(worker_planned, WORLD, strategy)
+    fully = "ShardedBatchedFusedEmbeddingBag" in ranks[0]["wrappers"]
+    assert fully == (strategy == "FULLY_SHARDED"), ranks[0]["wrappers"]
     for g, group in enumerate(_groups(ranks)):
         # the plan DMPCollection kept: the group's own global ranks, GPU kernels
         assert all(r["ranks"] == sorted(q for q in range(WORLD) if _group_of(q) == g)
