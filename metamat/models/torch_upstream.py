@@ -167,7 +167,7 @@ DECLARED: Tuple[Private, ...] = (
     _t("torch.utils._device", "_device_constructors", "function", "MetaFactories fills "
        "torch's cache of factories before replacing them", "factories"),
     _t("torch.cuda", "Stream", "class", "two_dim: a FULLY_SHARDED kernel's stream for a meta "
-       "table is made on the compute device", "factories", patched=True),
+       "table is a placeholder until registration", "factories", patched=True),
     _t("torch._C", "_dispatch_has_kernel_for_dispatch_key", "function", "an existing Meta "
        "kernel of fbgemm::lxu_cache_flush is left alone", "dispatch"),
     # -- the Hugging Face init trace (hf/init_trace.py) ---------------------------------------

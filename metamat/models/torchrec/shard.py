@@ -109,8 +109,8 @@ def _default_plan(module: nn.Module, env: Any, sharders: Optional[List[Any]],
                   compute_device: str, group: Optional[Tuple[int, int]] = None):
     """TorchRec's planner, as ``DistributedModelParallel(module)`` without a plan runs it, but
     for the device the tables will be materialized on (its ``Topology`` refuses "meta");
-    ``group``: (ranks, ranks a node) of the one sharding group a 2D plan is for, planned
-    collectively over the whole world all the same (every rank gets the same plan)."""
+    ``group``: (ranks, ranks a node) of the one sharding group a 2D plan is for. Rank 0 of
+    the env's process group plans, every rank gets its plan."""
     from torchrec.distributed.comm import get_local_size
     from torchrec.distributed.model_parallel import get_default_sharders
     from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology

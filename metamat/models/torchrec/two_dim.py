@@ -88,7 +88,7 @@ def dmp_collection_on_meta(rank_devices: Dict[int, torch.device], cpu_mesh_only:
     ``rank_devices`` receives each global rank's CUDA device as the remapped plan placed it;
     ``cpu_mesh_only``: the process group has no NCCL backend (the emulated GPU's gloo ranks),
     so the 2D mesh is built for the CPU; ``fully_sharded``: the FULLY_SHARDED strategy, whose
-    kernels get their stream on ``compute_device``."""
+    kernels hold a :class:`NoStream` naming ``compute_device`` until registration."""
     from torch.distributed.device_mesh import DeviceMesh
     from torchrec.distributed.model_parallel import DistributedModelParallel
 

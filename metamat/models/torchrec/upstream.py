@@ -69,10 +69,10 @@ SHARDS_WRAPPER = "torchrec.distributed.shards_wrapper.LocalShardsWrapper"
 POOLED_LOOKUP = "torchrec.distributed.embedding_lookup.GroupedPooledEmbeddingsLookup"
 SEQ_LOOKUP = "torchrec.distributed.embedding_lookup.GroupedEmbeddingsLookup"
 BASE_BAG = f"{BEK}.BaseBatchedEmbeddingBag"
+BASE_EMB = f"{BEK}.BaseBatchedEmbedding"
 #: the fused kernel wrappers of DMPCollection's FULLY_SHARDED strategy (subclasses of the
 #: fused ones, same storage)
 FULLY_SHARDED_KERNELS = ("ShardedBatchedFusedEmbeddingBag", "ShardedBatchedFusedEmbedding")
-BASE_EMB = f"{BEK}.BaseBatchedEmbedding"
 TWRW_MODULE = "torchrec.distributed.sharding.twrw_sharding"
 GRID_MODULE = "torchrec.distributed.sharding.grid_sharding"
 TWRW = f"{TWRW_MODULE}.BaseTwRwEmbeddingSharding"
