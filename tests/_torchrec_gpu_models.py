@@ -60,7 +60,7 @@ def fused_params(optimizer: str = "EXACT_ROWWISE_ADAGRAD", **extra) -> dict:
 def build(kind: str, layout: Layout, world_size: int, *, data_type: Optional[str] = None,
           optimizer: str = "EXACT_ROWWISE_ADAGRAD", device_type: str = "cuda",
           extra: Optional[dict] = None, device=torch.device("meta")):
-    """(module, sharder, ShardingPlan, tables) for ``kind`` in ebc, ec, fpebc, dlrm; the
+    """(module, sharder, ShardingPlan, tables) for ``kind`` in ebc, ec, pec, fpebc, dlrm; the
     plan names ``device_type`` placements and each table's kernel from ``layout`` (one host:
     table-row-wise and grid tables are split over every rank)."""
     from torchrec import (EmbeddingBagCollection, EmbeddingBagConfig, EmbeddingCollection,
@@ -75,11 +75,17 @@ def build(kind: str, layout: Layout, world_size: int, *, data_type: Optional[str
     names = sorted(layout)
     fp = fused_params(optimizer, **(extra or {}))
     path = ""
-    if kind == "ec":
+    if kind in ("ec", "pec"):
         tables = [EmbeddingConfig(name=n, embedding_dim=8, num_embeddings=rows_of(i),
                                   feature_names=[f"f{i}"], **dt) for i, n in enumerate(names)]
         module = plan_module = EmbeddingCollection(tables=tables, device=device)
         sharder = EmbeddingCollectionSharder(fused_params=fp)
+        if kind == "pec":  # prioritized embedding communication: row-wise tables only
+            from torchrec.distributed.pec_embedding import PECEmbeddingCollectionSharder
+            from torchrec.modules.pec_embedding_modules import PECEmbeddingCollection
+
+            module = plan_module = PECEmbeddingCollection(module)
+            sharder = PECEmbeddingCollectionSharder(sharder)
     else:
         tables = [EmbeddingBagConfig(name=n, embedding_dim=16 if kind == "dlrm" else dim_of(i),
                                      num_embeddings=rows_of(i),

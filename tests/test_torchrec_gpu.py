@@ -40,8 +40,9 @@ CASES = {
     "mixed": (M.MIXED, {}),
     "ec-mixed": (M.MIXED_EC, {}),
     "ec-dense": (M.DENSE_EC, {}),  # fbgemm's CUDA dense TBE does sequence lookups
+    "pec": ({"t0": ("rw", "fused"), "t1": ("rw", "fused_uvm_caching")}, {}),  # row-wise only
 }
-KIND = {"ec-mixed": "ec", "ec-dense": "ec"}  # the rest are EmbeddingBagCollections
+KIND = {"ec-mixed": "ec", "ec-dense": "ec", "pec": "pec"}  # the rest: EmbeddingBagCollections
 
 
 def _extra(extra):
@@ -140,6 +141,8 @@ def worker_train(rank, world_size, case, tmp, via="shard_on_meta"):
 
 @pytest.mark.parametrize("case,via", [(c, "shard_on_meta") for c in CASES] + [("mixed", "dmp")])
 def test_materialize_train_and_load_like_eager_torchrec(case, via, tmp_path):
+    if KIND.get(case) == "pec":
+        pytest.importorskip("torchrec.modules.pec_embedding_modules")  # torchrec >= 1.8
     r = run_dist(worker_train, 1, case, str(tmp_path), via, backend="nccl")[0]
     layout, extra = CASES[case]
     assert r["device"].startswith("cuda:"), r["device"]

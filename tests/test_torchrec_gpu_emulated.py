@@ -78,6 +78,8 @@ CASES = {
     "ebc-mixed-world2": ("ebc", M.MIXED, {}, 2),
     "ec-world2": ("ec", M.MIXED_EC, {}, 2),
     "ec-dense-world2": ("ec", M.DENSE_EC, {}, 2),
+    "pec-world2": ("pec", {"t0": ("rw", "fused"), "t1": ("rw", "fused_uvm"),
+                           "t2": ("rw", "fused_uvm_caching")}, {}, 2),
     "fpebc-world2": ("fpebc", {"t0": ("rw", "fused_uvm_caching"), "t1": ("tw", "fused"),
                                "t2": ("cw", "fused_uvm")}, {}, 2),
     "dlrm-world1": ("dlrm", {"t0": ("tw", "fused"), "t1": ("rw", "fused_uvm_caching"),
@@ -117,6 +119,8 @@ def _opts(opts):
 @pytest.mark.parametrize("case", list(CASES))
 def test_init_equals_cpu_materialize_and_fbgemm(case, tmp_path):
     kind, layout, opts, world = CASES[case]
+    if kind == "pec":
+        pytest.importorskip("torchrec.modules.pec_embedding_modules")  # torchrec >= 1.8
     ranks = run_dist(worker_init, world, kind, layout, _opts(opts), str(tmp_path))
     gpu, cpu = [r["gpu"] for r in ranks], [r["cpu"] for r in ranks]
     # every table, dense parameter and optimizer state: the CPU materialize's bits

@@ -31,7 +31,8 @@ from .fastbuild import linear_table_optimizers
 from .fastnames import indexed_table_names
 from .fastranks import indexed_group_ranks
 from .host_kernels import host_dense_kernels
-from .mc_sharding import mc_sharding_on_meta, refuse_unsupported_kinds
+from .mc_sharding import mc_sharding_on_meta
+from .module_kinds import refuse_unsupported_modules, refuse_unsupported_plan
 from .meta_plan import plan_to_meta
 from .two_dim import build_dmp_collection, check_group_plan, check_two_dim, node_size
 from .meta_factories import MetaFactories
@@ -236,8 +237,10 @@ def shard_on_meta(
     Raises:
         metamat.UnsupportedError: unsupported torchrec/fbgemm version; with a CUDA
             compute device, a table whose compute kernel is not fused / fused_uvm /
-            fused_uvm_caching; a managed-collision module other than MCH; with
-            ``sharding_group_size``: what 2D parallelism on meta refuses (docs/TORCHREC_GPU.md).
+            fused_uvm_caching; a managed-collision module other than MCH and HashZch; a
+            TorchRec module type it cannot build (EmbeddingTower[Collection], ITEP
+            collections, tensor pools) or a FusedEmbeddingBagCollection's data-parallel
+            table (:mod:`.module_kinds`); with ``sharding_group_size``: what 2D parallelism on meta refuses (docs/TORCHREC_GPU.md).
         ValueError: ``dmp_kwargs`` names an argument fixed here; with
             ``sharding_group_size``: no CUDA compute device, a group size that does
             not divide the world size, a plan for more ranks than one group, or (with
@@ -246,7 +249,7 @@ def shard_on_meta(
     from . import upstream
 
     upstream.require("train")  # the supported versions, every TorchRec/fbgemm name used
-    refuse_unsupported_kinds(module)
+    refuse_unsupported_modules(module)
     from torchrec.distributed.model_parallel import DistributedModelParallel
     from torchrec.distributed.types import ShardingEnv
 
@@ -277,6 +280,7 @@ def shard_on_meta(
             compute_device = "cuda" if torch.cuda.is_available() else "cpu"
         # plan on the module as built (meta tables are fine: only shapes are read)
         plan = _default_plan(module, env, sharders, torch.device(compute_device).type)
+    refuse_unsupported_plan(module, plan)
     if cuda_layout:
         from .cuda_kernels import check_cuda_plan
 

@@ -59,21 +59,38 @@ def sharded_modules(root: nn.Module) -> List[Tuple[str, nn.Module]]:
 
 
 def _is_container(m: nn.Module) -> bool:
-    """A sharded module whose tables are a ShardedEmbeddingBagCollection child (found on its
-    own by ``named_modules``) and whose other state is ordinary modules and tensors: TorchRec's
-    ShardedFeatureProcessedEmbeddingBagCollection (position-weighted features); or a sharded
-    managed-collision collection, its parts found on their own (``managed_collision``; the
-    quantized one's by the quantized adapter, ``quant_mc``)."""
+    """A sharded module whose tables are a ShardedEmbedding[Bag]Collection child (found on its
+    own by ``named_modules``) and whose other state is ordinary modules and tensors:
+
+    * TorchRec's ShardedFeatureProcessedEmbeddingBagCollection (position-weighted features);
+    * its ShardedPECEmbeddingCollection (prioritized embedding communication): besides the
+      tables, per-sharding overlap handlers whose only tensors are a scratch mask, zeroed
+      before each use, and a lazily built offset tensor (the graph walk swaps both and
+      their device attribute);
+    * a sharded managed-collision collection, its parts found on their own
+      (``managed_collision``; the quantized one's by the quantized adapter, ``quant_mc``).
+    """
     from .mc_sharding import is_mc_collection, is_mc_container, is_quant_mc_collection
 
     if is_mc_container(m) or is_mc_collection(m) or is_quant_mc_collection(m):
         return True
+    return isinstance(m, _plain_containers())
+
+
+def _plain_containers() -> tuple:
+    out = []
     try:
         from torchrec.distributed.fp_embeddingbag import (
-            ShardedFeatureProcessedEmbeddingBagCollection as FP)
+            ShardedFeatureProcessedEmbeddingBagCollection)
+        out.append(ShardedFeatureProcessedEmbeddingBagCollection)
     except ImportError:  # a TorchRec without feature processors
-        return False
-    return isinstance(m, FP)
+        pass
+    try:
+        from torchrec.distributed.pec_embedding import ShardedPECEmbeddingCollection
+        out.append(ShardedPECEmbeddingCollection)
+    except ImportError:  # torchrec < 1.8
+        pass
+    return tuple(out)
 
 
 def _tensors_of(m: nn.Module) -> List[torch.Tensor]:
