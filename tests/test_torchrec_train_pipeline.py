@@ -1,8 +1,9 @@
-"""Training with TorchRec's own pipeline after ``materialize``: ``TrainPipelineSparseDist``
+"""Training as TorchRec users do, after ``materialize``: ``TrainPipelineSparseDist``
 (which traces the model and moves each sharded module's input distribution ahead of the
 forward) over a DLRM sharded on meta, with the fused table optimizer and a dense optimizer
 combined as TorchRec's examples do, gives the losses and the trained state of an eager
-TorchRec DMP holding the same values (2 gloo ranks; one GPU in the ``cuda`` test)."""
+TorchRec DMP holding the same values (2 gloo ranks; one GPU in the ``cuda`` test). The
+same for a table optimizer chosen with ``_apply_optimizer_in_backward`` on the meta module."""
 from __future__ import annotations
 
 import pytest
@@ -109,3 +110,53 @@ def test_train_pipeline_on_gpu_equals_eager():
     """The same on one GPU: fbgemm's CUDA layout, TorchRec's pipeline with its CUDA streams
     (input copies and input distribution overlapped with the previous step)."""
     _check(run_dist(worker, 1, "cuda", backend="nccl"), exact=False)
+
+
+def worker_in_backward(rank, world_size):
+    """The table optimizer chosen with torch's ``_apply_optimizer_in_backward`` on the
+    unsharded module (TorchRec's examples' way; the sharder fuses it), on meta and eager."""
+    import torch.distributed as dist
+    from torch.distributed.optim import _apply_optimizer_in_backward
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.types import ShardingEnv
+    from torchrec.optim import RowWiseAdagrad
+
+    import metamat
+
+    layout = {"t0": ("tw", "fused"), "t1": ("rw", "fused"), "t2": ("cw", "fused")}
+    models = []
+    for device in ("meta", "cpu"):
+        module, _, plan, tables = M.build("ebc", layout, world_size, device_type="cpu",
+                                          device=torch.device(device))
+        _apply_optimizer_in_backward(RowWiseAdagrad, module.parameters(), {"lr": 0.05})
+        sharder = EmbeddingBagCollectionSharder()
+        if device == "meta":
+            model = metamat.shard_on_meta(module, plan=plan, sharders=[sharder])
+            metamat.materialize(model, seed=2)
+        else:
+            model = DistributedModelParallel(
+                module, ShardingEnv.from_process_group(dist.group.WORLD),
+                device=torch.device("cpu"), plan=plan, sharders=[sharder])
+            model.load_state_dict(models[0].state_dict())
+        models.append(model)
+    res = {"init": [M.optimizer_blocks(m) for m in models]}
+    for step in range(2):
+        b = M.batch(len(layout), seed=10 * step + rank)
+        res[f"out{step}"] = [M.backward(m, b).detach() for m in models]
+    res["after"] = [dict(M.local_blocks(m.state_dict()), **M.optimizer_blocks(m))
+                    for m in models]
+    return res
+
+
+@pytest.mark.multiprocess
+def test_optimizer_in_backward_on_meta_trains_like_eager():
+    ranks = run_dist(worker_in_backward, 2)
+    # row-wise Adagrad's state: TorchRec's initial value, then the same training
+    M.assert_same([r["init"][0] for r in ranks], [r["init"][1] for r in ranks], "init state")
+    assert any(k.startswith("state.") for r in ranks for k in r["init"][0])
+    for r in ranks:
+        for step in range(2):
+            ours, eager = r[f"out{step}"]
+            assert torch.equal(M.bits(ours), M.bits(eager))
+    M.assert_same([r["after"][0] for r in ranks], [r["after"][1] for r in ranks], "trained")
