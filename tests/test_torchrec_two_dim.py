@@ -189,9 +189,13 @@ def _groups(ranks: list, inter_host: bool = False) -> list:
 @pytest.mark.parametrize("kind,layout,inter_host", [
     ("ebc", LAYOUT, False), ("ec", M.MIXED_EC, False),
     ("dlrm", {"t0": ("rw", "fused"), "t1": ("tw", "fused"), "t2": ("dp", "dense")}, False),
-    ("ebc", LAYOUT, True)], ids=["ebc", "ec", "dlrm", "ebc-inter-host"])
+    ("ebc", LAYOUT, True),
+    ("pec", {"t0": ("rw", "fused"), "t1": ("rw", "fused_uvm"), "t2": ("rw", "fused_uvm_caching")},
+     False)], ids=["ebc", "ec", "dlrm", "ebc-inter-host", "pec"])
 def test_every_replica_gets_the_plain_models_values_and_sync_reduces_them(kind, layout,
                                                                         inter_host, tmp_path):
+    if kind == "pec":
+        pytest.importorskip("torchrec.modules.pec_embedding_modules")  # torchrec >= 1.8
     ranks = run_dist(worker_init, WORLD, kind, layout, str(tmp_path), inter_host)
     assert all(r["kind"] == "DMPCollection" for r in ranks)
     assert all(r["device"] == "cuda (emulated on the CPU)" for r in ranks)
