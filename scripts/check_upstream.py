@@ -142,6 +142,7 @@ def build_quant(seen):
             seen.add(m)
             seen.update(tr.quant_tbes(m))
     seen.update(_quant_managed_collision())
+    seen.update(_quant_feature_processed())
     try:
         from torchrec.distributed.embedding_types import EmbeddingComputeKernel
         from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
@@ -231,6 +232,37 @@ def _managed_collision(env):
 
     mc_targets(mc_collections(dmp.module), False, set())  # the adapter's checks
     return _objects(dmp) + [module._managed_collision_collection]
+
+
+def _quant_feature_processed():
+    """A quantized feature-processed EBC, converted on meta as TorchRec does, and its
+    inference sharding (table-wise, on meta)."""
+    from metamat.models.torchrec.quant import quant_feature_processors, quant_modules
+    from torchrec import EmbeddingBagCollection
+    from torchrec.distributed.planner import EmbeddingShardingPlanner, Topology
+    from torchrec.distributed.test_utils.infer_utils import (TestQuantFPEBCSharder,
+                                                              quantize_fpebc)
+    from torchrec.inference.modules import shard_quant_model
+    from torchrec.modules.feature_processor_ import PositionWeightedModuleCollection
+    from torchrec.modules.fp_embedding_modules import FeatureProcessedEmbeddingBagCollection
+
+    tables = _tables(2)
+    fp = FeatureProcessedEmbeddingBagCollection(
+        EmbeddingBagCollection(tables=tables, is_weighted=True, device="meta"),
+        PositionWeightedModuleCollection(
+            max_feature_lengths={f: 3 for t in tables for f in t.feature_names},
+            device=torch.device("meta")))
+    q = quantize_fpebc(nn.ModuleDict({"coll": fp}), inplace=False, weight_dtype=torch.qint8)
+    mods = quant_modules(q)  # before shard_quant_model replaces its collection
+    sharder = TestQuantFPEBCSharder(sharding_type="table_wise", kernel_type="quant",
+                                    shardable_params=[t.name for t in tables])
+    plan = EmbeddingShardingPlanner(topology=Topology(world_size=1, compute_device="cpu"),
+                                    batch_size=1).plan(q, [sharder])
+    sq, _ = shard_quant_model(q, world_size=1, compute_device="cpu", sharding_device="meta",
+                              sharders=[sharder], sharding_plan=plan)
+    mods += quant_modules(sq)
+    quant_feature_processors(mods)  # the declared attribute reads
+    return [m for _, m in mods]
 
 
 def _quant_managed_collision():

@@ -11,7 +11,7 @@ hooks of each stage: match, decide, bind, fill, register). The orchestration is
 from __future__ import annotations
 
 import sys
-from typing import Dict, List, Mapping, Sequence, Set
+from typing import Dict, List, Mapping, Sequence, Set, Tuple
 
 import torch
 from torch import nn
@@ -36,8 +36,10 @@ class ModulesPart(Adapter):
     kind = "modules"
 
     def __init__(self, root: nn.Module, *, skip: Sequence[str], loading: bool,
-                 aliases: bool, keep: Sequence[str] = ()) -> None:
+                 aliases: bool, keep: Sequence[str] = (),
+                 renames: Sequence[Tuple[str, str]] = ()) -> None:
         self.root = root
+        self.renames = renames  # (prefix, another name's prefix): a checkpoint may use either
         self.entries: List[Entry] = find_entries(root, skip, keep)
         self.targets: List[Target] = targets_of(self.entries, loading)
         if loading and "torchrec" in sys.modules:  # MC state is checked after the read
@@ -61,8 +63,16 @@ class ModulesPart(Adapter):
         return claimed_storages(self.entries)
 
     def names(self) -> Dict[str, List[str]]:
-        """Every persistent tensor's canonical name -> all its names (tied aliases)."""
-        return {e.fqn: e.names for e in self.entries if e.persistent}
+        """Every persistent tensor's canonical name -> all its names (tied aliases, then the
+        names ``renames`` gives them)."""
+        out = {e.fqn: e.names for e in self.entries if e.persistent}
+        if self.renames:
+            for fqn, names in out.items():
+                extra = [alt + n[len(p):] for n in names for p, alt in self.renames
+                         if n.startswith(p)]
+                if extra:
+                    out[fqn] = list(names) + extra
+        return out
 
     def nd_shapes(self) -> Dict[str, tuple]:
         """fqn -> global shape of the tensors above 2-D (planned as 2-D views)."""
@@ -197,12 +207,13 @@ def find_parts(model: nn.Module, device: torch.device, init: Mapping, *, loading
         # managed-collision state is the TorchRec adapter's (row-wise sharded buffers)
         mcs = mc_collections(root_of(model)) if sharded else []
         skip = [n for n, _ in sharded] + [n for n, _ in quant] + [n for n, _ in mcs]
-        from .torchrec.quant import quant_mc_collections
+        from .torchrec.quant import ordinary_children, training_names
 
-        # the MC collections of quantized MC collections are ordinary (unsharded) modules
-        keep = [n for n, _ in quant_mc_collections(quant)]
+        # the MC collections of quantized MC collections, the feature processors of quantized
+        # feature-processed ones: ordinary (unsharded) modules
+        keep = [n for n, _ in ordinary_children(quant)]
         modules = ModulesPart(root_of(model) if skip else model, skip=skip, loading=loading,
-                              aliases=not sharded, keep=keep)
+                              aliases=not sharded, keep=keep, renames=training_names(quant))
         parts: List[Adapter] = []
         if sharded:
             parts.append(TorchRecPart(model, device, init, claimed=modules.claimed(),

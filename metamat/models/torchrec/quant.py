@@ -28,7 +28,8 @@ from ...errors import UnsupportedError
 from ...load.quantize import KINDS, padded_row_bytes, unpadded_row_bytes
 
 __all__ = ["QuantTable", "QuantTBE", "quant_modules", "refreshable", "is_quantized", "find_tbes",
-           "quant_classes", "weights_of", "has_meta_tables", "quant_mc_collections"]
+           "quant_classes", "weights_of", "has_meta_tables", "quant_mc_collections",
+           "quant_feature_processors", "training_names", "ordinary_children"]
 
 @dataclasses.dataclass
 class QuantTable:
@@ -95,17 +96,17 @@ def quant_classes():
     return QEBC, QEC, ShardedQuantEmbeddingBagCollection, ShardedQuantEmbeddingCollection
 
 
-def _unsupported_classes() -> tuple:
-    out = []
+def _fp_classes() -> tuple:
+    """TorchRec's quantized FeatureProcessedEmbeddingBagCollection and its inference-sharded
+    form (subclasses of the quantized EBC and its sharding), or () in a TorchRec without
+    them."""
     try:
-        from torchrec.quant.embedding_modules import FeatureProcessedEmbeddingBagCollection
-        out.append(FeatureProcessedEmbeddingBagCollection)
         from torchrec.distributed.quant_embeddingbag import (
             ShardedQuantFeatureProcessedEmbeddingBagCollection)
-        out.append(ShardedQuantFeatureProcessedEmbeddingBagCollection)
+        from torchrec.quant.embedding_modules import FeatureProcessedEmbeddingBagCollection
     except ImportError:  # pragma: no cover - other torchrec versions
-        pass
-    return tuple(out)
+        return ()
+    return FeatureProcessedEmbeddingBagCollection, ShardedQuantFeatureProcessedEmbeddingBagCollection
 
 
 def _tbe_of_module(m: nn.Module) -> List[Any]:
@@ -116,7 +117,7 @@ def _tbe_of_module(m: nn.Module) -> List[Any]:
 
 def is_quantized(m: nn.Module) -> bool:
     """True for TorchRec's quantized collections, sharded or not (this adapter's modules)."""
-    return isinstance(m, quant_classes() + _unsupported_classes())
+    return isinstance(m, quant_classes())
 
 
 def quant_mc_collections(quant: List[Tuple[str, nn.Module]]) -> List[Tuple[str, nn.Module]]:
@@ -141,6 +142,48 @@ def quant_mc_collections(quant: List[Tuple[str, nn.Module]]) -> List[Tuple[str, 
             for name, m in quant if isinstance(m, kinds)]
 
 
+def quant_feature_processors(quant: List[Tuple[str, nn.Module]]
+                             ) -> List[Tuple[str, nn.Module, List[str]]]:
+    """(name, feature processor, its training names) of the quantized feature-processed
+    collections among ``quant``: their position weights are ordinary float parameters, for the
+    modules adapter. Training names: the float ``FeatureProcessedEmbeddingBagCollection``
+    keeps them in ``_feature_processors``; inference sharding holds one copy a rank
+    (``feature_processors_per_rank.<i>``), each loaded from the same tensors."""
+    from . import upstream
+
+    unsharded, sharded = _fp_classes() or (None, None)
+    out = []
+    for name, m in quant:
+        head = f"{name}." if name else ""
+        if sharded is not None and isinstance(m, sharded):
+            per_rank = upstream.BOUNDARY.check_instance(m).feature_processors_per_rank
+            out.append((f"{head}feature_processors_per_rank", per_rank,
+                        [f"{head}feature_processors_per_rank.{i}." for i in
+                         range(len(per_rank))]))
+        elif unsharded is not None and isinstance(m, unsharded):
+            out.append((f"{head}feature_processor",
+                        upstream.BOUNDARY.check_instance(m).feature_processor,
+                        [f"{head}feature_processor."]))
+    return out
+
+
+def training_names(quant: List[Tuple[str, nn.Module]]) -> List[Tuple[str, str]]:
+    """(prefix of a quantized module's own name, the float training module's prefix for it):
+    the position weights of feature-processed collections (``_feature_processors``)."""
+    out = []
+    for name, _, prefixes in quant_feature_processors(quant):
+        head = name.rsplit(".", 1)[0] + "." if "." in name else ""
+        out += [(p, f"{head}_feature_processors.") for p in prefixes]
+    return out
+
+
+def ordinary_children(quant: List[Tuple[str, nn.Module]]) -> List[Tuple[str, nn.Module]]:
+    """(name, module) of the ordinary modules inside quantized collections, which the modules
+    adapter takes: managed-collision collections, feature processors."""
+    return quant_mc_collections(quant) + [(n, m) for n, m, _ in
+                                          quant_feature_processors(quant)]
+
+
 def has_meta_tables(m: nn.Module) -> bool:
     """Whether a quantized collection's tables are on meta (else real: a live model)."""
     return any(weights_of(t).is_meta for t in _tbe_of_module(m))
@@ -149,12 +192,7 @@ def has_meta_tables(m: nn.Module) -> bool:
 def quant_modules(root: nn.Module, live: bool = False) -> List[Tuple[str, nn.Module]]:
     """(name, module) of every quantized TorchRec module of ``root`` whose tables are on meta,
     and with ``live`` (a checkpoint to load) those whose tables are real too ([] when torchrec
-    was never imported: a model without it holds none).
-
-    Raises:
-        UnsupportedError: a quantized module metamat does not handle (feature-processed
-            collections) holds meta tensors.
-    """
+    was never imported: a model without it holds none)."""
     import sys
 
     if "torchrec" not in sys.modules:
@@ -162,15 +200,8 @@ def quant_modules(root: nn.Module, live: bool = False) -> List[Tuple[str, nn.Mod
     from ..modules import named_modules_pruned
 
     kinds = quant_classes()
-    unsupported = _unsupported_classes()
     out = []
     for name, m in named_modules_pruned(root, lambda _n, m: isinstance(m, kinds)):
-        if isinstance(m, unsupported):
-            if any(t.is_meta for t in m.buffers()):
-                raise UnsupportedError(
-                    f"{name or '<root>'}: {type(m).__name__} (feature-processed quantized "
-                    "collection) is not supported by metamat's quantized loading yet")
-            continue
         if isinstance(m, kinds):
             from . import upstream
 

@@ -175,18 +175,19 @@ class QuantPart(Adapter):
 
     def _check_meta(self) -> None:
         replaced = self._replaced()
-        from .quant import quant_mc_collections
+        from .quant import ordinary_children
 
-        # quantized MC collections: their parameters and buffers are the modules adapter's
-        # (checked: none left unowned), placeholders in plain attributes are left as TorchRec
-        # leaves them (MCH's _evicted_emb_indices, replaced at an eviction)
-        mccs = [mcc for _, mcc in quant_mc_collections(self.modules)]
+        # ordinary modules inside quantized collections (MC collections, feature processors):
+        # their parameters and buffers are the modules adapter's (checked: none left
+        # unowned), placeholders in plain attributes are left as TorchRec leaves them (MCH's
+        # _evicted_emb_indices, replaced at an eviction)
+        mccs = [mcc for _, mcc in ordinary_children(self.modules)]
         for mcc in mccs:
             for t in [*mcc.parameters(), *mcc.buffers()]:
                 if t.is_meta and storage_key(t) not in self.others:
                     raise UnsupportedError(
-                        f"meta tensor {self.graph.path(t)} of a quantized managed-collision "
-                        "collection: no adapter took it")
+                        f"meta tensor {self.graph.path(t)} of a quantized collection's "
+                        f"{type(mcc).__name__}: no adapter took it")
         theirs = {storage_key(t) for t in scan(*mccs).meta_tensors()} if mccs else set()
         # each rank's MC modules: their tensors are targets; MCH's placeholder is replaced
         # once real (finish_mc_modules); any other meta tensor of theirs is refused below
@@ -203,18 +204,21 @@ class QuantPart(Adapter):
         return set(self.keys) | self.mc_keys
 
     def names(self) -> Dict[str, List[str]]:
-        """Every table weight's name (what a float or a quantized checkpoint holds). A
-        quantized managed-collision collection's tables also go by their training name (the
-        float MC collection keeps them in its ``_embedding_module``)."""
-        from .quant import quant_mc_collections
+        """Every table weight's name (what a float or a quantized checkpoint holds). The
+        tables of a quantized managed-collision collection, or feature-processed one, also go
+        by their training name (the float modules keep them in their ``_embedding_module``,
+        ``_embedding_bag_collection``)."""
+        from .quant import quant_feature_processors, quant_mc_collections
 
-        heads = [n[:-len("_managed_collision_collection")]
+        heads = [(n[:-len("_managed_collision_collection")], "_embedding_module.")
                  for n, _ in quant_mc_collections(self.modules)]
+        heads += [(n.rsplit(".", 1)[0] + "." if "." in n else "", "_embedding_bag_collection.")
+                  for n, _, _ in quant_feature_processors(self.modules)]
         out = {}
         for t in self.tables:
-            head = next((h for h in heads if t.fqn.startswith(h)), None)
+            head, inner = next(((h, i) for h, i in heads if t.fqn.startswith(h)), (None, ""))
             out[t.fqn] = [t.fqn] if head is None else [
-                t.fqn, f"{head}_embedding_module.{t.fqn[len(head):]}"]
+                t.fqn, f"{head}{inner}{t.fqn[len(head):]}"]
         out.update({tg.fqn: [tg.fqn] for _, _, tg in self.rank_state if tg.persistent})
         return out
 

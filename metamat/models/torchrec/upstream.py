@@ -95,6 +95,9 @@ SQMCC = "torchrec.distributed.mc_modules.ShardedQuantManagedCollisionCollection"
 SQMCEBC = ("torchrec.distributed.quant_embeddingbag."
            "ShardedQuantManagedCollisionEmbeddingBagCollection")
 SQMCEC = "torchrec.distributed.quant_embedding.ShardedQuantManagedCollisionEmbeddingCollection"
+QFPEBC = "torchrec.quant.embedding_modules.FeatureProcessedEmbeddingBagCollection"
+SQFPEBC = ("torchrec.distributed.quant_embeddingbag."
+           "ShardedQuantFeatureProcessedEmbeddingBagCollection")
 MCC = "torchrec.modules.mc_modules.ManagedCollisionCollection"
 MCH = "torchrec.modules.mc_modules.MCHManagedCollisionModule"
 HZCH = "torchrec.modules.hash_mc_modules.HashZchManagedCollisionModule"
@@ -285,6 +288,10 @@ DECLARED: Tuple[Private, ...] = (
       for cls in (QMCEBC, QMCEC, SQMCEBC, SQMCEC)],
     _tr(SQMCC, "_managed_collision_modules", "attr", "quant.quant_mc_collections: the global "
         "MC modules, the modules adapter's", "quant"),
+    _tr(QFPEBC, "feature_processor", "attr", "quant.quant_feature_processors: the position "
+        "weights, the modules adapter's", "quant"),
+    _tr(SQFPEBC, "feature_processors_per_rank", "attr", "quant.quant_feature_processors: "
+        "each rank's copy of the position weights, the modules adapter's", "quant"),
     *[_tr(SQMCC, n, "attr", "quant_mc.rank_mc_modules: each rank's MC modules and rows",
           "quant") for n in ("_managed_collision_modules_per_rank", "_shard_metadata_per_rank")],
     _tr(QEC, "_emb_modules", "attr", "its inference TBEs", "quant"),
