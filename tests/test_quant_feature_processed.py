@@ -4,7 +4,8 @@ tables), on meta, from a float training checkpoint: tables equal TorchRec's own 
 byte for byte, position weights loaded from the float module's ``_feature_processors`` (each
 rank's copy under inference sharding), outputs equal; the quantized model's own checkpoint
 reloads; without a checkpoint the tables get the quantized initial values of the float model
-and the position weights TorchRec's ones."""
+and the position weights TorchRec's ones. Into CUDA inference TBEs on the emulated device, and
+on a GPU (``cuda``) against TorchRec's conversion there."""
 from __future__ import annotations
 
 import copy
@@ -152,3 +153,49 @@ def test_inference_sharded(tmp_path, kind):
             assert torch.equal(w, f.coll._feature_processors.position_weights[name])
             assert copy_.position_weights_dict[name] is w  # TorchRec's alias, swapped too
     assert report.initialized == []
+
+
+def _tbes(model):
+    from _quant_models import tbes
+
+    return tbes(model)
+
+
+def test_emulated_device(tmp_path):
+    """Into CUDA inference TBEs on the emulated device: the tables in device memory hold the
+    CPU conversion's rows, the position weights the float model's."""
+    from metamat.emulation import emulated_cuda
+
+    tables = ebc_tables()
+    f = float_model(tables, seed=5)
+    path = save(f, str(tmp_path / "f.pt"))
+    q = quantize(FPModel(tables, "meta"), "int8", False)
+    with emulated_cuda():
+        report = metamat.materialize(q, path, device="cuda")
+    assert "emulated" in report.device and no_meta(q)
+    ref = quantize(f, "int8", False)
+    for x, y in zip(_tbes(ref), _tbes(q)):
+        assert y.weights_host.numel() == 0 and not y.use_cpu
+        assert torch.equal(x.weights_host, y.weights_dev)
+    for name, w in q.coll.feature_processor.position_weights.items():
+        assert torch.equal(w, f.coll._feature_processors.position_weights[name])
+
+
+@pytest.mark.cuda
+def test_cuda_inference_tbes(tmp_path):
+    """On a GPU: the state and the forward pass of TorchRec's conversion on the GPU."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    tables = ebc_tables()
+    f = float_model(tables, seed=7)
+    path = save(f, str(tmp_path / "f.pt"))
+    fc = FPModel(tables, dev)
+    fc.load_state_dict(f.state_dict())
+    ref = quantize(fc, "int8", True)
+    q = quantize(FPModel(tables, "meta"), "int8", True)
+    metamat.materialize(q, path, device="cuda")
+    assert no_meta(q)
+    assert_same_quant_state(ref, q, "cuda")
+    kjt = batch([t.feature_names[0] for t in tables],
+                [t.num_embeddings for t in tables]).to(dev)
+    with torch.no_grad():
+        assert torch.equal(ref.coll(kjt).values(), q.coll(kjt).values())
