@@ -106,7 +106,8 @@ def _fp_classes() -> tuple:
         from torchrec.quant.embedding_modules import FeatureProcessedEmbeddingBagCollection
     except ImportError:  # pragma: no cover - other torchrec versions
         return ()
-    return FeatureProcessedEmbeddingBagCollection, ShardedQuantFeatureProcessedEmbeddingBagCollection
+    return (FeatureProcessedEmbeddingBagCollection,
+            ShardedQuantFeatureProcessedEmbeddingBagCollection)
 
 
 def _tbe_of_module(m: nn.Module) -> List[Any]:
