@@ -21,6 +21,7 @@ __version__ = "0.3.0"
 __all__ = [
     "Dist", "Uniform", "Normal", "TruncatedNormal", "Constant", "Zeros",
     "fill_", "fill_many_", "materialize", "Report", "Merge", "shard_on_meta",
+    "shard_modules_on_meta",
     "init_empty_weights",
     "open_checkpoint", "CheckpointError", "UnexpectedTensorError", "ExtensionNotBuiltError",
     "UnsupportedError", "UnsupportedDTensorError", "MissingValueError", "PeerFailedError",
@@ -30,10 +31,10 @@ __all__ = [
 
 def __getattr__(name):
     # TorchRec is optional and slow to import: load it only when its API is asked for.
-    if name == "shard_on_meta":
-        from .models.torchrec import shard_on_meta
+    if name in ("shard_on_meta", "shard_modules_on_meta"):
+        from .models import torchrec
 
-        return shard_on_meta
+        return getattr(torchrec, name)
     if name == "release_staging_memory":
         from .load.staged import release_staging_memory
 

@@ -65,7 +65,10 @@ def _adopt_fsdp(e: Entry, alloc: Allocation) -> None:
     it recognises the same memory and copies nothing.
     """
     fp = e.fsdp
-    torch_upstream.fsdp_adopt(fp, alloc.view(torch_upstream.fsdp_padded_shard(fp)), e.new)
+    padded = torch_upstream.fsdp_padded_shard(fp)
+    # a TorchRec model's object-graph walk may have swapped it already (its twin on the new
+    # storage): FSDP's state is among the objects it visits
+    torch_upstream.fsdp_adopt(fp, alloc.view(padded) if padded.is_meta else padded, e.new)
     if fp.sharded_param is not e.new:  # pragma: no cover - FSDP internals changed
         raise RuntimeError(f"FSDP did not adopt the new parameter for {e.fqn!r}")
 

@@ -37,7 +37,8 @@ from .meta_plan import plan_to_meta
 from .two_dim import build_dmp_collection, check_group_plan, check_two_dim, node_size
 from .meta_factories import MetaFactories
 
-__all__ = ["shard_on_meta", "MetaDDP", "building_on_meta", "plan_to_meta", "this_ranks_gpu"]
+__all__ = ["shard_on_meta", "shard_modules_on_meta", "MetaDDP", "building_on_meta",
+           "plan_to_meta", "this_ranks_gpu"]
 
 _META = torch.device("meta")
 
@@ -198,6 +199,7 @@ def shard_on_meta(
     sharders: Optional[List[Any]] = None,
     compute_device: Optional[str] = None,
     sharding_group_size: Optional[int] = None,
+    _composable: bool = False,
     **dmp_kwargs: Any,
 ):
     """Shard ``module`` with TorchRec, keeping every table, optimizer state and dense
@@ -293,7 +295,12 @@ def shard_on_meta(
     try:
         _to_meta_inplace(module)
         with building_on_meta(compute_device if cuda_layout else None) as records:
-            if sharding_group_size is None:
+            if _composable:  # TorchRec's shard_modules: the module itself, no DMP around it
+                from torchrec.distributed.shard import shard_modules
+
+                dmp = shard_modules(module, env=env, device=_META, plan=plan,
+                                    sharders=sharders)
+            elif sharding_group_size is None:
                 dmp = DistributedModelParallel(
                     module,
                     env=env,
@@ -307,15 +314,41 @@ def shard_on_meta(
             else:
                 dmp = build_dmp_collection(module, env, compute_device, plan, sharders,
                                            sharding_group_size, rank_devices, dmp_kwargs)
-        upstream.check_dmp(dmp)  # the DMP internals relayout reads
+        if not _composable:
+            upstream.check_dmp(dmp)  # the DMP internals relayout reads
     except BaseException:
         for (m, attr), val in old_devices.items():
             m.__dict__[attr] = val
         raise
-    dmp._metamat_defer_ddp = True
+    if not _composable:  # DMP's dense DDP wrap: made by materialize (shard_modules has none)
+        dmp._metamat_defer_ddp = True
     if cuda_layout:
         # The layout is fbgemm's CUDA one: materialize must put it on a CUDA device.
         dmp._metamat_compute_device = compute_device
         dmp._metamat_cuda_tbes = records
         dmp._metamat_rank_devices = rank_devices
     return dmp
+
+
+def shard_modules_on_meta(
+    module: nn.Module,
+    env: Any = None,
+    plan: Any = None,
+    sharders: Optional[List[Any]] = None,
+    compute_device: Optional[str] = None,
+) -> nn.Module:
+    """TorchRec's composable sharding, ``torchrec.distributed.shard_modules``, on meta: the
+    embedding collections of ``module`` are replaced by their sharded forms in place, with
+    every table and optimizer state on meta, and nothing is wrapped around the module (the
+    dense part is the caller's: plain, DDP, or FSDP2's ``fully_shard``, also on meta).
+    ``metamat.materialize(module)`` then fills both.
+
+    Args:
+        module, env, plan, sharders, compute_device: as for :func:`shard_on_meta` (which
+            also says what is refused, before anything is built).
+
+    Returns:
+        ``module`` itself, its embedding collections sharded on meta.
+    """
+    return shard_on_meta(module, env=env, plan=plan, sharders=sharders,
+                         compute_device=compute_device, _composable=True)

@@ -1,0 +1,161 @@
+"""TorchRec's composable sharding (``torchrec.distributed.shard_modules``, no DMP around the
+model) on meta, beside a dense part sharded with FSDP2's ``fully_shard``: ``metamat.
+shard_modules_on_meta`` + ``materialize`` on 2 gloo ranks give the tables the values a DMP of
+the same tables gets and the dense layers those of the plain model, train like the same model
+sharded eagerly by TorchRec and FSDP2, and load a DCP checkpoint of it bit for bit. TorchRec's
+own ``shard_modules(device=meta)`` cannot build an EmbeddingCollection (its placements keep
+the plan's device while its tensors are on meta)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("torchrec")
+pytest.importorskip("fbgemm_gpu")
+
+import metamat  # noqa: E402
+
+import _torchrec_gpu_models as M  # noqa: E402
+from _dist import run_dist  # noqa: E402
+
+BAGS = {"t0": ("tw", "fused"), "t1": ("rw", "fused"), "t2": ("cw", "fused"),
+        "t3": ("dp", "dense")}
+SEQS = {"s0": ("rw", "fused"), "s1": ("tw", "fused")}
+POOLED = sum(M.dim_of(i) for i in range(len(BAGS)))
+SEED = 6
+
+
+class Net(nn.Module):
+    """Pooled tables, sequence tables and dense layers (the parts FSDP2 shards)."""
+
+    def __init__(self, device) -> None:
+        super().__init__()
+        self.sparse = M.build("ebc", BAGS, 2, device_type="cpu", device=device)[0]
+        self.seq = M.build("ec", SEQS, 2, device_type="cpu", device=device)[0]
+        self.dense = nn.Sequential(nn.Linear(4, 16, device=device), nn.ReLU(),
+                                   nn.Linear(16, 8, device=device))
+        self.over = nn.Linear(8 + POOLED, 1, device=device)
+
+    def forward(self, dense, bags, seqs):
+        pooled = M.forward(self.sparse, bags).reshape(dense.shape[0], -1)
+        seq = M.forward(self.seq, seqs)
+        return self.over(torch.cat([self.dense(dense), pooled], dim=1)).sum() + seq.sum()
+
+
+def _plan_and_sharders():
+    from torchrec.distributed.types import ShardingPlan
+
+    _, bag_sharder, bag_plan, _ = M.build("ebc", BAGS, 2, device_type="cpu")
+    _, seq_sharder, seq_plan, _ = M.build("ec", SEQS, 2, device_type="cpu")
+    plan = ShardingPlan({"sparse": bag_plan.plan[""], "seq": seq_plan.plan[""]})
+    return plan, [bag_sharder, seq_sharder]
+
+
+def _on_meta(mesh):
+    from torch.distributed.fsdp import fully_shard
+
+    plan, sharders = _plan_and_sharders()
+    net = metamat.shard_modules_on_meta(Net(torch.device("meta")), plan=plan,
+                                        sharders=sharders)
+    fully_shard(net.dense, mesh=mesh)
+    fully_shard(net.over, mesh=mesh)
+    return net
+
+
+def _step(net, step: int, rank: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(step)
+    loss = net(torch.randn(4, 4, generator=g), M.batch(len(BAGS), seed=10 * step + rank),
+               M.batch(len(SEQS), seed=20 * step + rank))
+    loss.backward()  # the fused tables update in the backward
+    with torch.no_grad():  # plain SGD on the rest (FSDP2 reduce-scattered the dense grads)
+        for p in net.parameters():
+            if p.grad is not None:
+                p.add_(p.grad, alpha=-0.05)
+                p.grad = None
+    return loss.detach()
+
+
+def _blocks(net) -> dict:
+    out = {}
+    for k, v in net.state_dict().items():
+        if hasattr(v, "full_tensor"):  # FSDP2's DTensors: compared whole
+            out[k] = [((0,) * v.dim(), v.full_tensor())]
+        else:
+            out.update(M.local_blocks({k: v}))
+    return out
+
+
+def worker(rank, world_size, tmp):
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torchrec.distributed.shard import shard_modules
+    from torchrec.distributed.types import ShardingEnv
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    net = _on_meta(mesh)
+    report = metamat.materialize(net, seed=SEED)
+    res = {"kinds": sorted({type(m).__name__ for m in (net.sparse, net.seq)}),
+           "init": _blocks(net), "memory": report.bytes_by_memory}
+    # the same tables in a DMP, the same dense layers unsharded: metamat's values there
+    plan, sharders = _plan_and_sharders()
+    dmp = metamat.shard_on_meta(Net(torch.device("meta")), plan=plan, sharders=sharders)
+    metamat.materialize(dmp, seed=SEED)
+    res["dmp"] = M.local_blocks(dmp.state_dict())
+    # TorchRec and FSDP2 eagerly, holding our values: the same training
+    eager = shard_modules(Net(torch.device("cpu")),
+                          env=ShardingEnv.from_process_group(dist.group.WORLD),
+                          device=torch.device("cpu"), plan=plan, sharders=sharders)
+    fully_shard(eager.dense, mesh=mesh)
+    fully_shard(eager.over, mesh=mesh)
+    eager.load_state_dict(net.state_dict())
+    res["losses"] = [(_step(net, s, rank), _step(eager, s, rank)) for s in range(2)]
+    res["trained"], res["eager"] = _blocks(net), _blocks(eager)
+    path = os.path.join(tmp, "ckpt")
+    dcp.save(net.state_dict(), checkpoint_id=path)
+    back = _on_meta(mesh)
+    metamat.materialize(back, path)
+    res["loaded"] = _blocks(back)
+    try:  # TorchRec's own composable sharding on meta, for the record
+        shard_modules(Net(torch.device("meta")),
+                      env=ShardingEnv.from_process_group(dist.group.WORLD),
+                      device=torch.device("meta"), plan=plan, sharders=sharders)
+        res["torchrec_on_meta"] = "built"
+    except Exception as e:  # noqa: BLE001 - the failure is what is recorded
+        res["torchrec_on_meta"] = f"{type(e).__name__}: {e}"
+    return res
+
+
+@pytest.mark.multiprocess
+def test_composable_sharding_with_fsdp2_dense(tmp_path):
+    ranks = run_dist(worker, 2, str(tmp_path))
+    for r in ranks:
+        assert r["kinds"] == ["ShardedEmbeddingBagCollection", "ShardedEmbeddingCollection"]
+        # tables (and their optimizer-free DMP twins) and dense layers: the DMP's values
+        for k, blocks in r["dmp"].items():
+            if k.startswith(("sparse.", "seq.")):
+                assert [o for o, _ in r["init"][k]] == [o for o, _ in blocks], k
+                for (_, a), (_, b) in zip(r["init"][k], blocks):
+                    assert torch.equal(M.bits(a), M.bits(b)), k
+            else:  # the dense layers: whole on the DMP side, FSDP2-sharded on ours
+                assert torch.equal(M.bits(r["init"][k][0][1]), M.bits(blocks[0][1])), k
+        for ours, eager in r["losses"]:
+            assert torch.equal(M.bits(ours), M.bits(eager))
+        assert sorted(r["trained"]) == sorted(r["eager"])
+        for k in r["eager"]:
+            for (o1, a), (o2, b) in zip(r["trained"][k], r["eager"][k]):
+                assert o1 == o2 and torch.equal(M.bits(a), M.bits(b)), k
+            for (_, a), (_, b) in zip(r["loaded"][k], r["trained"][k]):
+                assert torch.equal(M.bits(a), M.bits(b)), f"DCP load {k}"
+        assert r["torchrec_on_meta"].startswith("ValueError: Local shard tensor device does "
+                                                "not match"), r["torchrec_on_meta"]
+    changed = [k for k in ranks[0]["init"] if any(
+        not torch.equal(a, b) for (_, a), (_, b) in zip(ranks[0]["init"][k],
+                                                        ranks[0]["trained"][k]))]
+    assert any(k.startswith("sparse.") for k in changed)
+    assert any(k.startswith("dense.") for k in changed)
+
