@@ -22,7 +22,8 @@
 #                      (managed collision, evicting) tests/test_torchrec_hash_zch.py (multi-probe
 #                      ZCH, inserting) tests/test_torchrec_two_dim.py (2D parallel vs TorchRec's
 #                      DMPCollection) tests/test_torchrec_train_pipeline.py (TorchRec's
-#                      TrainPipelineSparseDist); pytest-xdist -n XDIST_N (4) when installed
+#                      TrainPipelineSparseDist) tests/test_torchrec_composable.py
+#                      (shard_modules beside FSDP2); pytest-xdist -n XDIST_N (4) when installed
 #   torchrec_layout 90 pytest tests/test_torchrec_cuda_layout.py (-n XDIST_N too)
 #   torchrec_emulated 100 pytest tests/test_torchrec_gpu_emulated.py (-n XDIST_N; CPU-bound:
 #                      this fbgemm-gpu 1.6.0 against metamat's emulated device)
@@ -248,11 +249,14 @@ step backend 30 cmd "$py" -c "import metamat._C as C; assert C.cuda_compiled(), 
 # --- TorchRec on the GPU first, then every other cuda test -------------------------------------
 trec_files=(tests/test_torchrec_gpu.py tests/test_torchrec_cuda_layout.py tests/test_torchrec_gpu_emulated.py
             tests/test_torchrec_managed_collision.py tests/test_torchrec_hash_zch.py
-            tests/test_torchrec_two_dim.py tests/test_torchrec_train_pipeline.py)
+            tests/test_torchrec_two_dim.py tests/test_torchrec_train_pipeline.py \
+    tests/test_torchrec_composable.py
+            tests/test_torchrec_composable.py)
 if ((has_torchrec)); then
   pytest_step torchrec_gpu 200 "${xdist_args[@]}" -m cuda tests/test_torchrec_gpu.py \
     tests/test_torchrec_managed_collision.py tests/test_torchrec_hash_zch.py \
-    tests/test_torchrec_two_dim.py tests/test_torchrec_train_pipeline.py
+    tests/test_torchrec_two_dim.py tests/test_torchrec_train_pipeline.py \
+    tests/test_torchrec_composable.py
   pytest_step torchrec_layout 90 "${xdist_args[@]}" tests/test_torchrec_cuda_layout.py
   pytest_step torchrec_emulated 100 "${xdist_args[@]}" tests/test_torchrec_gpu_emulated.py
 else

@@ -45,11 +45,11 @@ class Net(nn.Module):
         return self.over(torch.cat([self.dense(dense), pooled], dim=1)).sum() + seq.sum()
 
 
-def _plan_and_sharders():
+def _plan_and_sharders(world_size: int = 2, device_type: str = "cpu"):
     from torchrec.distributed.types import ShardingPlan
 
-    _, bag_sharder, bag_plan, _ = M.build("ebc", BAGS, 2, device_type="cpu")
-    _, seq_sharder, seq_plan, _ = M.build("ec", SEQS, 2, device_type="cpu")
+    _, bag_sharder, bag_plan, _ = M.build("ebc", BAGS, world_size, device_type=device_type)
+    _, seq_sharder, seq_plan, _ = M.build("ec", SEQS, world_size, device_type=device_type)
     plan = ShardingPlan({"sparse": bag_plan.plan[""], "seq": seq_plan.plan[""]})
     return plan, [bag_sharder, seq_sharder]
 
@@ -159,3 +159,98 @@ def test_composable_sharding_with_fsdp2_dense(tmp_path):
     assert any(k.startswith("sparse.") for k in changed)
     assert any(k.startswith("dense.") for k in changed)
 
+
+
+def _gpu_net(mesh, layout_kernel: str, world_size: int = 2):
+    """The same model with its tables laid out for fbgemm's CUDA kernels (``layout_kernel``
+    for the table-wise and row-wise tables), FSDP2 on the dense layers."""
+    from torch.distributed.fsdp import fully_shard
+    from torchrec.distributed.types import ShardingPlan
+
+    plan, sharders = _plan_and_sharders(world_size, "cuda")
+    for mp in plan.plan.values():
+        for name, ps in mp.items():
+            if ps.compute_kernel == "fused" and ps.sharding_type != "column_wise":
+                ps.compute_kernel = layout_kernel
+    plan = ShardingPlan(plan.plan)
+    net = metamat.shard_modules_on_meta(Net(torch.device("meta")), plan=plan,
+                                        sharders=sharders, compute_device="cuda")
+    fully_shard(net.dense, mesh=mesh)
+    fully_shard(net.over, mesh=mesh)
+    return net
+
+
+def worker_emulated(rank, world_size, tmp):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from metamat.emulation import emulated_cuda
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    net = _gpu_net(mesh, "fused_uvm_caching")
+    with emulated_cuda():
+        report = metamat.materialize(net, seed=SEED)
+    cpu = _on_meta(mesh)
+    metamat.materialize(cpu, seed=SEED)
+    path = os.path.join(tmp, "gpu")
+    dcp.save(net.state_dict(), checkpoint_id=path)
+    back = _on_meta(mesh)
+    metamat.materialize(back, path)
+    return dict(device=report.device, memory=report.bytes_by_memory, gpu=_blocks(net),
+                cpu=_blocks(cpu), back=_blocks(back))
+
+
+@pytest.mark.multiprocess
+def test_composable_sharding_laid_out_for_gpus_emulated(tmp_path):
+    """Tables laid out for GPUs (device memory and UVM caching), on the emulated device: the
+    CPU layout's values, dense shards included; its DCP checkpoint loads into the CPU one."""
+    for r in run_dist(worker_emulated, 2, str(tmp_path)):
+        assert r["device"] == "cuda (emulated on the CPU)" and "uvm" in r["memory"]
+        assert sorted(r["gpu"]) == sorted(r["cpu"]) == sorted(r["back"])
+        for k in r["cpu"]:
+            for (o1, a), (o2, b), (_, c) in zip(r["gpu"][k], r["cpu"][k], r["back"][k]):
+                assert o1 == o2 and torch.equal(M.bits(a), M.bits(b)), k
+                assert torch.equal(M.bits(c), M.bits(b)), k
+
+
+def worker_gpu(rank, world_size):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torchrec.distributed.shard import shard_modules
+    from torchrec.distributed.types import ShardingEnv
+
+    dev = torch.device("cuda", rank)
+    mesh = init_device_mesh("cuda", (world_size,))
+    net = _gpu_net(mesh, "fused", world_size)
+    metamat.materialize(net, seed=SEED)
+    plan, sharders = _plan_and_sharders(world_size, "cuda")
+    eager = shard_modules(Net(dev), env=ShardingEnv.from_process_group(dist.group.WORLD),
+                          device=dev, plan=plan, sharders=sharders)
+    fully_shard(eager.dense, mesh=mesh)
+    fully_shard(eager.over, mesh=mesh)
+    eager.load_state_dict(net.state_dict())
+    losses = []
+    for step in range(2):
+        g = torch.Generator().manual_seed(step)
+        args = (torch.randn(4, 4, generator=g).to(dev),
+                M.batch(len(BAGS), seed=step, device=dev), M.batch(len(SEQS), seed=step,
+                                                                   device=dev))
+        pair = []
+        for m in (net, eager):
+            loss = m(*args)
+            loss.backward()
+            with torch.no_grad():
+                for p in m.parameters():
+                    if p.grad is not None:
+                        p.add_(p.grad, alpha=-0.05)
+                        p.grad = None
+            pair.append(float(loss))
+        losses.append(pair)
+    return losses
+
+
+@pytest.mark.cuda
+def test_composable_sharding_on_a_gpu_trains_like_eager():
+    for ours, eager in run_dist(worker_gpu, 1, backend="nccl")[0]:
+        assert abs(ours - eager) <= 1e-5 * max(1.0, abs(eager)), (ours, eager)
