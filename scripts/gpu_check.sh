@@ -249,8 +249,7 @@ step backend 30 cmd "$py" -c "import metamat._C as C; assert C.cuda_compiled(), 
 # --- TorchRec on the GPU first, then every other cuda test -------------------------------------
 trec_files=(tests/test_torchrec_gpu.py tests/test_torchrec_cuda_layout.py tests/test_torchrec_gpu_emulated.py
             tests/test_torchrec_managed_collision.py tests/test_torchrec_hash_zch.py
-            tests/test_torchrec_two_dim.py tests/test_torchrec_train_pipeline.py \
-    tests/test_torchrec_composable.py
+            tests/test_torchrec_two_dim.py tests/test_torchrec_train_pipeline.py
             tests/test_torchrec_composable.py)
 if ((has_torchrec)); then
   pytest_step torchrec_gpu 200 "${xdist_args[@]}" -m cuda tests/test_torchrec_gpu.py \
