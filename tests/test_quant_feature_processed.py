@@ -174,6 +174,7 @@ def test_emulated_device(tmp_path):
         report = metamat.materialize(q, path, device="cuda")
     assert "emulated" in report.device and no_meta(q)
     ref = quantize(f, "int8", False)
+    assert len(_tbes(ref)) == len(_tbes(q)) > 0
     for x, y in zip(_tbes(ref), _tbes(q)):
         assert y.weights_host.numel() == 0 and not y.use_cpu
         assert torch.equal(x.weights_host, y.weights_dev)
@@ -183,7 +184,7 @@ def test_emulated_device(tmp_path):
 
 @pytest.mark.cuda
 def test_cuda_inference_tbes(tmp_path):
-    """On a GPU: the state and the forward pass of TorchRec's conversion on the GPU."""
+    """On a GPU (unsharded): the state and the forward pass of TorchRec's conversion there."""
     dev = torch.device("cuda", torch.cuda.current_device())
     tables = ebc_tables()
     f = float_model(tables, seed=7)

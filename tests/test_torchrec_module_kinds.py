@@ -34,8 +34,8 @@ def _ebc(device="meta"):
     return EmbeddingBagCollection(tables=_bag_configs(), device=torch.device(device))
 
 
-def _untouched(module: nn.Module) -> bool:
-    return all(p.is_meta for p in module.parameters())
+def _types(module: nn.Module) -> list:
+    return [(n, type(m)) for n, m in module.named_modules()]
 
 
 @pytest.mark.parametrize("key", sorted(REFUSED))
@@ -47,32 +47,63 @@ def test_every_refused_type_exists_in_this_torchrec(key):
     assert isinstance(getattr(importlib.import_module(module), name), type)
 
 
-def test_embedding_tower_refused_by_name(world1_env):
-    from torchrec.distributed.embedding_tower_sharding import EmbeddingTowerCollectionSharder
+def _towers():
     from torchrec.modules.embedding_tower import EmbeddingTower, EmbeddingTowerCollection
 
-    towers = EmbeddingTowerCollection([EmbeddingTower(_ebc(), nn.Linear(DIM, 1,
-                                                                          device="meta"))])
-    model = nn.ModuleDict({"sparse": towers})
+    return nn.ModuleDict({"sparse": EmbeddingTowerCollection(
+        [EmbeddingTower(_ebc(), nn.Linear(DIM, 1, device="meta"))])})
+
+
+def _itep():
+    from torchrec.modules.itep_embedding_modules import ITEPEmbeddingBagCollection
+    from torchrec.modules.itep_modules import GenericITEPModule
+
+    return nn.ModuleDict({"pruned": ITEPEmbeddingBagCollection(
+        _ebc(), GenericITEPModule({f"t{i}": r for i, r in enumerate(ROWS)}))})
+
+
+def test_embedding_tower_with_its_sharder_refused_by_name(world1_env):
+    from torchrec.distributed.embedding_tower_sharding import EmbeddingTowerCollectionSharder
+
+    model = _towers()
+    before = _types(model)
     with pytest.raises(metamat.UnsupportedError,
                        match=r"^sparse: TorchRec's EmbeddingTowerCollection cannot be sharded on "
                              r"meta \(its sharded form wraps the interaction module in "
                              r"DistributedDataParallel"):
         metamat.shard_on_meta(model, env=world1_env,
                               sharders=[EmbeddingTowerCollectionSharder()])
-    assert _untouched(model)
+    assert _types(model) == before  # nothing was sharded
 
 
-def test_itep_refused_by_name(world1_env):
-    itep = pytest.importorskip("torchrec.modules.itep_embedding_modules")
-    from torchrec.modules.itep_modules import GenericITEPModule
+def test_itep_with_its_sharder_refused_by_name(world1_env):
+    pytest.importorskip("torchrec.distributed.itep_embeddingbag")
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.itep_embeddingbag import ITEPEmbeddingBagCollectionSharder
 
-    model = nn.ModuleDict({"pruned": itep.ITEPEmbeddingBagCollection(
-        _ebc(), GenericITEPModule({f"t{i}": r for i, r in enumerate(ROWS)}))})
+    model = _itep()
+    before = _types(model)
     with pytest.raises(metamat.UnsupportedError, match=r"^pruned: TorchRec's "
                        r"ITEPEmbeddingBagCollection cannot be sharded on meta"):
-        metamat.shard_on_meta(model, env=world1_env)
-    assert _untouched(model)
+        metamat.shard_on_meta(model, env=world1_env, sharders=[
+            ITEPEmbeddingBagCollectionSharder(EmbeddingBagCollectionSharder())])
+    assert _types(model) == before
+
+
+@pytest.mark.parametrize("build", ["towers", "itep"])
+def test_without_their_sharder_the_collections_inside_are_sharded(world1_env, build):
+    """TorchRec's default sharders have none for towers or ITEP modules: it shards the
+    EmbeddingBagCollection inside them, which materializes as any other."""
+    from torchrec.distributed.embeddingbag import ShardedEmbeddingBagCollection
+
+    if build == "itep":
+        pytest.importorskip("torchrec.modules.itep_embedding_modules")
+    model = metamat.shard_on_meta(_towers() if build == "towers" else _itep(),
+                                  env=world1_env, compute_device="cpu")
+    metamat.materialize(model, seed=1)
+    kinds = [type(m) for m in model.modules()]
+    assert ShardedEmbeddingBagCollection in kinds
+    assert not any(t.is_meta for t in list(model.parameters()) + list(model.buffers()))
 
 
 def _fused_ebc(device):
@@ -97,15 +128,21 @@ def _fused_plan(shardings):
     return sharder, ShardingPlan({"": mp})
 
 
-def test_fused_ebc_data_parallel_table_refused_by_name(world1_env):
+@pytest.mark.parametrize("path", ["", "a.b"])
+def test_fused_ebc_data_parallel_table_refused_by_name(world1_env, path):
     from torchrec.distributed.sharding_plan import data_parallel, table_wise
+    from torchrec.distributed.types import ShardingPlan
 
     sharder, plan = _fused_plan({"t0": table_wise(rank=0), "t1": data_parallel()})
     model = _fused_ebc("meta")
-    with pytest.raises(metamat.UnsupportedError, match=r"^<root>: FusedEmbeddingBagCollection "
-                       r"table 't1' is planned data-parallel"):
+    if path:  # the collection deeper in the model, its plan under that path
+        model = nn.ModuleDict({"a": nn.ModuleDict({"b": model})})
+        plan = ShardingPlan({path: plan.plan[""]})
+    before = _types(model)
+    with pytest.raises(metamat.UnsupportedError, match=rf"^{path or '<root>'}: "
+                       r"FusedEmbeddingBagCollection table 't1' is planned data-parallel"):
         metamat.shard_on_meta(model, env=world1_env, plan=plan, sharders=[sharder])
-    assert _untouched(model)
+    assert _types(model) == before
 
 
 def test_fused_ebc_sharded_tables_init_and_train_like_eager(world1_env):

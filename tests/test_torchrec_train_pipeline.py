@@ -107,14 +107,16 @@ def test_train_pipeline_on_materialized_dlrm_equals_eager():
 
 @pytest.mark.cuda
 def test_train_pipeline_on_gpu_equals_eager():
-    """The same on one GPU: fbgemm's CUDA layout, TorchRec's pipeline with its CUDA streams
-    (input copies and input distribution overlapped with the previous step)."""
+    """The same on one GPU (one rank): fbgemm's CUDA layout, TorchRec's pipeline with its
+    CUDA streams (input copies and input distribution overlapped with the previous step)."""
     _check(run_dist(worker, 1, "cuda", backend="nccl"), exact=False)
 
 
-def worker_in_backward(rank, world_size):
+def worker_in_backward(rank, world_size, built_on):
     """The table optimizer chosen with torch's ``_apply_optimizer_in_backward`` on the
-    unsharded module (TorchRec's examples' way; the sharder fuses it), on meta and eager."""
+    unsharded module (TorchRec's examples' way; the sharder fuses it), on meta and eager; the
+    module given to ``shard_on_meta`` built on ``built_on`` (its real tables are moved to
+    meta, the optimizer choice kept)."""
     import torch.distributed as dist
     from torch.distributed.optim import _apply_optimizer_in_backward
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
@@ -126,12 +128,12 @@ def worker_in_backward(rank, world_size):
 
     layout = {"t0": ("tw", "fused"), "t1": ("rw", "fused"), "t2": ("cw", "fused")}
     models = []
-    for device in ("meta", "cpu"):
+    for ours in (True, False):
         module, _, plan, tables = M.build("ebc", layout, world_size, device_type="cpu",
-                                          device=torch.device(device))
+                                          device=torch.device(built_on if ours else "cpu"))
         _apply_optimizer_in_backward(RowWiseAdagrad, module.parameters(), {"lr": 0.05})
         sharder = EmbeddingBagCollectionSharder()
-        if device == "meta":
+        if ours:
             model = metamat.shard_on_meta(module, plan=plan, sharders=[sharder])
             metamat.materialize(model, seed=2)
         else:
@@ -150,8 +152,9 @@ def worker_in_backward(rank, world_size):
 
 
 @pytest.mark.multiprocess
-def test_optimizer_in_backward_on_meta_trains_like_eager():
-    ranks = run_dist(worker_in_backward, 2)
+@pytest.mark.parametrize("built_on", ["meta", "cpu"])
+def test_optimizer_in_backward_on_meta_trains_like_eager(built_on):
+    ranks = run_dist(worker_in_backward, 2, built_on)
     # row-wise Adagrad's state: TorchRec's initial value, then the same training
     M.assert_same([r["init"][0] for r in ranks], [r["init"][1] for r in ranks], "init state")
     assert any(k.startswith("state.") for r in ranks for k in r["init"][0])

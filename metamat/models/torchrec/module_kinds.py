@@ -1,15 +1,14 @@
 """The TorchRec module types ``shard_on_meta`` refuses, by name and before anything is built.
 
-Without this check they fail deep inside TorchRec's sharders with messages that name
+A refused type is refused only when a sharder for it is among the sharders in use: without
+one, TorchRec leaves the module as it is and shards the collections inside it, which metamat
+builds. With one, TorchRec would fail deep inside that sharder with a message that names
 neither the module nor the cause ("Tensor.item() cannot be called on meta tensors" from a
-DistributedDataParallel built around meta parameters, "Found no NVIDIA driver"). The
-embedding collections metamat supports (EmbeddingBagCollection, EmbeddingCollection, their
-feature-processed, managed-collision, PEC and quantized forms, FusedEmbeddingBagCollection
-without data-parallel tables) pass.
+DistributedDataParallel built around meta parameters, "Found no NVIDIA driver").
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Sequence, Tuple
 
 from torch import nn
 
@@ -44,19 +43,21 @@ def _refused_as(m: nn.Module) -> Any:
     return None
 
 
-def refuse_unsupported_modules(module: nn.Module) -> None:
-    """Raise ``UnsupportedError`` naming the first module of ``module`` that
-    ``shard_on_meta`` cannot build (the table above; managed-collision modules other than
-    MCH and HashZch). Reads types only."""
+def refuse_unsupported_modules(module: nn.Module, sharders: Sequence[Any]) -> None:
+    """Raise ``UnsupportedError`` naming the first module of ``module`` that ``shard_on_meta``
+    cannot build: a type of the table above that one of ``sharders`` (those in use) would
+    shard; managed-collision modules other than MCH and HashZch. Reads types only."""
     refuse_unsupported_kinds(module)
+    kinds = tuple(sh.module_type for sh in sharders)
     for name, m in module.named_modules():
-        found = _refused_as(m)
+        found = _refused_as(m) if kinds and isinstance(m, kinds) else None
         if found is not None:
             kind, why = found
             raise UnsupportedError(
                 f"{name or '<root>'}: TorchRec's {kind} cannot be sharded on meta ({why}); "
                 "metamat builds EmbeddingBagCollection, EmbeddingCollection and their "
-                "feature-processed, managed-collision, PEC and quantized forms")
+                "feature-processed, managed-collision, PEC and quantized forms (without a "
+                f"sharder for {kind}, the collections inside it are sharded)")
 
 
 def _is_fused_ebc(m: nn.Module) -> bool:

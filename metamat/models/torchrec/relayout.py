@@ -97,7 +97,8 @@ def relayout_for_cuda(model: nn.Module, sharded: List[Tuple[str, nn.Module]],
         raise UnsupportedError(
             f"{type(model).__name__}: TorchRec tables laid out for fbgemm's CPU kernels can be "
             "laid out for a GPU again only in a DistributedModelParallel; shard with "
-            "metamat.shard_on_meta(..., compute_device='cuda')")
+            "metamat.shard_on_meta(..., compute_device='cuda') (or shard_modules_on_meta(..., "
+            "compute_device='cuda'))")
     upstream.require("train")
     upstream.check_dmp(model)  # the DMP internals used below (UnsupportedError naming them)
     upstream.check_sharded(sharded)

@@ -95,6 +95,10 @@ def _normalise_devices(module: nn.Module) -> Dict[nn.Module, Any]:
     return old
 
 
+# torch's _apply_optimizer_in_backward: the attributes TorchRec's sharders read off a table
+_IN_BACKWARD_CHOICE = ("_optimizer_classes", "_optimizer_kwargs")
+
+
 def _to_meta_inplace(module: nn.Module) -> None:
     """Move floating-point parameters still on a real device to meta (their values are
     dropped: ``materialize`` initialises them). Buffers keep their device and values
@@ -102,9 +106,14 @@ def _to_meta_inplace(module: nn.Module) -> None:
     for m in module.modules():
         for name, p in list(m._parameters.items()):
             if p is not None and p.device.type != "meta" and p.is_floating_point():
-                m._parameters[name] = nn.Parameter(
-                    torch.empty_like(p, device=_META), requires_grad=p.requires_grad
-                )
+                new = nn.Parameter(torch.empty_like(p, device=_META),
+                                   requires_grad=p.requires_grad)
+                # the optimizer _apply_optimizer_in_backward chose (the sharders read it);
+                # not its optimizer objects, which hold the old tensor
+                for attr in _IN_BACKWARD_CHOICE:
+                    if attr in p.__dict__:
+                        setattr(new, attr, p.__dict__[attr])
+                m._parameters[name] = new
 
 
 def _default_plan(module: nn.Module, env: Any, sharders: Optional[List[Any]],
@@ -252,9 +261,12 @@ def shard_on_meta(
     from . import upstream
 
     upstream.require("train")  # the supported versions, every TorchRec/fbgemm name used
-    refuse_unsupported_modules(module)
-    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.model_parallel import (DistributedModelParallel,
+                                                     get_default_sharders)
     from torchrec.distributed.types import ShardingEnv
+
+    refuse_unsupported_modules(module, sharders if sharders is not None
+                               else get_default_sharders())
 
     fixed_args = ("device", "init_parameters", "init_data_parallel")
     if sharding_group_size is not None:
@@ -266,6 +278,8 @@ def shard_on_meta(
         if not dist.is_initialized():
             raise RuntimeError("shard_on_meta: no env given and no default process group")
         env = ShardingEnv.from_process_group(dist.group.WORLD)
+    if _composable and compute_device is None and torch.cuda.is_available():
+        compute_device = "cuda"  # the layout is final: only a DMP can be laid out again
     cuda_layout = compute_device is not None and torch.device(compute_device).type == "cuda"
     if sharding_group_size is not None:
         check_two_dim(module, env, plan, cuda_layout, sharding_group_size, dmp_kwargs)
@@ -339,16 +353,21 @@ def shard_modules_on_meta(
 ) -> nn.Module:
     """TorchRec's composable sharding, ``torchrec.distributed.shard_modules``, on meta: the
     embedding collections of ``module`` are replaced by their sharded forms in place, with
-    every table and optimizer state on meta, and nothing is wrapped around the module (the
-    dense part is the caller's: plain, DDP, or FSDP2's ``fully_shard``, also on meta).
-    ``metamat.materialize(module)`` then fills both.
+    every table and optimizer state on meta, and nothing is wrapped around the module. Its
+    dense part is the caller's: wrap it after this call (FSDP2's ``fully_shard`` works on
+    meta; DDP needs real parameters, so after ``materialize``), since real dense parameters
+    are moved to meta here. ``metamat.materialize(module)`` then fills both.
 
     Args:
-        module, env, plan, sharders, compute_device: as for :func:`shard_on_meta` (which
-            also says what is refused, before anything is built).
+        module, env, plan, sharders: as for :func:`shard_on_meta` (which also says what is
+            refused, before anything is built).
+        compute_device: as for :func:`shard_on_meta`, except that left at None it is
+            "cuda" where a GPU is visible (the tables' layout is final here: only a
+            ``DistributedModelParallel`` can be laid out for a GPU again).
 
     Returns:
-        ``module`` itself, its embedding collections sharded on meta.
+        The sharded module: ``module`` itself, or its sharded form when ``module`` is itself
+        an embedding collection (use the returned object).
     """
     return shard_on_meta(module, env=env, plan=plan, sharders=sharders,
                          compute_device=compute_device, _composable=True)
