@@ -147,3 +147,54 @@ def test_unsharded_pec_equals_ec():
     ours = pec.state_dict()
     for k, v in ec.state_dict().items():
         assert torch.equal(M.bits(ours[PREFIX + k]), M.bits(v)), k
+
+
+def worker_toggle(rank, world_size, tmp):
+    """Checkpoints of the same tables with PEC on and off load into the other model."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torchrec.distributed.model_parallel import DistributedModelParallel
+    from torchrec.distributed.types import ShardingEnv
+
+    pec_sharder, ec_sharder = _sharders()
+    env = ShardingEnv.from_process_group(dist.group.WORLD)
+    res = {}
+    for saved, wanted in (("ec", "pec"), ("pec", "ec")):
+        build = {"ec": (_ec, ec_sharder), "pec": (_pec, pec_sharder)}
+        make, sharder = build[saved]
+        eager = DistributedModelParallel(make(torch.device("cpu")), env,
+                                         device=torch.device("cpu"),
+                                         plan=_plan(make("meta"), sharder, world_size),
+                                         sharders=[sharder])
+        M.backward(eager, _batch(0, rank))  # row-wise Adagrad state != 0
+        path = os.path.join(tmp, saved)
+        dcp.save({"model": eager.state_dict(), "optim": eager.fused_optimizer.state_dict()},
+                 checkpoint_id=path)
+        make, sharder = build[wanted]
+        model = metamat.shard_on_meta(make("meta"), plan=_plan(make("meta"), sharder,
+                                                                world_size),
+                                      sharders=[sharder])
+        report = metamat.materialize(model, path)
+
+        def plain(blocks):  # the EmbeddingCollection's own names
+            return {k.replace(PREFIX, ""): v for k, v in blocks.items()}
+
+        res[f"{saved}->{wanted}"] = (
+            plain(dict(M.local_blocks(eager.state_dict()), **M.optimizer_blocks(eager))),
+            plain(dict(M.local_blocks(model.state_dict()), **M.optimizer_blocks(model))),
+            report.initialized)
+    return res
+
+
+@pytest.mark.multiprocess
+def test_checkpoints_load_with_pec_toggled(tmp_path):
+    """PEC only wraps the collection (its state under ``_embedding_collection.``): a
+    checkpoint saved without it loads into a model with it and back, tables and fused
+    optimizer state bit for bit, nothing initialised."""
+    ranks = run_dist(worker_toggle, 2, str(tmp_path))
+    for case in ("ec->pec", "pec->ec"):
+        saved = [r[case][0] for r in ranks]
+        loaded = [r[case][1] for r in ranks]
+        M.assert_same(saved, loaded, case)
+        assert any(k.startswith("state.") for r in saved for k in r), case
+        assert all(r[case][2] == [] for r in ranks), case

@@ -67,7 +67,8 @@ class OptimMatch:
 
 
 def match_optimizer(targets: Sequence[Target], keys: Mapping[str, object],
-                    model_rows: Mapping[str, int], *, names: Set[str], tables: Set[str],
+                    model_rows: Mapping[str, int], *, names: Mapping[str, List[str]],
+                    tables: Set[str],
                     strict: bool, ckpt_path: str) -> OptimMatch:
     """Match optimizer-state targets to the checkpoint (module docstring).
 
@@ -75,7 +76,8 @@ def match_optimizer(targets: Sequence[Target], keys: Mapping[str, object],
         targets: this rank's optimizer-state targets.
         keys: the checkpoint's tensors (name -> entry with ``global_shape``).
         model_rows: table fqn -> its global row count (for the row-wise remap).
-        names: every optimizer state path of the model (all ranks' tables).
+        names: every optimizer state path of the model (all ranks' tables) -> its names
+            (its own first, then aliases).
         tables: every table weight fqn of the model: saved state of one is a candidate
             (another rank may take it, or none: then it is unexpected).
         strict: a shape that cannot be remapped raises (else the target is initialised).
@@ -84,7 +86,7 @@ def match_optimizer(targets: Sequence[Target], keys: Mapping[str, object],
     Raises:
         ShapeMismatchError: ``strict`` and row-wise state that cannot be remapped.
     """
-    found, prefix, used = resolve_keys(keys, {n: [n] for n in names}, prefixes=OPTIM_PREFIXES)
+    found, prefix, used = resolve_keys(keys, names, prefixes=OPTIM_PREFIXES)
     cands = _table_state(keys, tables)
     if not found:
         return OptimMatch([], {}, [], list(targets), set(), None, [], [], cands)

@@ -5,7 +5,7 @@ It only *finds* (:mod:`.walk`) and *registers* (:mod:`.register`); the orchestra
 """
 from __future__ import annotations
 
-from typing import Dict, List, Mapping, Optional, Sequence, Set
+from typing import Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import nn
@@ -20,6 +20,7 @@ from .tables import fill_targets, needs_write
 from .graph import slot_names
 from .managed_collision import (check_loaded_segments, finish_mc_modules, inference_dropped,
                                 mc_named_modules, validate_loaded)
+from .sharded import pec_aliases, root_of
 from .walk import build_plan
 
 __all__ = ["TorchRecPart"]
@@ -44,6 +45,11 @@ def _copy_tensor_state(graph_meta: Sequence[torch.Tensor], alloc: Allocation) ->
             object.__setattr__(new, name, twins.get(id(v), v))
 
 
+def aliased(name: str, aliases: Sequence[Tuple[str, str]]) -> List[str]:
+    """``name`` and its other names: each (prefix, alternative prefix) it starts with."""
+    return [name] + [alt + name[len(p):] for p, alt in aliases if name.startswith(p)]
+
+
 class TorchRecPart(Adapter):
     """The sharded modules of one model, found and planned on ``device``."""
 
@@ -60,26 +66,37 @@ class TorchRecPart(Adapter):
         self.optim: Optional[OptimMatch] = None
         self.loaded: Set[int] = set()  # ids of the targets a checkpoint provides
         self.undo = None  # set by find_parts when the tables were laid out again (relayout)
+        self._pec: Optional[List[Tuple[str, str]]] = None
 
     def dropped_keys(self) -> List[str]:
         """The eviction metadata of inference HashZch modules: TorchRec's load hook drops a
         training checkpoint's."""
         return inference_dropped(mc_named_modules(self.plan.mcs)) if self.plan.mcs else []
 
+    def _aliases(self) -> List[Tuple[str, str]]:
+        if self._pec is None:
+            self._pec = pec_aliases(root_of(self.model), self.plan.sharded)
+        return self._pec
+
     def names(self) -> Dict[str, List[str]]:
         """Every checkpointable name of the sharded modules (global: with or without a block
-        on this rank) -> its names."""
-        return {n: [n] for n in self.plan.names}
+        on this rank) -> its names: its own, then an EmbeddingCollection's with PEC toggled
+        (:func:`.sharded.pec_aliases`)."""
+        return {n: aliased(n, self._aliases()) for n in self.plan.names}
 
     def match_optimizer(self, keys: Mapping[str, object], *, strict: bool,
                         ckpt_path: str) -> OptimMatch:
         """Match the fused-optimizer state to the checkpoint (:mod:`.optim_keys`)."""
         rows = {t.fqn: int(t.global_shape[0]) for t in self.targets
                 if not t.optimizer and t.global_shape}
-        tables = {n for n in self.plan.names if n.endswith(".weight")}
+        aliases = self._aliases()
+        tables = {a for n in self.plan.names if n.endswith(".weight")
+                  for a in aliased(n, aliases)}
+        optim = [(f"state.{p}", f"state.{alt}") for p, alt in aliases]
         self.optim = match_optimizer([t for t in self.targets if t.optimizer], keys, rows,
-                                     names=self.plan.optim_names, tables=tables,
-                                     strict=strict, ckpt_path=ckpt_path)
+                                     names={n: aliased(n, optim)
+                                            for n in self.plan.optim_names},
+                                     tables=tables, strict=strict, ckpt_path=ckpt_path)
         self.warnings += self.optim.warnings
         return self.optim
 

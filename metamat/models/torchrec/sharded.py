@@ -9,7 +9,7 @@ from torch import nn
 from ...errors import UnsupportedError
 
 __all__ = ["root_of", "sharded_modules", "wrappers", "named_wrappers", "laid_out_for",
-           "table_configs", "uses_torchrec"]
+           "table_configs", "uses_torchrec", "pec_aliases"]
 
 
 def root_of(model: nn.Module) -> nn.Module:
@@ -91,6 +91,32 @@ def _plain_containers() -> tuple:
     except ImportError:  # torchrec < 1.8
         pass
     return tuple(out)
+
+
+_PEC_INNER = "_embedding_collection"  # where PECEmbeddingCollection keeps its collection
+
+
+def pec_aliases(root: nn.Module, sharded: List[Tuple[str, nn.Module]]) -> List[Tuple[str, str]]:
+    """(name prefix of a sharded EmbeddingCollection's state, the prefix the same tables have
+    with PEC toggled): a PECEmbeddingCollection only wraps its collection, so a checkpoint
+    saved with PEC loads into the same model without it, and the other way round."""
+    try:
+        from torchrec.distributed.embedding import ShardedEmbeddingCollection
+        from torchrec.distributed.pec_embedding import ShardedPECEmbeddingCollection
+    except ImportError:  # torchrec < 1.8: no PEC
+        return []
+    modules = dict(root.named_modules())
+    out = []
+    for name, sm in sharded:
+        if not isinstance(sm, ShardedEmbeddingCollection):
+            continue
+        parent, _, last = name.rpartition(".")
+        if last == _PEC_INNER and isinstance(modules.get(parent), ShardedPECEmbeddingCollection):
+            out.append((f"{name}.", f"{parent}." if parent else ""))
+        else:
+            out.append((f"{name}." if name else "", f"{name}.{_PEC_INNER}." if name
+                        else f"{_PEC_INNER}."))
+    return out
 
 
 def _tensors_of(m: nn.Module) -> List[torch.Tensor]:
