@@ -282,9 +282,9 @@ def test_refresh_touches_only_what_the_checkpoint_loads(tmp_path):
     assert r.bytes_transient >= tables_bytes > r.bytes_allocated
 
 
-def test_a_pruned_live_table_loads_as_before(tmp_path):
-    """A live module metamat does not refresh (a pruned table) loads as plain tensors, as
-    before: from its own quantized state, bytes equal."""
+def test_a_pruned_live_table_refreshes(tmp_path):
+    """A live module with a pruned table, refreshed from its own quantized state: bytes
+    equal."""
     import copy
 
     from torchrec.distributed.test_utils.infer_utils import quantize as trec_quantize

@@ -39,7 +39,9 @@ class QuantTable:
     ``fqn``: the state_dict key of its weight (``<module>.embedding_bags.<name>.weight``),
     which a float checkpoint's table has too. ``kind``: 8/4/2 (INT-N), 16/32 (FP16/FP32).
     ``storage``: the TBE's meta weights tensor; the block's row ``i`` is at byte
-    ``offset + i * stride`` of it; ``sb_last``: scale/bias after the data."""
+    ``offset + i * stride`` of it; ``sb_last``: scale/bias after the data. ``source_rows``:
+    the float table's rows when the quantized one is pruned (TorchRec's
+    ``num_embeddings_post_pruning``: it keeps the first ``global_shape[0]`` of them)."""
 
     name: str
     fqn: str
@@ -57,6 +59,12 @@ class QuantTable:
     stride: int
     sb_last: bool
     config: Any = None
+    source_rows: Optional[int] = None
+
+    @property
+    def source_shape(self) -> Tuple[int, int]:
+        """The float table's global shape (a training checkpoint's, an init's)."""
+        return (self.source_rows or self.global_shape[0], self.global_shape[1])
 
     @property
     def data_offset(self) -> int:
@@ -279,15 +287,25 @@ def _configs(name: str, m: nn.Module, tbe: Any) -> List[Tuple[Any, int, int, int
     if isinstance(m, (SQEBC, SQEC)):
         out = []
         for t in quant_tbe_config(m, tbe).embedding_tables:
+            if _post_pruning(t) is not None:
+                raise UnsupportedError(f"{name or '<root>'}: table {t.name!r} is pruned and "
+                                       "quant-sharded: not supported (unsharded it is)")
             off = t.local_metadata.shard_offsets if t.local_metadata is not None else [0, 0]
             out.append((t, int(off[0]), int(off[1]), int(t.num_embeddings), int(t.embedding_dim)))
         return out
     tables = quant_groups(m)[quant_tbes(m).index(tbe)]
-    for t in tables:
-        if getattr(t, "num_embeddings_post_pruning", None) is not None:
-            raise UnsupportedError(f"{name or '<root>'}: table {t.name!r} is pruned "
-                                   "(num_embeddings_post_pruning): not supported")
-    return [(t, 0, 0, int(t.num_embeddings), int(t.embedding_dim)) for t in tables]
+    return [(t, 0, 0, _post_pruning(t) or int(t.num_embeddings), int(t.embedding_dim))
+            for t in tables]
+
+
+def _sharded_classes() -> tuple:
+    return quant_classes()[2:]
+
+
+def _post_pruning(config: Any) -> Optional[int]:
+    """A pruned table's rows (TorchRec's ``num_embeddings_post_pruning``), else None."""
+    rows = getattr(config, "num_embeddings_post_pruning", None)
+    return None if rows is None else int(rows)
 
 
 def find_tbes(name: str, m: nn.Module) -> List[QuantTBE]:
@@ -326,9 +344,11 @@ def find_tbes(name: str, m: nn.Module) -> List[QuantTBE]:
             if offset + rows * stride > storage.numel():
                 raise UnsupportedError(f"{where}: table {tname!r} past its TBE's storage")
             tp = f"{prefix}{attr}.{tname}."
+            pruned = _post_pruning(cfg) is not None and not isinstance(m, _sharded_classes())
             tables.append(QuantTable(tname, tp + "weight", tp, (grows, gcols), r0, c0, rows, cols,
                                      kind, tbe, i, storage, offset, stride,
-                                     bool(tbe.reverse_qparam), cfg))
+                                     bool(tbe.reverse_qparam), cfg,
+                                     int(cfg.num_embeddings) if pruned else None))
         out.append(QuantTBE(tbe, name, storage, tables))
     return out
 

@@ -74,7 +74,7 @@ def _job_out(t: QuantTable) -> QuantOut:
 
 def _float_blocks(tables: List[QuantTable], fqn: str, ck: str, shape, m: QuantMatch,
                   path: str) -> None:
-    g = tables[0].global_shape
+    g = tables[0].source_shape  # a pruned table reads the first of the float rows
     if tuple(shape) != tuple(g):
         raise ShapeMismatchError(f"checkpoint shape {tuple(shape)} != model table shape "
                                  f"{tuple(g)}", file=path, tensor=fqn)

@@ -270,14 +270,14 @@ class QuantPart(Adapter):
             dist = match_init(init, (t.fqn, t.name))
             if dist is None:
                 fn = getattr(t.config, "init_fn", None)
-                dist = default_table_dist(t.global_shape[0]) if fn is None \
+                dist = default_table_dist(t.source_shape[0]) if fn is None \
                     else dist_from_init_fn(fn)
             if not isinstance(dist, Dist):
                 missing.append(t.fqn)
                 continue
             key = (t.fqn, t.row0, t.rows)
             if key not in jobs:
-                jobs[key] = QuantJob(t.fqn, t.name, t.global_shape, t.row0, t.rows, [], dist)
+                jobs[key] = QuantJob(t.fqn, t.name, t.source_shape, t.row0, t.rows, [], dist)
             jobs[key].outs.append(QuantOut(t.col0, t.cols, t.kind, storage_key(t.storage),
                                            t.offset, t.stride, t.sb_last))
         if missing:

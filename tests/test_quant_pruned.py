@@ -1,0 +1,90 @@
+"""Pruned quantized tables (TorchRec's ``num_embeddings_post_pruning``: the quantized table
+keeps the first N rows of the float one, its ids remapped upstream): from a float training
+checkpoint each pruned table reads only those rows and equals TorchRec's conversion byte for
+byte, outputs equal; without a checkpoint its rows are those of the float table's init
+(TorchRec's default bound follows the float table's rows); the quantized model's own
+checkpoint reloads; quant-sharded pruned tables are refused by name."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+pytest.importorskip("torchrec")
+pytest.importorskip("fbgemm_gpu")
+
+import metamat  # noqa: E402
+
+from _quant_models import (QDTYPES, Model, assert_same_quant_state, batch,  # noqa: E402
+                           ebc_tables, float_model, forward, no_meta)
+
+PRUNED = {"t0": 20, "t2": 1}  # of t0's 37 rows and t2's (t1 keeps its one row)
+
+
+def _quantize(model, qdtype: str, split: bool = False):
+    """TorchRec's conversion with its pruning attribute on the collection (of a copy)."""
+    from torchrec.distributed.test_utils.infer_utils import quantize as trec_quantize
+    from torchrec.quant.embedding_modules import (
+        MODULE_ATTR_EMB_CONFIG_NAME_TO_NUM_ROWS_POST_PRUNING_DICT as PRUNE)
+
+    model = copy.deepcopy(model)
+    setattr(model.coll, PRUNE, dict(PRUNED))
+    return trec_quantize(model, inplace=True, weight_dtype=QDTYPES[qdtype],
+                         quant_state_dict_split_scale_bias=split)
+
+
+def _check(ref, got, tables, what):
+    assert_same_quant_state(ref, got, what)
+    names = [t.feature_names[0] for t in tables]
+    rows = [PRUNED.get(t.name, t.num_embeddings) for t in tables]  # ids of the kept rows
+    kjt = batch(names, rows)
+    assert torch.equal(forward(ref, kjt), forward(got, kjt)), what
+    assert no_meta(got), what
+
+
+@pytest.mark.parametrize("qdtype,split", [("int8", False), ("int4", True), ("fp16", False)])
+def test_from_float_training_checkpoint(tmp_path, qdtype, split):
+    tables = ebc_tables(dims=(8, 16, 64), rows=(37, 1, 20_000))  # t2: 5 MB, 1 row kept
+    f = float_model(tables, seed=3)
+    path = str(tmp_path / "f.pt")
+    torch.save({k: v.clone() for k, v in f.state_dict().items()}, path)
+    got = _quantize(Model(tables, torch.device("meta")), qdtype, split)
+    report = metamat.materialize(got, path)
+    _check(_quantize(f, qdtype, split), got, tables, qdtype)
+    assert report.initialized == []
+    # the pruned rows were not read: of t2's 5 MB, one row
+    full = sum(v.numel() * 4 for v in f.state_dict().values())
+    assert full > 5_000_000 and report.bytes_read < 1_000_000, report.bytes_read
+
+
+def test_init_is_the_float_tables_init():
+    tables = ebc_tables()
+    f = Model(tables, torch.device("meta"))
+    metamat.materialize(f, device="cpu", seed=11)
+    got = _quantize(Model(tables, torch.device("meta")), "int8")
+    metamat.materialize(got, device="cpu", seed=11)
+    _check(_quantize(f, "int8"), got, tables, "init")
+
+
+def test_own_checkpoint_reloads(tmp_path):
+    tables = ebc_tables()
+    want = _quantize(float_model(tables, seed=5), "int8")
+    path = str(tmp_path / "q.pt")
+    torch.save({k: v.clone() for k, v in want.state_dict().items()}, path)
+    got = _quantize(Model(tables, torch.device("meta")), "int8")
+    metamat.materialize(got, path)
+    _check(want, got, tables, "own checkpoint")
+
+
+def test_quant_sharded_pruned_tables_refused(tmp_path):
+    from _quant_models import quant_plan, shard, sharder_for
+
+    tables = ebc_tables()
+    q = _quantize(Model(tables, torch.device("meta")), "int8", True)
+    sharder = sharder_for("tw", tables)
+    got = shard(q, sharder, quant_plan(q, sharder, 2), 2, "meta")
+    with pytest.raises(metamat.UnsupportedError, match=r"table 't0' is pruned and "
+                       r"quant-sharded: not supported"):
+        metamat.materialize(got, seed=0)
+    assert not no_meta(got)  # nothing swapped in
