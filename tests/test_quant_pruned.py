@@ -3,7 +3,8 @@ keeps the first N rows of the float one, its ids remapped upstream): from a floa
 checkpoint each pruned table reads only those rows and equals TorchRec's conversion byte for
 byte, outputs equal; without a checkpoint its rows are those of the float table's init
 (TorchRec's default bound follows the float table's rows); the quantized model's own
-checkpoint reloads; quant-sharded pruned tables are refused by name."""
+checkpoint reloads; inference-sharded (TW/RW/CW) over the kept rows as TorchRec shards
+them."""
 from __future__ import annotations
 
 import copy
@@ -77,14 +78,23 @@ def test_own_checkpoint_reloads(tmp_path):
     _check(want, got, tables, "own checkpoint")
 
 
-def test_quant_sharded_pruned_tables_refused(tmp_path):
+
+@pytest.mark.parametrize("kind", ["tw", "rw", "cw"])
+def test_quant_sharded(tmp_path, kind):
+    """TorchRec shards a pruned table over its kept rows: each rank reads its rows of them."""
     from _quant_models import quant_plan, shard, sharder_for
 
-    tables = ebc_tables()
-    q = _quantize(Model(tables, torch.device("meta")), "int8", True)
-    sharder = sharder_for("tw", tables)
-    got = shard(q, sharder, quant_plan(q, sharder, 2), 2, "meta")
-    with pytest.raises(metamat.UnsupportedError, match=r"table 't0' is pruned and "
-                       r"quant-sharded: not supported"):
-        metamat.materialize(got, seed=0)
-    assert not no_meta(got)  # nothing swapped in
+    tables = ebc_tables(dims=(16, 32, 48), rows=(37, 3, 100))
+    f = float_model(tables, seed=1)
+    path = str(tmp_path / "f.pt")
+    torch.save({k: v.clone() for k, v in f.state_dict().items()}, path)
+    qref = _quantize(f, "int8", True)
+    sharder = sharder_for(kind, tables)
+    plan = quant_plan(qref, sharder, 2)
+    ref = shard(qref, sharder, plan, 2, "cpu")
+    ref.load_state_dict(qref.state_dict())  # TorchRec: the converted model's state, sharded
+    got = shard(_quantize(Model(tables, torch.device("meta")), "int8", True), sharder, plan, 2,
+                "meta")
+    report = metamat.materialize(got, path)
+    _check(ref, got, tables, kind)
+    assert report.initialized == []

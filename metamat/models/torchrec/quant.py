@@ -287,19 +287,14 @@ def _configs(name: str, m: nn.Module, tbe: Any) -> List[Tuple[Any, int, int, int
     if isinstance(m, (SQEBC, SQEC)):
         out = []
         for t in quant_tbe_config(m, tbe).embedding_tables:
-            if _post_pruning(t) is not None:
-                raise UnsupportedError(f"{name or '<root>'}: table {t.name!r} is pruned and "
-                                       "quant-sharded: not supported (unsharded it is)")
             off = t.local_metadata.shard_offsets if t.local_metadata is not None else [0, 0]
-            out.append((t, int(off[0]), int(off[1]), int(t.num_embeddings), int(t.embedding_dim)))
+            # a pruned table is sharded over its kept rows
+            out.append((t, int(off[0]), int(off[1]), _post_pruning(t) or int(t.num_embeddings),
+                        int(t.embedding_dim)))
         return out
     tables = quant_groups(m)[quant_tbes(m).index(tbe)]
     return [(t, 0, 0, _post_pruning(t) or int(t.num_embeddings), int(t.embedding_dim))
             for t in tables]
-
-
-def _sharded_classes() -> tuple:
-    return quant_classes()[2:]
 
 
 def _post_pruning(config: Any) -> Optional[int]:
@@ -344,7 +339,7 @@ def find_tbes(name: str, m: nn.Module) -> List[QuantTBE]:
             if offset + rows * stride > storage.numel():
                 raise UnsupportedError(f"{where}: table {tname!r} past its TBE's storage")
             tp = f"{prefix}{attr}.{tname}."
-            pruned = _post_pruning(cfg) is not None and not isinstance(m, _sharded_classes())
+            pruned = _post_pruning(cfg) is not None
             tables.append(QuantTable(tname, tp + "weight", tp, (grows, gcols), r0, c0, rows, cols,
                                      kind, tbe, i, storage, offset, stride,
                                      bool(tbe.reverse_qparam), cfg,
