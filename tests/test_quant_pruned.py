@@ -4,7 +4,7 @@ checkpoint each pruned table reads only those rows and equals TorchRec's convers
 byte, outputs equal; without a checkpoint its rows are those of the float table's init
 (TorchRec's default bound follows the float table's rows); the quantized model's own
 checkpoint reloads; inference-sharded (TW/RW/CW) over the kept rows as TorchRec shards
-them."""
+them; into CUDA inference TBEs on the emulated device."""
 from __future__ import annotations
 
 import copy
@@ -98,3 +98,22 @@ def test_quant_sharded(tmp_path, kind):
     report = metamat.materialize(got, path)
     _check(ref, got, tables, kind)
     assert report.initialized == []
+
+
+def test_cuda_inference_tbes_emulated(tmp_path):
+    """Into CUDA inference TBEs on the emulated device: the CPU conversion's rows."""
+    from _quant_models import tbes
+
+    from metamat.emulation import emulated_cuda
+
+    tables = ebc_tables()
+    f = float_model(tables, seed=2)
+    path = str(tmp_path / "f.pt")
+    torch.save({k: v.clone() for k, v in f.state_dict().items()}, path)
+    got = _quantize(Model(tables, torch.device("meta")), "int4")
+    with emulated_cuda():
+        metamat.materialize(got, path, device="cuda")
+    ref = _quantize(f, "int4")
+    assert len(tbes(ref)) == len(tbes(got)) > 0
+    for x, y in zip(tbes(ref), tbes(got)):
+        assert y.weights_host.numel() == 0 and torch.equal(x.weights_host, y.weights_dev)
