@@ -251,8 +251,9 @@ def shard_on_meta(
             fused_uvm_caching; a managed-collision module other than MCH and HashZch; a
             TorchRec module type it cannot build with a sharder for it in use
             (EmbeddingTower[Collection], ITEP collections, tensor pools) or a
-            FusedEmbeddingBagCollection's data-parallel table (:mod:`.module_kinds`); with ``sharding_group_size``: what 2D
-            parallelism on meta refuses (docs/TORCHREC_GPU.md).
+            FusedEmbeddingBagCollection's data-parallel table (:mod:`.module_kinds`); with
+            ``sharding_group_size``: what 2D parallelism on meta refuses
+            (docs/TORCHREC_GPU.md).
         ValueError: ``dmp_kwargs`` names an argument fixed here; with
             ``sharding_group_size``: no CUDA compute device, a group size that does
             not divide the world size, a plan for more ranks than one group, or (with

@@ -105,13 +105,13 @@ def pec_aliases(root: nn.Module, sharded: List[Tuple[str, nn.Module]]) -> List[T
         from torchrec.distributed.pec_embedding import ShardedPECEmbeddingCollection
     except ImportError:  # torchrec < 1.8: no PEC
         return []
-    modules = dict(root.named_modules())
     out = []
     for name, sm in sharded:
         if not isinstance(sm, ShardedEmbeddingCollection):
             continue
         parent, _, last = name.rpartition(".")
-        if last == _PEC_INNER and isinstance(modules.get(parent), ShardedPECEmbeddingCollection):
+        if last == _PEC_INNER and isinstance(root.get_submodule(parent),
+                                             ShardedPECEmbeddingCollection):
             out.append((f"{name}.", f"{parent}." if parent else ""))
         else:
             out.append((f"{name}." if name else "", f"{name}.{_PEC_INNER}." if name
