@@ -143,7 +143,7 @@ def match_parts(parts: Sequence[Adapter], ck: Checkpoint, *, strict: bool, dtype
     has_fused = any(t.optimizer for p in parts for t in p.targets)
     cands: Set[str] = set()
     for p in parts:
-        m = p.match_optimizer(keys, strict=strict, ckpt_path=ck.path)
+        m = p.match_optimizer(keys, strict=strict, ckpt_path=ck.path, rename=rename)
         if m is None:
             continue
         load += m.load

@@ -138,7 +138,8 @@ def materialize(
             the whole tensor of an ordinary module, under a seed keyed by its name, each rank
             keeping its block; a TorchRec table's local block). Names are TorchRec table names
             or ``state_dict()`` keys; an exact name wins, then the first matching pattern.
-        rename: model key -> checkpoint key (dict or callable) when names differ.
+        rename: model key -> checkpoint key (dict or callable) when names differ; a TorchRec
+            table's fused-optimizer state follows its weight's rename.
         merge: model tensors the checkpoint holds in several pieces or under other names,
             for those it does not hold as they are: ``"auto"`` (default) applies the model's
             own conversion rules (transformers' checkpoint conversion mapping: per-expert MoE

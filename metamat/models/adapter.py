@@ -90,8 +90,10 @@ class Adapter(Protocol):
         return []
 
     def match_optimizer(self, keys: Mapping[str, object], *, strict: bool,
-                        ckpt_path: str) -> Optional[Any]:
-        """Fused-optimizer state matched to the checkpoint (an ``OptimMatch``), or None."""
+                        ckpt_path: str, rename: Any = None) -> Optional[Any]:
+        """Fused-optimizer state matched to the checkpoint (an ``OptimMatch``), or None;
+        ``rename`` is :func:`metamat.materialize`'s (the weights' renames apply to their
+        state)."""
         return None
 
     def plan_reads(self, view: Any, dtype: Any) -> Optional[Any]:

@@ -27,15 +27,15 @@ initialised instead).
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 import torch
 
 from ...checkpoint.errors import ShapeMismatchError
-from ...checkpoint.view import OPTIM_PREFIXES, resolve_keys
+from ...checkpoint.view import MODEL_PREFIXES, OPTIM_PREFIXES, resolve_keys
 from ...plan import Target
 
-__all__ = ["OptimMatch", "match_optimizer", "finish_means"]
+__all__ = ["OptimMatch", "match_optimizer", "finish_means", "renamed_weights", "renamed_state"]
 
 
 @dataclasses.dataclass
@@ -118,6 +118,47 @@ def match_optimizer(targets: Sequence[Target], keys: Mapping[str, object],
             out.warnings.append(f"{t.fqn}: row-wise optimizer state of {copies} column shards "
                                 "loaded as their mean")
     return out
+
+
+def renamed_weights(weight: str, rename: Callable[[str], str]) -> List[str]:
+    """The names under which the fused-optimizer state of table weight ``weight`` is saved
+    when ``rename`` maps the weight to another checkpoint key: that key without each model
+    prefix it starts with, the longest first (``dcp.save({"model": ..., "optim": ...})``
+    keeps the weight under ``model.<w>`` and its state under ``optim.state.<w>...``).
+    Nothing when ``rename`` leaves it as it is."""
+    c = rename(weight)
+    if not isinstance(c, str) or c == weight:
+        return []
+    heads = sorted((p for p in MODEL_PREFIXES if c.startswith(p)), key=len, reverse=True)
+    return list(dict.fromkeys(c[len(p):] for p in heads if len(c) > len(p)))
+
+
+def renamed_state(name: str, weights: Set[str], rename: Callable[[str], str]) -> List[str]:
+    """Other names of fused-optimizer state ``name`` (``state.<weight>.<table>.<state>``)
+    under ``rename``: ``state.<renamed weight>.<its table>.<state>`` for each of
+    :func:`renamed_weights`, the table's name taken from the renamed weight (TorchRec names
+    the state after the table: ``...embedding_bags.<table>.weight``)."""
+    rest = name[len("state."):]
+    i = rest.find(".weight.")
+    while i >= 0 and rest[:i + 7] not in weights:
+        i = rest.find(".weight.", i + 1)
+    if i < 0:
+        return []
+    weight, tail = rest[:i + 7], rest[i + 8:]
+    old = _table_of(weight)
+    out = []
+    for c in renamed_weights(weight, rename):
+        new = _table_of(c)
+        t = new + tail[len(old):] if old and new and tail.startswith(old + ".") else tail
+        out.append(f"state.{c}.{t}")
+    return out
+
+
+def _table_of(weight: str) -> Optional[str]:
+    """The table of a TorchRec weight key (``<collection>.<table>.weight``), or None."""
+    if not weight.endswith(".weight") or "." not in weight[:-7]:
+        return None
+    return weight[:-7].rsplit(".", 1)[1]
 
 
 def _table_state(keys: Mapping[str, object], tables: Set[str]) -> List[str]:

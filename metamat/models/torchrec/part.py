@@ -11,10 +11,12 @@ import torch
 from torch import nn
 
 from ...allocate import Allocation
+from ...checkpoint.view import Rename, make_rename
 from ...plan import Target
 from ...support import fill_support
 from ..adapter import Adapter
-from .optim_keys import OptimMatch, finish_means, match_optimizer
+from .optim_keys import (OptimMatch, finish_means, match_optimizer, renamed_state,
+                         renamed_weights)
 from .register import register
 from .tables import fill_targets, needs_write
 from .graph import slot_names
@@ -85,18 +87,25 @@ class TorchRecPart(Adapter):
         return {n: aliased(n, self._aliases()) for n in self.plan.names}
 
     def match_optimizer(self, keys: Mapping[str, object], *, strict: bool,
-                        ckpt_path: str) -> OptimMatch:
-        """Match the fused-optimizer state to the checkpoint (:mod:`.optim_keys`)."""
+                        ckpt_path: str, rename: Rename = None) -> OptimMatch:
+        """Match the fused-optimizer state to the checkpoint (:mod:`.optim_keys`); with
+        ``rename``, each table's state is looked for under its renamed weight first
+        (:func:`.optim_keys.renamed_state`)."""
         rows = {t.fqn: int(t.global_shape[0]) for t in self.targets
                 if not t.optimizer and t.global_shape}
         aliases = self._aliases()
         tables = {a for n in self.plan.names if n.endswith(".weight")
                   for a in aliased(n, aliases)}
         optim = [(f"state.{p}", f"state.{alt}") for p, alt in aliases]
+        names = {n: aliased(n, optim) for n in self.plan.optim_names}
+        if rename is not None:
+            fn = make_rename(rename)
+            names = {n: list(dict.fromkeys([r for a in al for r in renamed_state(a, tables, fn)]
+                                           + al)) for n, al in names.items()}
+            tables |= {r for w in tables for r in renamed_weights(w, fn)}
         self.optim = match_optimizer([t for t in self.targets if t.optimizer], keys, rows,
-                                     names={n: aliased(n, optim)
-                                            for n in self.plan.optim_names},
-                                     tables=tables, strict=strict, ckpt_path=ckpt_path)
+                                     names=names, tables=tables, strict=strict,
+                                     ckpt_path=ckpt_path)
         self.warnings += self.optim.warnings
         return self.optim
 
