@@ -237,11 +237,120 @@ def test_sharded_for_a_gpu_init_is_the_cpu_init(tmp_path):
         assert torch.equal(x.weights_host, y.weights_dev)
 
 
+def _fbgemm_unified_relayout(model, total_memory, monkeypatch):
+    """fbgemm's own move of a meta-sharded model's TBEs into unified memory, on the CPU
+    standing for a GPU of ``total_memory`` bytes (its properties monkeypatched: fbgemm sizes
+    the cache by them): each TBE's tables to the location of its kernel
+    (``reset_weights_placements_and_offsets``, ``recompute_module_buffers``), then the
+    cache fbgemm builds for MANAGED_CACHING tables (``update_cache_load_factor`` ->
+    ``_apply_cache_state``): the reference layout and cache buffers."""
+    from types import SimpleNamespace
+
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
+    from metamat.models.torchrec.quant_layout import KERNEL_LOCATIONS, tbe_kernel
+    from metamat.models.torchrec.upstream import quant_tbes
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda *a, **k: SimpleNamespace(total_memory=total_memory))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda *a, **k: 0)
+    for tbe in quant_tbes(model.coll):
+        where = getattr(EmbeddingLocation, KERNEL_LOCATIONS[tbe_kernel(model.coll, tbe)])
+        tbe.reset_weights_placements_and_offsets(torch.device("cpu"), where.value)
+        tbe.recompute_module_buffers()
+        tbe.use_cpu = False
+        if where == EmbeddingLocation.MANAGED_CACHING:
+            tbe.update_cache_load_factor(tbe.cache_load_factor)
+    monkeypatch.undo()
+    return model
+
+
+UNIFIED_ATTRS = ("embedding_specs", "row_alignment", "host_size", "dev_size", "uvm_size",
+                 "weights_physical_placements", "weights_physical_offsets",
+                 "feature_table_map", "pooling_mode", "max_D_cache", "total_cache_hash_size",
+                 "use_cpu")
+
+
+@pytest.mark.parametrize("kernel", ["quant_uvm", "quant_uvm_caching"])
+@pytest.mark.parametrize("coll,kind,qdtype", [("ebc", "tw", "int8"), ("ebc", "rw", "int4"),
+                                              ("ebc", "cw", "int8"), ("ec", "rw", "int8")])
+def test_sharded_in_unified_memory_emulated(tmp_path, monkeypatch, kernel, coll, kind, qdtype):
+    """TorchRec's GPU inference sharding with the unified-memory kernels (``quant_uvm``:
+    MANAGED tables; ``quant_uvm_caching``: MANAGED_CACHING, a cache in device memory): the
+    rows in fbgemm's host-mapped memory (TorchRec builds inference TBEs with
+    ``uvm_host_mapped=True``), written there by the host; the tables' bytes TorchRec's
+    conversion's; layout, placements and every cache buffer as fbgemm lays them out (the
+    cache empty: every slot -1); TorchRec's forward over the rows."""
+    from _quant_models import ec_tables, forward
+
+    ec = coll == "ec"
+    tables = ec_tables(rows=(37, 3, 100)) if ec else ebc_tables(dims=(16, 32, 48),
+                                                                rows=(37, 3, 100))
+    f, qref, got, sharder, plan = _gpu_sharded(tables, kind, qdtype, ec=ec, kernel=kernel)
+    path = _save(f, str(tmp_path / "f.pt"))
+    with emulated_cuda():
+        r = metamat.materialize(got, path, device="cuda")
+    assert no_meta(got) and not _meta_devices(got)
+    assert r.bytes_by_memory["uvm_host_mapped"] == sum(t.uvm_size for t in tbes(got)) > 0
+    ref = shard(qref, sharder, plan, 1, "cpu")  # TorchRec's CPU sharding, its state loaded
+    ref.load_state_dict(qref.state_dict())
+    a, b = state_bytes(ref), state_bytes(got)
+    keys = [k for k in a if k.startswith("coll.")]
+    assert len(keys) >= 3 and keys == [k for k in b if k.startswith("coll.")]
+    for k in keys:
+        for (_, x), (_, y) in zip(a[k], b[k]):
+            assert torch.equal(x.view(torch.uint8), y.view(torch.uint8)), k
+    layout = _fbgemm_unified_relayout(
+        shard(meta_quant(tables, qdtype, True, ec=ec), sharder, plan, 1, "meta",
+              compute_device="cuda"), 80 << 30, monkeypatch)
+    caching = kernel == "quant_uvm_caching"
+    assert len(tbes(layout)) == len(tbes(got)) > 0
+    for x, y in zip(tbes(layout), tbes(got)):
+        for name in UNIFIED_ATTRS:
+            assert getattr(x, name) == getattr(y, name), name
+        assert set(y.weights_physical_placements) == {2 if caching else 1}  # MANAGED(_CACHING)
+        assert y.weights_dev.numel() == 0 and y.weights_host.numel() == 0
+        assert y.weights_uvm.numel() == y.uvm_size > 0
+        for name in ("weights_offsets", "weights_placements"):
+            assert torch.equal(getattr(x, name), getattr(y, name)), name
+        bx, by = dict(x.named_buffers()), dict(y.named_buffers())
+        assert bx.keys() == by.keys()
+        for n in bx:  # fbgemm leaves the (unused) pruning buffers on meta: the others
+            if not bx[n].is_meta:
+                assert bx[n].dtype == by[n].dtype and torch.equal(bx[n], by[n]), n
+        assert (y.lxu_cache_weights.numel() > 0) == caching
+        if caching:
+            assert y.lxu_cache_state.shape[1] == 32 and (y.lxu_cache_state == -1).all()
+    for t in tbes(got):  # the rows as host ones (and no cache) for fbgemm's CPU kernel
+        t.weights_host, t.host_size, t.uvm_size = t.weights_uvm, t.uvm_size, 0
+        t.weights_placements = torch.full_like(t.weights_placements, 3)  # HOST
+        t.weights_physical_placements = [3] * len(t.weights_physical_placements)
+        t.lxu_cache_weights = torch.zeros(0, 0, dtype=torch.uint8)
+    kjt = batch(*feature_rows(tables))
+    assert torch.equal(forward(ref, kjt), forward(got, kjt))
+
+
+def test_unified_memory_cache_capped_by_free_memory(tmp_path, monkeypatch):
+    """The cache of a ``quant_uvm_caching`` TBE gets the sets fbgemm gives it on a GPU with
+    that much free memory: enough for ``cache_load_factor`` of the rows (32 sets here), or
+    fewer where they do not fit (10)."""
+    tables = ebc_tables(dims=(16, 32, 48), rows=(37, 3, 5000))
+    for free, sets in ((80 << 30, 32), (20000, 10)):
+        f, qref, got, sharder, plan = _gpu_sharded(tables, "tw", "int8",
+                                                   kernel="quant_uvm_caching")
+        with emulated_cuda(free_memory=free):
+            metamat.materialize(got, device="cuda", seed=1)
+        layout = _fbgemm_unified_relayout(
+            shard(meta_quant(tables, "int8", True), sharder, plan, 1, "meta",
+                  compute_device="cuda"), free, monkeypatch)
+        (x,), (y,) = tbes(layout), tbes(got)
+        assert y.lxu_cache_state.shape == x.lxu_cache_state.shape == (sets, 32), free
+        assert y.lxu_cache_weights.shape == x.lxu_cache_weights.shape, free
+        assert torch.equal(x.lxu_state, y.lxu_state) and (y.lxu_cache_state == -1).all()
+
+
 @pytest.mark.parametrize("case,match", [
     ("cpu plan", "device='cpu'"),
     ("two ranks", "rank 1, which TorchRec places on cuda:1"),
-    ("uvm kernel", "'quant_uvm' keeps its tables outside device memory"),
-    ("uvm caching kernel", "'quant_uvm_caching' keeps its tables outside device memory"),
     ("one table on the cpu", "placed on cpu, cuda"),
 ])
 def test_sharded_refused_on_a_gpu(tmp_path, case, match):
@@ -250,8 +359,6 @@ def test_sharded_refused_on_a_gpu(tmp_path, case, match):
 
     tables = ebc_tables(dims=(16, 32, 48), rows=(37, 3, 100))
     kw = {"cpu plan": dict(compute_device="cpu"), "two ranks": dict(world_size=2),
-          "uvm kernel": dict(kernel="quant_uvm"),
-          "uvm caching kernel": dict(kernel="quant_uvm_caching"),
           "one table on the cpu": {}}[case]
     f, qref, got, sharder, _ = _gpu_sharded(tables, "tw" if case != "two ranks" else "rw",
                                             "int8", **kw)
@@ -315,17 +422,21 @@ def test_cuda_inference_tbes(tmp_path, monkeypatch, qdtype, split, where):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("where", ["host", "device"])
-@pytest.mark.parametrize("kind,qdtype", [("tw", "int8"), ("rw", "int4"), ("cw", "int8"),
-                                         ("tw", "int2")])
-def test_cuda_sharded_inference(tmp_path, monkeypatch, kind, qdtype, where):
+@pytest.mark.parametrize("kind,qdtype,kernel", [
+    ("tw", "int8", "quant"), ("rw", "int4", "quant"), ("cw", "int8", "quant"),
+    ("tw", "int2", "quant"), ("tw", "int8", "quant_uvm"), ("rw", "int4", "quant_uvm_caching"),
+    ("cw", "int8", "quant_uvm_caching")])
+def test_cuda_sharded_inference(tmp_path, monkeypatch, kind, qdtype, kernel, where):
     """TorchRec's default GPU inference sharding built on meta and materialized on the GPU,
     against the same plan sharded by TorchRec on the GPU (``sharding_device="cuda"``) with the
-    converted state loaded: every table byte, every TBE buffer and attribute, the forward;
-    the rows quantized on the host or on the device."""
+    converted state loaded: every table byte, every TBE buffer and attribute (unified memory
+    and the cache of the ``quant_uvm*`` kernels included), the forward (a caching TBE's
+    cache filled by it: then its state too); the rows quantized on the host or on the
+    device."""
     monkeypatch.setenv("METAMAT_QUANT_ON", where)
     dev = torch.device("cuda", torch.cuda.current_device())
     tables = ebc_tables(dims=(16, 32, 48), rows=(37, 3, 100))
-    f, qref, got, sharder, plan = _gpu_sharded(tables, kind, qdtype)
+    f, qref, got, sharder, plan = _gpu_sharded(tables, kind, qdtype, kernel=kernel)
     path = _save(f, str(tmp_path / "f.pt"))
     ref = shard(qref, sharder, plan, 1, "cuda", compute_device="cuda")
     ref.load_state_dict(qref.state_dict())
@@ -339,6 +450,11 @@ def test_cuda_sharded_inference(tmp_path, monkeypatch, kind, qdtype, where):
     names, rows = feature_rows(tables)
     kjt = batch(names, rows).to(dev)
     assert torch.equal(ref.coll(kjt).values(), got.coll(kjt).values())
+    if kernel == "quant_uvm_caching":  # both caches took the same rows
+        for x, y in zip(tbes(ref), tbes(got)):
+            assert (y.lxu_cache_state >= 0).any()
+            assert torch.equal(x.lxu_cache_state, y.lxu_cache_state)
+            assert torch.equal(x.lxu_cache_weights, y.lxu_cache_weights)
 
 
 @pytest.mark.parametrize("qdtype", ["int8", "int4", "int2"])

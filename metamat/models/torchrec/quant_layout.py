@@ -19,7 +19,9 @@ from torch import nn
 from ...errors import UnsupportedError
 from .quant import quant_classes, weights_of
 
-__all__ = ["TBE_HOST_ATTRS", "TBE_DEVICE_ATTRS", "DEVICE_KERNELS", "host_twin", "device_twin",
+__all__ = ["TBE_HOST_ATTRS", "TBE_DEVICE_ATTRS", "DEVICE_KERNELS", "KERNEL_LOCATIONS",
+           "CACHE_FILL", "CACHE_MAPS", "host_twin", "device_twin", "inference_cache_sets",
+           "cache_values", "is_caching", "in_unified_memory", "tbe_kernel",
            "gpu_relayout_refusal", "planned_for_gpu", "host_layout", "device_layout"]
 
 #: Attributes of an inference TBE that differ between one built on meta and the same one
@@ -29,9 +31,10 @@ TBE_HOST_ATTRS = ("current_device", "use_cpu", "embedding_specs", "host_size", "
                   "weights_offsets", "weights_placements", "row_alignment")
 
 
-def _twin(tbe: Any, location: Any, device: torch.device) -> Any:
+def _twin(tbe: Any, location: Any, device: torch.device, cache_sets: int = 0) -> Any:
     """The same inference TBE built by fbgemm with every table at ``location``, on
-    ``device``, with the same row alignment; its layout checked against ``tbe``'s."""
+    ``device``, with the same row alignment (and cache settings; ``cache_sets`` for a
+    MANAGED_CACHING one); its layout checked against ``tbe``'s."""
     from fbgemm_gpu.split_table_batched_embeddings_ops_common import BoundsCheckMode
     from fbgemm_gpu.split_embedding_configs import SparseType
 
@@ -45,7 +48,10 @@ def _twin(tbe: Any, location: Any, device: torch.device) -> Any:
         reverse_qparam=tbe.reverse_qparam,
         feature_names_per_table=tbe.feature_names_per_table,
         indices_dtype=tbe.indices_dtype,
-        uvm_host_mapped=tbe.uvm_host_mapped)
+        uvm_host_mapped=tbe.uvm_host_mapped, enforce_hbm=tbe.enforce_hbm,
+        cache_load_factor=tbe.cache_load_factor, cache_sets=cache_sets,
+        cache_algorithm=tbe.cache_algorithm, cache_reserved_memory=tbe.cache_reserved_memory,
+        cache_assoc=tbe.cache_assoc, gather_uvm_cache_stats=tbe.gather_uvm_cache_stats)
     if tbe.fp8_exponent_bits >= 0:  # -1: not an FP8 table
         kwargs.update(fp8_exponent_bits=tbe.fp8_exponent_bits,
                       fp8_exponent_bias=tbe.fp8_exponent_bias)
@@ -56,7 +62,7 @@ def _twin(tbe: Any, location: Any, device: torch.device) -> Any:
         raise UnsupportedError(f"cannot lay the inference TBE out for {where}: {e}") from e
     twin.initialize_logical_weights_placements_and_offsets()
     if list(twin.weights_physical_offsets) != list(tbe.weights_physical_offsets) or \
-            twin.host_size + twin.dev_size != weights_of(tbe).numel():
+            twin.host_size + twin.dev_size + twin.uvm_size != weights_of(tbe).numel():
         raise UnsupportedError(f"the inference TBE's layout for {where} differs from the one "
                                "built on meta")
     return twin
@@ -75,29 +81,103 @@ def host_twin(tbe: Any) -> Any:
     return _twin(tbe, EmbeddingLocation.HOST, torch.device("cpu"))
 
 
-def device_twin(tbe: Any) -> Any:
-    """The same inference TBE laid out by fbgemm for a GPU (DEVICE placement, same row
-    alignment), built on meta: its specs, sizes, placements and offsets, as fbgemm gives a
-    TBE built on a GPU (its buffers' values come from :func:`host_twin`: they do not depend
-    on the placement).
+def device_twin(tbe: Any, kernel: str = "quant", free_memory: Optional[int] = None) -> Any:
+    """The same inference TBE laid out by fbgemm for a GPU, built on meta: its specs, sizes,
+    placements and offsets, as fbgemm gives a TBE that TorchRec builds on a GPU for compute
+    kernel ``kernel`` (DEVICE placement; MANAGED for ``quant_uvm``, MANAGED_CACHING with its
+    cache for ``quant_uvm_caching``: :data:`KERNEL_LOCATIONS`). The buffers it shares with
+    the host layout take their values from :func:`host_twin` (they do not depend on the
+    placement); the cache's are shaped here (:func:`cache_values` gives their values).
+
+    Args:
+        free_memory: the GPU's free bytes as fbgemm counts them for the cache (None:
+            unknown, no cap): see :func:`inference_cache_sets`.
 
     Raises:
         UnsupportedError: fbgemm refuses the arguments, or the twin's layout differs.
     """
     from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
 
-    return _twin(tbe, EmbeddingLocation.DEVICE, torch.device("meta"))
+    location = getattr(EmbeddingLocation, KERNEL_LOCATIONS[kernel])
+    sets = inference_cache_sets(tbe, location, free_memory) \
+        if location == EmbeddingLocation.MANAGED_CACHING else 0
+    return _twin(tbe, location, torch.device("meta"), cache_sets=sets)
+
+
+def inference_cache_sets(tbe: Any, location: Any, free_memory: Optional[int]) -> int:
+    """The cache sets fbgemm gives an inference TBE whose tables are at ``location``
+    (MANAGED_CACHING) when it is built on a GPU (``IntNBitTableBatchedEmbeddingBagsCodegen.
+    _apply_cache_state``): the TBE's own ``cache_sets`` when set, else enough sets of
+    ``cache_assoc`` slots for ``cache_load_factor`` of the cached rows, capped by
+    ``free_memory`` less ``cache_reserved_memory`` when it is known, at least one."""
+    from fbgemm_gpu.split_table_batched_embeddings_ops_inference import (
+        construct_cache_state, rounded_row_size_in_bytes)
+
+    if tbe.cache_sets > 0:
+        return int(tbe.cache_sets)
+    specs = [(n, r, d, ty, location) for n, r, d, ty, _ in tbe.embedding_specs]
+    state = construct_cache_state([s[1] for s in specs], [s[4] for s in specs],
+                                  list(tbe.feature_table_map))
+    assoc = int(tbe.cache_assoc)
+    max_d = max(rounded_row_size_in_bytes(d, ty, 16, tbe.scale_bias_size_in_bytes)
+                for _, _, d, ty, _ in specs)
+    sets = (int(state.total_cache_hash_size * tbe.cache_load_factor) + assoc - 1) // assoc
+    if free_memory is not None:
+        free = free_memory - int(tbe.cache_reserved_memory)
+        if sets * assoc * max_d > free:
+            sets = (int(1.0 * max(free, 0) / max_d) + assoc - 1) // assoc
+    return 1 if sets == 0 else sets
+
+
+#: The cache buffers of a MANAGED_CACHING inference TBE and the value fbgemm gives each
+#: (``_apply_cache_state``): -1 marks an empty cache slot; the two maps come from the specs.
+CACHE_FILL = {"lxu_cache_state": -1, "lxu_cache_weights": 0, "lxu_state": 0,
+              "lxu_cache_miss_timestamp": 0, "cache_miss_counter": 0, "uvm_cache_stats": 0,
+              "local_uvm_cache_stats": 0}
+CACHE_MAPS = ("cache_hash_size_cumsum", "cache_index_table_map")
+
+
+def cache_values(twin: Any) -> Dict[str, torch.Tensor]:
+    """The values of the two cache maps of a MANAGED_CACHING twin (:func:`device_twin`), on
+    the CPU, as fbgemm computes them from the specs (``construct_cache_state``)."""
+    from fbgemm_gpu.split_table_batched_embeddings_ops_inference import construct_cache_state
+
+    state = construct_cache_state([s[1] for s in twin.embedding_specs],
+                                  [s[4] for s in twin.embedding_specs],
+                                  list(twin.feature_table_map))
+    return {"cache_hash_size_cumsum": torch.tensor(state.cache_hash_size_cumsum,
+                                                   dtype=torch.int64),
+            "cache_index_table_map": torch.tensor(state.cache_index_table_map,
+                                                  dtype=torch.int32)}
+
+
+def is_caching(twin: Optional[Any]) -> bool:
+    """The twin (None: no twin) keeps its tables in unified memory behind a cache in device
+    memory."""
+    return twin is not None and twin.total_cache_hash_size > 0 \
+        and twin.lxu_cache_weights.numel() > 0
+
+
+def in_unified_memory(twin: Optional[Any]) -> bool:
+    """The twin (None: no twin) keeps its weights in fbgemm's unified memory (MANAGED,
+    MANAGED_CACHING)."""
+    return twin is not None and twin.uvm_size > 0
 
 
 #: Attributes of an inference TBE a GPU layout changes beyond the buffers: taken from
 #: :func:`device_twin` for a TBE that TorchRec's quant sharding left HOST-placed on meta.
 TBE_DEVICE_ATTRS = ("embedding_specs", "host_size", "dev_size", "uvm_size",
-                    "weights_physical_placements", "weights_physical_offsets", "row_alignment")
+                    "weights_physical_placements", "weights_physical_offsets", "row_alignment",
+                    "max_D_cache", "total_cache_hash_size")
 
 
 #: Compute kernels TorchRec's quant sharding lays out in device memory on a GPU
 #: (``compute_kernel_to_embedding_location``: DEVICE, and a plain inference TBE).
 DEVICE_KERNELS = ("quant", "dense", "fused")
+#: Every compute kernel a quant-sharded TBE can be laid out for on a GPU -> fbgemm's
+#: location of its tables (TorchRec's ``compute_kernel_to_embedding_location``).
+KERNEL_LOCATIONS = {**{k: "DEVICE" for k in DEVICE_KERNELS}, "quant_uvm": "MANAGED",
+                    "quant_uvm_caching": "MANAGED_CACHING"}
 
 
 def _placements(m: nn.Module) -> Tuple[Set[Tuple[str, Optional[int]]], Set[str]]:
@@ -142,12 +222,24 @@ def gpu_relayout_refusal(name: str, m: nn.Module) -> Optional[str]:
         return (f"{where}: shards of rank {ranks[-1]}, which TorchRec places on cuda:"
                 f"{ranks[-1]} of this process; metamat fills one GPU per call: shard with "
                 "shard_quant_model(world_size=1), or materialize with device='cpu'")
-    other = sorted(k for k in kernels if k not in DEVICE_KERNELS)
+    other = sorted(k for k in kernels if k not in KERNEL_LOCATIONS)
     if other:
-        return (f"{where}: compute kernel {other[0]!r} keeps its tables outside device memory "
-                "(unified memory or a key-value store): not supported on a GPU; metamat fills "
-                f"inference tables in device memory (kernels {', '.join(DEVICE_KERNELS)})")
+        return (f"{where}: compute kernel {other[0]!r} (a key-value store) is not supported on "
+                "a GPU; metamat fills inference tables of kernels "
+                f"{', '.join(KERNEL_LOCATIONS)}")
     return None
+
+
+def tbe_kernel(m: nn.Module, tbe: Any) -> str:
+    """The compute kernel of a quant-sharded TBE's tables (TorchRec groups tables by kernel:
+    one per TBE)."""
+    from .upstream import quant_tbe_config
+
+    kernels = {getattr(t.compute_kernel, "value", t.compute_kernel)
+               for t in quant_tbe_config(m, tbe).embedding_tables}
+    if len(kernels) != 1:
+        raise UnsupportedError(f"an inference TBE with tables of kernels {sorted(kernels)}")
+    return kernels.pop()
 
 
 def host_layout(tbe: Any, twin: Any, weights: torch.Tensor) -> None:
@@ -163,18 +255,23 @@ def host_layout(tbe: Any, twin: Any, weights: torch.Tensor) -> None:
 
 
 def device_layout(tbe: Any, twin: Any, weights: torch.Tensor, dev: torch.device,
-                  relaid: Optional[Any] = None) -> None:
+                  relaid: Optional[Any] = None,
+                  cache: Optional[Dict[str, torch.Tensor]] = None) -> None:
     """A TBE built on meta laid out for a GPU: ``relaid`` (its :func:`device_twin`, for one
-    TorchRec left HOST-placed) gives its specs, sizes, placements and offsets first."""
+    TorchRec left HOST-placed) gives its specs, sizes, placements and offsets first;
+    ``cache``: the real cache buffers of a MANAGED_CACHING one, by name."""
     for a in TBE_DEVICE_ATTRS if relaid is not None else ():
         setattr(tbe, a, getattr(relaid, a))
     _device_layout(tbe, twin, weights, dev)
+    for name, buf in (cache or {}).items():
+        tbe._buffers[name] = buf
 
 
 def _device_layout(tbe: Any, twin: Any, weights: torch.Tensor, dev: torch.device) -> None:
-    """A TBE built on meta for a GPU (DEVICE placement) as fbgemm builds it on ``dev``: the
-    weights in ``weights_dev``, the metadata the host twin computed (the layout is the same:
-    offsets and sizes do not depend on the placement), placements DEVICE."""
+    """A TBE built on meta for a GPU as fbgemm builds it on ``dev``: the weights in
+    ``weights_dev`` (DEVICE placement) or ``weights_uvm`` (unified memory), the metadata the
+    host twin computed (the layout is the same: offsets and sizes do not depend on the
+    placement), the placements the TBE's."""
     for name, buf in twin._buffers.items():
         tbe._buffers[name] = buf.to(dev)
     tbe.weights_offsets = twin.weights_offsets.to(dev)
@@ -183,6 +280,9 @@ def _device_layout(tbe: Any, twin: Any, weights: torch.Tensor, dev: torch.device
         dtype=torch.int32, device=dev)
     tbe.current_device = dev
     tbe.use_cpu = False
-    tbe.weights_dev = weights
+    empty = torch.empty(0, dtype=torch.uint8, device=dev)
     tbe.weights_host = torch.zeros(0, dtype=torch.uint8, device=dev)
-    tbe.weights_uvm = torch.empty(0, dtype=torch.uint8, device=dev)
+    if tbe.uvm_size > 0:
+        tbe.weights_uvm, tbe.weights_dev = weights, empty
+    else:
+        tbe.weights_dev, tbe.weights_uvm = weights, empty

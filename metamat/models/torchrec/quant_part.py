@@ -26,7 +26,7 @@ from typing import Dict, List, Mapping, Optional, Set
 import torch
 from torch import nn
 
-from ...allocate import Allocation
+from ...allocate import DEVICE, UVM, UVM_HOST_MAPPED, Allocation
 from ...errors import MissingValueError, UnsupportedError
 from ...load.quantize import (DeviceSink, QuantJob, QuantOut, plan_quant_reads, quant_on,
                               quantize_into, rows_per_piece)
@@ -39,8 +39,9 @@ from .compat import check_versions
 from .graph import scan
 from .managed_collision import finish_mc_modules, is_mch
 from .quant import QuantTBE, find_tbes
-from .quant_layout import (device_layout, device_twin, gpu_relayout_refusal, host_layout,
-                           host_twin, planned_for_gpu)
+from .quant_layout import (CACHE_FILL, CACHE_MAPS, cache_values, device_layout, device_twin,
+                           gpu_relayout_refusal, host_layout, host_twin, in_unified_memory,
+                           is_caching, planned_for_gpu, tbe_kernel)
 from .quant_keys import QuantMatch, match_quant
 from .quant_mc import (check_loaded, match_own_state, rank_mc_modules, rank_mc_targets,
                        validate_loaded)
@@ -48,6 +49,19 @@ from .upstream import drop_quantized_weights, quantized_weights
 
 __all__ = ["QuantPart"]
 
+
+
+def _cache_free_memory(device: torch.device, emulated: bool) -> Optional[int]:
+    """The free memory fbgemm sizes an inference TBE's cache by (its total memory less what
+    torch reserved; the emulated device's free memory), or None when unknown."""
+    if emulated:
+        from ...emulation import free_device_memory
+
+        return free_device_memory(device, True)
+    from .cuda_kernels import _free_memory
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _free_memory(index, 0.0)
 
 
 class QuantPart(Adapter):
@@ -80,13 +94,15 @@ class QuantPart(Adapter):
         if self.cuda:
             quant_on()  # METAMAT_QUANT_ON checked before anything is allocated
             owners = dict(modules)
+            free = _cache_free_memory(device, emulated)
             for t in self.tbes:
                 if t.storage is t.module.weights_dev or self._is_live(t.storage):
                     continue
                 why = gpu_relayout_refusal(t.owner, owners[t.owner])
                 if why is not None:
                     raise UnsupportedError(why + " (docs/QUANT.md)")
-                self.relaid[id(t.module)] = device_twin(t.module)
+                self.relaid[id(t.module)] = device_twin(
+                    t.module, tbe_kernel(owners[t.owner], t.module), free)
             if self.relaid and device.type == "cuda" and device.index not in (None, 0):
                 raise UnsupportedError(
                     f"{self.tbes[0].owner or '<root>'}: TorchRec places the shards of rank 0 "
@@ -97,9 +113,23 @@ class QuantPart(Adapter):
                       if not self._is_live(t.storage)}
         self.graph = scan(*[m for _, m in modules])
         self.keys = {storage_key(t.storage) for t in self.tbes}
-        self.storages = [StorageGroup(k, self._nbytes(k), kind="zeros")
+        # weights of TBEs relaid in unified memory (quant_uvm, quant_uvm_caching kernels) ->
+        # its kind; each caching TBE's cache buffers (meta, on its twin), by name
+        self.unified: Dict[int, str] = {
+            storage_key(t.storage): UVM_HOST_MAPPED if t.module.uvm_host_mapped else UVM
+            for t in self.tbes if in_unified_memory(self.relaid.get(id(t.module)))}
+        self.caches: Dict[int, Dict[str, torch.Tensor]] = {
+            id(t.module): {n: self.relaid[id(t.module)]._buffers[n]
+                           for n in (*CACHE_FILL, *CACHE_MAPS)}
+            for t in self.tbes if is_caching(self.relaid.get(id(t.module)))}
+        self.storages = [StorageGroup(k, self._nbytes(k), kind="zeros",
+                                      memory=self.unified.get(k, DEVICE))
                          for k in dict.fromkeys(storage_key(t.storage) for t in self.tbes)
                          if not (inplace and k in self.real)]  # in place: nothing to allocate
+        self.storages += [StorageGroup(storage_key(b), b.untyped_storage().nbytes(),
+                                       kind="zeros", where=f"{t.owner or '<root>'}: {n}")
+                          for t in self.tbes for n, b in self.caches.get(id(t.module),
+                                                                        {}).items()]
         # each rank's MC modules of sharded quantized MC collections: one storage per tensor
         self.ranks = rank_mc_modules(modules)
         self.rank_state = rank_mc_targets(self.ranks, loading)
@@ -303,7 +333,11 @@ class QuantPart(Adapter):
         for job in jobs:
             for o in job.outs:
                 o.base = self._full(alloc, o.storage)
-                o.device_memory = self.cuda  # quantized on the host, copied to the device
+                # quantized on the host, copied to the device; unified memory is host memory:
+                # written in place through its host alias, no copy
+                o.device_memory = self.cuda and o.storage not in self.unified
+                if o.storage in self.unified:
+                    o.base = alloc.host_view(o.base)
         for tg in self.targets:  # (the report's: a live table not loaded is unchanged)
             if self._is_live(tg.tensor):
                 tg.tensor = self.real[storage_key(tg.tensor)]
@@ -341,6 +375,7 @@ class QuantPart(Adapter):
         self.loaded = loaded
         written = fill_support([g for g in self.storages if g.key not in self.real
                                 and g.key not in self.mc_keys], [], alloc)
+        written += self._fill_caches(alloc)
         written += fill_targets([tg for _, _, tg in self.rank_state if id(tg) not in loaded
                                  and alloc.key_of(tg.tensor) is not None], seed)
         for key in self._shadowed():  # a shadow starts as the live bytes
@@ -361,6 +396,24 @@ class QuantPart(Adapter):
         if self.match is not None:
             written += sum(j.nbytes for j in self.match.jobs)
         return written
+
+    def _fill_caches(self, alloc: Allocation) -> int:
+        """The cache buffers of caching TBEs as fbgemm starts them (every slot empty: -1;
+        the maps of the cached rows); the rest stay zero. Returns bytes written."""
+        n = 0
+        with torch.no_grad():
+            for tbe_id, bufs in self.caches.items():
+                maps = cache_values(self.relaid[tbe_id])
+                for name, meta in bufs.items():
+                    x = alloc.view(meta)
+                    if name in maps:
+                        x.copy_(maps[name])
+                    elif CACHE_FILL[name]:
+                        x.fill_(CACHE_FILL[name])
+                    else:
+                        continue
+                    n += x.numel() * x.element_size()
+        return n
 
     def after_load(self) -> None:
         """Each rank's loaded MC state checked as TorchRec's load hook will check it, before
@@ -396,7 +449,8 @@ class QuantPart(Adapter):
             if weights is None:
                 weights = alloc.view(t.storage)
             if self.cuda:
-                device_layout(tbe, twin, weights, dev, self.relaid.get(id(tbe)))
+                cache = {n: alloc.view(b) for n, b in self.caches.get(id(tbe), {}).items()}
+                device_layout(tbe, twin, weights, dev, self.relaid.get(id(tbe)), cache)
             else:
                 host_layout(tbe, twin, weights)
         untouched = {t.owner for t in self.tbes
