@@ -313,3 +313,73 @@ def test_refresh_refuses_another_device(tmp_path):
     with emulated_cuda(), pytest.raises(metamat.UnsupportedError, match="host placement"):
         metamat.materialize(served, path, device="cuda")
     assert all(torch.equal(a, c) for (a, _), (c, _) in zip(before, _storages(served)))
+
+
+@pytest.mark.parametrize("kernel", ["quant_uvm", "quant_uvm_caching"])
+@pytest.mark.parametrize("inplace", [False, True])
+def test_refresh_in_unified_memory_emulated(tmp_path, kernel, inplace):
+    """A model served from unified memory (TorchRec's quant_uvm / quant_uvm_caching kernels,
+    GPU sharding) refreshed on the emulated device: the new rows written by the host into the
+    live storages (through a host shadow, or in place), the cache of every caching TBE emptied
+    after the copy (its rows were the old ones); a refresh that fails leaves rows and cache
+    as they were."""
+    tables = ebc_tables(dims=(16, 32, 48), rows=(37, 3, 100))
+    sharder = sharder_for("rw", tables, kernel=kernel)
+    qold = quantize(float_model(tables, seed=1), "int8", True)
+    plan = quant_plan(qold, sharder, 1, compute_device="cuda")
+    served = shard(meta_quant(tables, "int8", True), sharder, plan, 1, "meta",
+                   compute_device="cuda")
+    new = float_model(tables, seed=2)
+    other = float_model(ebc_tables(dims=(16, 32, 48), rows=(38, 3, 100)), seed=3)
+    caching = kernel == "quant_uvm_caching"
+    with emulated_cuda():
+        metamat.materialize(served, _save(float_model(tables, seed=1), str(tmp_path / "a.pt")),
+                            device="cuda")
+        live = [t.weights_uvm for t in tbes(served)]
+        assert all(x.numel() for x in live)
+        for t in tbes(served):  # a served cache holds rows
+            assert bool(t.lxu_cache_weights.numel()) == caching
+            t.lxu_cache_state.fill_(0)
+            t.lxu_state.fill_(5)
+        before = [x.clone() for x in live]
+        with pytest.raises(metamat.CheckpointError, match="t0"):
+            metamat.materialize(served, _save(other, str(tmp_path / "o.pt")), device="cuda",
+                                inplace=inplace)
+        assert all(torch.equal(a, b) for a, b in zip(before, live))
+        assert all((t.lxu_cache_state == 0).all() for t in tbes(served))
+        r = metamat.materialize(served, _save(new, str(tmp_path / "b.pt")), device="cuda",
+                                inplace=inplace)
+    assert all(t.weights_uvm is x for t, x in zip(tbes(served), live))  # refreshed, not replaced
+    dense = sum(p.numel() * p.element_size() for p in served.dense.parameters())
+    assert r.bytes_transient == (0 if inplace else sum(x.numel() for x in live) + dense)
+    qnew = quantize(new, "int8", True)
+    want = shard(qnew, sharder, plan, 1, "cpu")
+    want.load_state_dict(qnew.state_dict())
+    assert _same_state(want, served)
+    for t in tbes(served):
+        if caching:  # emptied: the next lookups fetch the new rows
+            assert (t.lxu_cache_state == -1).all() and not t.lxu_state.any()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kernel", ["quant_uvm", "quant_uvm_caching"])
+def test_refresh_in_unified_memory_on_a_gpu(tmp_path, kernel):
+    """TorchRec's GPU sharding with a unified-memory kernel, built by TorchRec on the GPU and
+    serving (a forward filled its cache), refreshed from a new checkpoint: the bytes and the
+    next forward those of the same sharding holding the new model (no stale cached row)."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    tables = ebc_tables(dims=(16, 32, 48), rows=(37, 3, 100))
+    sharder = sharder_for("rw", tables, kernel=kernel)
+    qold = quantize(float_model(tables, seed=1), "int8", True)
+    plan = quant_plan(qold, sharder, 1, compute_device="cuda")
+    served = shard(qold, sharder, plan, 1, "cuda", compute_device="cuda")
+    served.load_state_dict(qold.state_dict())
+    kjt = batch(*feature_rows(tables)).to(dev)
+    served.coll(kjt)
+    new = float_model(tables, seed=2)
+    metamat.materialize(served, _save(new, str(tmp_path / "b.pt")))
+    qnew = quantize(new, "int8", True)
+    want = shard(qnew, sharder, plan, 1, "cuda", compute_device="cuda")
+    want.load_state_dict(qnew.state_dict())
+    assert torch.equal(want.coll(kjt).values(), served.coll(kjt).values())
+    assert _same_state(want, served)

@@ -244,9 +244,11 @@ def weights_of(tbe: Any) -> torch.Tensor:
         return tbe.weights_host
     if places == {EmbeddingLocation.DEVICE.value}:
         return tbe.weights_dev
+    if places in ({EmbeddingLocation.MANAGED.value}, {EmbeddingLocation.MANAGED_CACHING.value}):
+        return tbe.weights_uvm
     raise UnsupportedError(
-        f"inference TBE with placements {sorted(places)} (unified memory or mixed): only "
-        "HOST or DEVICE tables are supported")
+        f"inference TBE with placements {sorted(places)} (mixed): every table of a TBE must "
+        "be in one memory (HOST, DEVICE, or unified memory)")
 
 
 def _check_tbe(tbe: Any, where: str) -> None:

@@ -26,7 +26,7 @@ from typing import Dict, List, Mapping, Optional, Set
 import torch
 from torch import nn
 
-from ...allocate import DEVICE, UVM, UVM_HOST_MAPPED, Allocation
+from ...allocate import DEVICE, UVM, UVM_HOST_MAPPED, Allocation, host_alias
 from ...errors import MissingValueError, UnsupportedError
 from ...load.quantize import (DeviceSink, QuantJob, QuantOut, plan_quant_reads, quant_on,
                               quantize_into, rows_per_piece)
@@ -85,6 +85,7 @@ class QuantPart(Adapter):
         self.real: Dict[int, torch.Tensor] = {}  # stand-in storage key -> the live storage
         self.touched: Set[int] = set()  # those the checkpoint loads into (decide)
         self.inplace = inplace
+        self.live_unified: Dict[int, str] = {}  # stand-ins of live storages in unified memory
         for t in self.tbes:
             if not t.storage.is_meta:
                 self._stand_in(t, device, emulated)
@@ -118,6 +119,7 @@ class QuantPart(Adapter):
         self.unified: Dict[int, str] = {
             storage_key(t.storage): UVM_HOST_MAPPED if t.module.uvm_host_mapped else UVM
             for t in self.tbes if in_unified_memory(self.relaid.get(id(t.module)))}
+        self.unified.update(self.live_unified)
         self.caches: Dict[int, Dict[str, torch.Tensor]] = {
             id(t.module): {n: self.relaid[id(t.module)]._buffers[n]
                            for n in (*CACHE_FILL, *CACHE_MAPS)}
@@ -162,7 +164,8 @@ class QuantPart(Adapter):
         if real.dim() != 1 or real.storage_offset() or not real.is_contiguous():
             raise UnsupportedError(f"{where}: its inference TBE's weights are not one whole "
                                    "storage: cannot load into it")
-        in_device = real is t.module.weights_dev  # DEVICE placement, else HOST
+        # DEVICE placement or unified memory (seen from the GPU), else HOST
+        in_device = real is t.module.weights_dev or real is t.module.weights_uvm
         if in_device != self.cuda or (not emulated and real.device != device):
             raise UnsupportedError(
                 f"{where}: its tables live on {real.device} ("
@@ -173,6 +176,9 @@ class QuantPart(Adapter):
         for tb in t.tables:
             tb.storage = standin
         self.real[storage_key(standin)] = real
+        if real is t.module.weights_uvm:  # its shadow is host memory too
+            self.live_unified[storage_key(standin)] = \
+                UVM_HOST_MAPPED if t.module.uvm_host_mapped else UVM
 
     def _is_live(self, x: torch.Tensor) -> bool:
         """``x`` views the stand-in of a live storage."""
@@ -357,8 +363,14 @@ class QuantPart(Adapter):
     def _full(self, alloc: Allocation, key: int) -> torch.Tensor:
         """Storage ``key`` as uint8 bytes: the live one in place, else the allocated one."""
         if self.inplace and key in self.real:
-            return self.real[key].view(-1)
+            return self._host(self.real[key]).view(-1)
         return alloc.full(key)
+
+    @staticmethod
+    def _host(real: torch.Tensor) -> torch.Tensor:
+        """A live storage as the host writes it: its host alias in unified memory."""
+        alias = host_alias(real)
+        return real if alias is None else alias
 
     def written_in_place(self) -> List[str]:
         if not self.inplace or self.match is None:
@@ -379,7 +391,7 @@ class QuantPart(Adapter):
         written += fill_targets([tg for _, _, tg in self.rank_state if id(tg) not in loaded
                                  and alloc.key_of(tg.tensor) is not None], seed)
         for key in self._shadowed():  # a shadow starts as the live bytes
-            alloc.full(key).copy_(self.real[key].view(-1))
+            alloc.host_view(alloc.full(key)).copy_(self._host(self.real[key]).view(-1))
         threads = default_io_threads()
         sink = DeviceSink(on_device=quant_on() == "device")
         for job in self.init_jobs:
@@ -441,8 +453,10 @@ class QuantPart(Adapter):
             if self._is_live(t.storage):  # the shadow's bytes into the live storage
                 key = storage_key(t.storage)
                 if key in self._shadowed():
-                    with torch.no_grad():
-                        self.real[key].copy_(alloc.full(key))
+                    with torch.no_grad():  # unified memory: host to host
+                        self._host(self.real[key]).copy_(alloc.host_view(alloc.full(key)))
+                if key in self.touched and t.module.lxu_cache_weights.numel():
+                    t.module.reset_cache_states()  # cached rows are the old ones: all evicted
                 continue
             tbe, twin = t.module, self.twins[id(t.module)]
             weights = twins.get(id(t.storage))
