@@ -102,6 +102,22 @@ def _fbgemm_relayout(model, device):
     return model
 
 
+def _assert_cpu_sharding_bytes(qref, sharder, plan, got):
+    """Every table block of ``got`` (state_dict keys under ``coll.``) holds the bytes of
+    TorchRec's CPU sharding of the converted model ``qref`` with the same plan, at the same
+    offsets; returns that reference model."""
+    ref = shard(qref, sharder, plan, 1, "cpu")
+    ref.load_state_dict(qref.state_dict())
+    a, b = state_bytes(ref), state_bytes(got)
+    keys = [k for k in a if k.startswith("coll.")]
+    assert len(keys) >= 3 and keys == [k for k in b if k.startswith("coll.")]
+    for k in keys:
+        assert [o for o, _ in a[k]] == [o for o, _ in b[k]], k
+        for (_, x), (_, y) in zip(a[k], b[k]):
+            assert torch.equal(x.view(torch.uint8), y.view(torch.uint8)), k
+    return ref
+
+
 def _assert_padding_zero(model):
     """Zero every table view of the state in place: the TBE storages must then be all zero
     (the state's tensors alias weights_dev, and the row padding and table gaps are 0)."""
@@ -165,15 +181,7 @@ def test_sharded_for_a_gpu_emulated(tmp_path, coll, kind, qdtype):
     with emulated_cuda():
         r = metamat.materialize(got, path, device="cuda")
     assert "emulated" in r.device and no_meta(got) and not _meta_devices(got)
-    ref = shard(qref, sharder, plan, 1, "cpu")  # TorchRec's CPU sharding, its state loaded
-    ref.load_state_dict(qref.state_dict())
-    a, b = state_bytes(ref), state_bytes(got)
-    keys = [k for k in a if k.startswith("coll.")]
-    assert len(keys) >= 3 and keys == [k for k in b if k.startswith("coll.")]
-    for k in keys:
-        assert [o for o, _ in a[k]] == [o for o, _ in b[k]], k
-        for (_, x), (_, y) in zip(a[k], b[k]):
-            assert torch.equal(x.view(torch.uint8), y.view(torch.uint8)), k
+    _assert_cpu_sharding_bytes(qref, sharder, plan, got)
     assert len(tbes(layout)) == len(tbes(got)) > 0
     for x, y in zip(tbes(layout), tbes(got)):
         for name in ("embedding_specs", "row_alignment", "host_size", "dev_size", "uvm_size",
@@ -291,14 +299,7 @@ def test_sharded_in_unified_memory_emulated(tmp_path, monkeypatch, kernel, coll,
         r = metamat.materialize(got, path, device="cuda")
     assert no_meta(got) and not _meta_devices(got)
     assert r.bytes_by_memory["uvm_host_mapped"] == sum(t.uvm_size for t in tbes(got)) > 0
-    ref = shard(qref, sharder, plan, 1, "cpu")  # TorchRec's CPU sharding, its state loaded
-    ref.load_state_dict(qref.state_dict())
-    a, b = state_bytes(ref), state_bytes(got)
-    keys = [k for k in a if k.startswith("coll.")]
-    assert len(keys) >= 3 and keys == [k for k in b if k.startswith("coll.")]
-    for k in keys:
-        for (_, x), (_, y) in zip(a[k], b[k]):
-            assert torch.equal(x.view(torch.uint8), y.view(torch.uint8)), k
+    ref = _assert_cpu_sharding_bytes(qref, sharder, plan, got)
     layout = _fbgemm_unified_relayout(
         shard(meta_quant(tables, qdtype, True, ec=ec), sharder, plan, 1, "meta",
               compute_device="cuda"), 80 << 30, monkeypatch)
