@@ -14,8 +14,10 @@ memory (``torch.empty`` on the GPU), or fbgemm's unified memory for UVM tables (
 host-mapped, ``torch.ops.fbgemm.new_unified_tensor`` as fbgemm allocates it). Unified memory
 lives on the host: the allocation keeps a CPU alias of it (:meth:`Allocation.host_view`), so
 the init engine and the checkpoint reader write those bytes from the host, where they are,
-with no copy over PCIe. Under :func:`metamat.emulation.emulated_cuda` every kind is a CPU
-storage and the kinds are only recorded (tests of the GPU path on machines without a GPU).
+with no copy over PCIe. Plain host memory is a kind too, for what only the host reads and
+writes while a GPU model is filled (the shadow of a live table in unified memory). Under
+:func:`metamat.emulation.emulated_cuda` every kind is a CPU storage and the kinds are only
+recorded (tests of the GPU path on machines without a GPU).
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ from torch import nn
 from .plan import StorageGroup, storage_key
 
 __all__ = ["Allocation", "allocate", "zeroed_cpu_storage", "is_zero_dist", "LAZY_ZERO_MIN_BYTES",
-           "DEVICE", "UVM", "UVM_HOST_MAPPED", "MEMORY_KINDS", "host_alias"]
+           "DEVICE", "UVM", "UVM_HOST_MAPPED", "HOST", "MEMORY_KINDS", "host_alias"]
 
 # Below this a map costs more than the memset it saves (and rounds up to a page).
 LAZY_ZERO_MIN_BYTES = 1 << 20
@@ -38,7 +40,8 @@ LAZY_ZERO_MIN_BYTES = 1 << 20
 DEVICE = "device"  # the device's own memory (HBM)
 UVM = "uvm"  # fbgemm's managed memory (cudaMallocManaged, preferred on the host)
 UVM_HOST_MAPPED = "uvm_host_mapped"  # fbgemm's host-mapped memory (cudaHostAlloc, mapped)
-MEMORY_KINDS = (DEVICE, UVM, UVM_HOST_MAPPED)
+HOST = "host"  # plain host memory, pageable (the GPU never reads it)
+MEMORY_KINDS = (DEVICE, UVM, UVM_HOST_MAPPED, HOST)
 
 
 def host_alias(x: torch.Tensor) -> Optional[torch.Tensor]:
@@ -117,7 +120,7 @@ class Allocation:
     def view(self, old: torch.Tensor) -> torch.Tensor:
         """A plain real tensor viewing the new storage exactly as ``old`` views its meta one."""
         st = self.storages[storage_key(old)]
-        t = torch.empty((0,), dtype=old.dtype, device=self.device)
+        t = torch.empty((0,), dtype=old.dtype, device=st.device)
         t.set_(st, old.storage_offset(), old.shape, old.stride())
         return t
 
@@ -214,14 +217,16 @@ def allocate(groups: Iterable[StorageGroup], device: torch.device, *,
         memory = g.memory
         if memory not in MEMORY_KINDS:
             raise ValueError(f"unknown memory kind {memory!r}")
-        if device.type == "cuda" and memory != DEVICE and g.nbytes:
+        on_host = device.type == "cpu" or memory == HOST
+        if device.type == "cuda" and memory not in (DEVICE, HOST) and g.nbytes:
             alloc.storages[g.key], alloc.host[g.key] = _unified_storage(
                 g.nbytes, device, memory == UVM_HOST_MAPPED)
-        elif device.type == "cpu" and g.nbytes >= LAZY_ZERO_MIN_BYTES:
+        elif on_host and g.nbytes >= LAZY_ZERO_MIN_BYTES:
             alloc.storages[g.key] = zeroed_cpu_storage(g.nbytes)
             alloc.zeroed.add(g.key)
         else:
-            alloc.storages[g.key] = torch.UntypedStorage(g.nbytes, device=device)
+            alloc.storages[g.key] = torch.UntypedStorage(
+                g.nbytes, device="cpu" if on_host else device)
         if memory != DEVICE:
             alloc.memory[g.key] = memory
             if emulated:

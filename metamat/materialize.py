@@ -335,13 +335,15 @@ def _read(ld: "LoadMatch", io_threads, staging_bytes, progress, io, alloc):
 def _fill_report(report: Report, parts: Sequence[Adapter], ld: "LoadMatch", executed, alloc,
                  shadows) -> None:
     targets = [t for p in parts for t in p.targets]
-    shadowed = sum(p.transient_bytes() for p in parts)  # adapters' own shadows (live tables)
+    by_memory = alloc.bytes_by_memory()
+    shadowed = 0  # adapters' own shadows (live tables), by the memory they are in
+    for k in {k for p in parts for k in p.transient_keys()} & set(alloc.storages):
+        n = alloc.storages[k].nbytes()
+        kind = alloc.memory.get(k, DEVICE)
+        by_memory[kind] = by_memory.get(kind, 0) - n
+        shadowed += n
     report.bytes_allocated = alloc.nbytes - shadowed
-    report.bytes_by_memory = alloc.bytes_by_memory()
-    if shadowed:
-        left = report.bytes_by_memory.get(DEVICE, 0) - shadowed
-        report.bytes_by_memory = {k: v for k, v in {**report.bytes_by_memory,
-                                                    DEVICE: left}.items() if v > 0}
+    report.bytes_by_memory = {k: v for k, v in by_memory.items() if v > 0}
     report.bytes_transient = sum(s.untyped_storage().nbytes() for _l, s, _f in shadows) \
         + shadowed
     report.num_targets = len(targets)

@@ -318,6 +318,7 @@ def test_sharded_in_unified_memory_emulated(tmp_path, monkeypatch, kernel, coll,
         for n in bx:  # fbgemm leaves the (unused) pruning buffers on meta: the others
             if not bx[n].is_meta:
                 assert bx[n].dtype == by[n].dtype and torch.equal(bx[n], by[n]), n
+        assert x.state_dict().keys() == y.state_dict().keys()  # persistent as fbgemm's
         assert (y.lxu_cache_weights.numel() > 0) == caching
         if caching:
             assert y.lxu_cache_state.shape[1] == 32 and (y.lxu_cache_state == -1).all()
@@ -330,23 +331,72 @@ def test_sharded_in_unified_memory_emulated(tmp_path, monkeypatch, kernel, coll,
     assert torch.equal(forward(ref, kjt), forward(got, kjt))
 
 
-def test_unified_memory_cache_capped_by_free_memory(tmp_path, monkeypatch):
+def test_enforce_hbm_keeps_unified_rows_in_device_memory(tmp_path):
+    """``enforce_hbm=True`` in the sharder's fused params: fbgemm keeps the rows of a
+    unified-memory kernel in device memory (``weights_uvm`` a device tensor); so does
+    metamat, the bytes the same, and a refresh writes them through the device path."""
+    from torchrec.distributed.test_utils.infer_utils import TestQuantEBCSharder
+
+    tables = ebc_tables(dims=(16, 32, 48), rows=(37, 3, 100))
+    f = float_model(tables, seed=11)
+    qref = quantize(f, "int8", True)
+    sharder = TestQuantEBCSharder(sharding_type="table_wise", kernel_type="quant_uvm_caching",
+                                  fused_params={"enforce_hbm": True},
+                                  shardable_params=[t.name for t in tables])
+    plan = quant_plan(qref, sharder, 1, compute_device="cuda")
+    got = shard(meta_quant(tables, "int8", True), sharder, plan, 1, "meta",
+                compute_device="cuda")
+    assert all(t.enforce_hbm for t in tbes(got))
+    path = _save(f, str(tmp_path / "f.pt"))
+    with emulated_cuda():
+        r = metamat.materialize(got, path, device="cuda")
+        assert set(r.bytes_by_memory) == {"device"}
+        assert all(t.weights_uvm.numel() == t.uvm_size > 0 for t in tbes(got))
+        _assert_cpu_sharding_bytes(qref, sharder, plan, got)
+        new = float_model(tables, seed=12)
+        r = metamat.materialize(got, _save(new, str(tmp_path / "g.pt")), device="cuda")
+        assert set(r.bytes_by_memory) <= {"device"}
+    _assert_cpu_sharding_bytes(quantize(new, "int8", True), sharder, plan, got)
+
+
+def test_unified_memory_cache_sized_by_free_memory(monkeypatch):
     """The cache of a ``quant_uvm_caching`` TBE gets the sets fbgemm gives it on a GPU with
     that much free memory: enough for ``cache_load_factor`` of the rows (32 sets here), or
-    fewer where they do not fit (10)."""
+    fewer where they do not fit (10); a second caching TBE is sized by what the first left
+    (TorchRec builds them one after the other)."""
+    from metamat.models.torchrec.quant_layout import device_twin
+    from metamat.models.torchrec.quant_part import _device_bytes
+
     tables = ebc_tables(dims=(16, 32, 48), rows=(37, 3, 5000))
+    _, _, got, sharder, plan = _gpu_sharded(tables, "tw", "int8", kernel="quant_uvm_caching")
     for free, sets in ((80 << 30, 32), (20000, 10)):
-        f, qref, got, sharder, plan = _gpu_sharded(tables, "tw", "int8",
-                                                   kernel="quant_uvm_caching")
-        with emulated_cuda(free_memory=free):
-            metamat.materialize(got, device="cuda", seed=1)
         layout = _fbgemm_unified_relayout(
             shard(meta_quant(tables, "int8", True), sharder, plan, 1, "meta",
                   compute_device="cuda"), free, monkeypatch)
-        (x,), (y,) = tbes(layout), tbes(got)
+        (x,), (tbe,) = tbes(layout), tbes(got)
+        y = device_twin(tbe, "quant_uvm_caching", free)
         assert y.lxu_cache_state.shape == x.lxu_cache_state.shape == (sets, 32), free
-        assert y.lxu_cache_weights.shape == x.lxu_cache_weights.shape, free
-        assert torch.equal(x.lxu_state, y.lxu_state) and (y.lxu_cache_state == -1).all()
+        for n, b in x.named_buffers():
+            assert b.shape == y._buffers[n].shape and b.dtype == y._buffers[n].dtype, n
+    # what the first TBE took is not free for the second
+    first = device_twin(tbe, "quant_uvm_caching", 100_000)
+    second = device_twin(tbe, "quant_uvm_caching", 100_000 - _device_bytes(first))
+    assert first.lxu_cache_state.shape[0] == 32 > second.lxu_cache_state.shape[0]
+
+
+def test_unified_memory_cache_that_does_not_fit_is_refused(tmp_path):
+    """A cache that takes the GPU's free memory (fbgemm caps its sets there, then its state
+    needs more): DeviceMemoryError naming the cache and what to change, before anything is
+    allocated; the model left on meta."""
+    tables = ebc_tables(dims=(16, 32, 48), rows=(37, 3, 5000))
+    _, _, got, _, _ = _gpu_sharded(tables, "tw", "int8", kernel="quant_uvm_caching")
+    with emulated_cuda(free_memory=20000), pytest.raises(
+            metamat.DeviceMemoryError, match="10 sets.*lower cache_load_factor"):
+        metamat.materialize(got, device="cuda", seed=1)
+    assert not no_meta(got)
+    with emulated_cuda(free_memory=200_000):
+        r = metamat.materialize(got, device="cuda", seed=1)
+    assert r.bytes_by_memory["device"] >= 32 * 32 * 64  # 32 sets of 32 slots of 64 bytes
 
 
 @pytest.mark.parametrize("case,match", [

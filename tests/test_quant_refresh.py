@@ -337,10 +337,12 @@ def test_refresh_in_unified_memory_emulated(tmp_path, kernel, inplace):
                             device="cuda")
         live = [t.weights_uvm for t in tbes(served)]
         assert all(x.numel() for x in live)
-        for t in tbes(served):  # a served cache holds rows
+        for t in tbes(served):  # a served cache holds rows, a prefetch queued locations
             assert bool(t.lxu_cache_weights.numel()) == caching
             t.lxu_cache_state.fill_(0)
             t.lxu_state.fill_(5)
+            t.lxu_cache_locations_list.push(torch.zeros(3, dtype=torch.int32))
+            t.timestep_prefetch_size.increment()
         before = [x.clone() for x in live]
         with pytest.raises(metamat.CheckpointError, match="t0"):
             metamat.materialize(served, _save(other, str(tmp_path / "o.pt")), device="cuda",
@@ -359,6 +361,8 @@ def test_refresh_in_unified_memory_emulated(tmp_path, kernel, inplace):
     for t in tbes(served):
         if caching:  # emptied: the next lookups fetch the new rows
             assert (t.lxu_cache_state == -1).all() and not t.lxu_state.any()
+            assert t.lxu_cache_locations_list.size() == 0
+            assert t.timestep_prefetch_size.get() == 0
 
 
 @pytest.mark.cuda

@@ -120,10 +120,10 @@ class Adapter(Protocol):
     def after_load(self) -> None:
         """After the reads (averaged optimizer state stored)."""
 
-    def transient_bytes(self) -> int:
-        """Bytes of the allocation that are shadows of live tensors (copied in, then freed):
-        the Report's ``bytes_transient``, not ``bytes_allocated``."""
-        return 0
+    def transient_keys(self) -> Set[int]:
+        """Keys of the allocation's storages that are shadows of live tensors (copied in,
+        then freed): the Report's ``bytes_transient``, not ``bytes_allocated``."""
+        return set()
 
     def written_in_place(self) -> List[str]:
         """Names of the live tensors this adapter's own writes (not the read plan's targets)

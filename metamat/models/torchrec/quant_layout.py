@@ -51,7 +51,8 @@ def _twin(tbe: Any, location: Any, device: torch.device, cache_sets: int = 0) ->
         uvm_host_mapped=tbe.uvm_host_mapped, enforce_hbm=tbe.enforce_hbm,
         cache_load_factor=tbe.cache_load_factor, cache_sets=cache_sets,
         cache_algorithm=tbe.cache_algorithm, cache_reserved_memory=tbe.cache_reserved_memory,
-        cache_assoc=tbe.cache_assoc, gather_uvm_cache_stats=tbe.gather_uvm_cache_stats)
+        cache_assoc=tbe.cache_assoc, gather_uvm_cache_stats=tbe.gather_uvm_cache_stats,
+        record_cache_metrics=tbe.record_cache_metrics)
     if tbe.fp8_exponent_bits >= 0:  # -1: not an FP8 table
         kwargs.update(fp8_exponent_bits=tbe.fp8_exponent_bits,
                       fp8_exponent_bias=tbe.fp8_exponent_bias)
@@ -202,8 +203,8 @@ def planned_for_gpu(m: nn.Module) -> bool:
 def gpu_relayout_refusal(name: str, m: nn.Module) -> Optional[str]:
     """Whether the HOST-placed TBEs of a quant-sharded collection can be laid out on the GPU
     this call fills: None when TorchRec's plan put the collection there (every table's shard
-    on ``cuda`` rank 0, a compute kernel TorchRec keeps in device memory: the DEVICE placement
-    TorchRec gives it when sharding on a GPU), else why not."""
+    on ``cuda`` rank 0, a compute kernel of :data:`KERNEL_LOCATIONS`: device memory, or
+    unified memory with or without a cache), else why not."""
     QEBC, QEC, SQEBC, SQEC = quant_classes()
     where = name or "<root>"
     if not isinstance(m, (SQEBC, SQEC)):
@@ -263,8 +264,12 @@ def device_layout(tbe: Any, twin: Any, weights: torch.Tensor, dev: torch.device,
     for a in TBE_DEVICE_ATTRS if relaid is not None else ():
         setattr(tbe, a, getattr(relaid, a))
     _device_layout(tbe, twin, weights, dev)
-    for name, buf in (cache or {}).items():
+    for name, buf in (cache or {}).items():  # persistent or not as fbgemm registers them
         tbe._buffers[name] = buf
+        if name in relaid._non_persistent_buffers_set:
+            tbe._non_persistent_buffers_set.add(name)
+        else:
+            tbe._non_persistent_buffers_set.discard(name)
 
 
 def _device_layout(tbe: Any, twin: Any, weights: torch.Tensor, dev: torch.device) -> None:

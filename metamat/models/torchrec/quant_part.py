@@ -26,8 +26,8 @@ from typing import Dict, List, Mapping, Optional, Set
 import torch
 from torch import nn
 
-from ...allocate import DEVICE, UVM, UVM_HOST_MAPPED, Allocation, host_alias
-from ...errors import MissingValueError, UnsupportedError
+from ...allocate import DEVICE, HOST, UVM, UVM_HOST_MAPPED, Allocation, host_alias
+from ...errors import DeviceMemoryError, MissingValueError, UnsupportedError
 from ...load.quantize import (DeviceSink, QuantJob, QuantOut, plan_quant_reads, quant_on,
                               quantize_into, rows_per_piece)
 from ...plan import StorageGroup, Target, storage_key
@@ -49,6 +49,26 @@ from .upstream import drop_quantized_weights, quantized_weights
 
 __all__ = ["QuantPart"]
 
+
+
+def _empty_cache(tbe) -> None:
+    """Evict every row of a live caching TBE's cache (fbgemm's ``reset_cache_states``) and
+    drop cache locations a prefetch queued for the next lookup (they point at old rows)."""
+    tbe.reset_cache_states()
+    n = tbe.lxu_cache_locations_list.size()
+    for _ in range(n):
+        tbe.lxu_cache_locations_list.pop()
+    tbe.timestep_prefetch_size.reset()
+
+
+def _device_bytes(twin) -> int:
+    """Device memory a TBE laid out for a GPU takes: its rows there (DEVICE; enforce_hbm
+    keeps its unified-memory rows there too) and its cache buffers."""
+    rows = twin.dev_size + (twin.uvm_size if twin.enforce_hbm else 0)
+    if not is_caching(twin):
+        return rows
+    return rows + sum(twin._buffers[n].untyped_storage().nbytes()
+                      for n in (*CACHE_FILL, *CACHE_MAPS))
 
 
 def _cache_free_memory(device: torch.device, emulated: bool) -> Optional[int]:
@@ -95,15 +115,22 @@ class QuantPart(Adapter):
         if self.cuda:
             quant_on()  # METAMAT_QUANT_ON checked before anything is allocated
             owners = dict(modules)
-            free = _cache_free_memory(device, emulated)
+            # fbgemm sizes each TBE's cache by the memory free when it is built, after the
+            # TBEs before it took theirs: the same order here
+            free, used = _cache_free_memory(device, emulated), 0
             for t in self.tbes:
-                if t.storage is t.module.weights_dev or self._is_live(t.storage):
+                if self._is_live(t.storage):
+                    continue
+                if t.storage is t.module.weights_dev:
+                    used += t.storage.untyped_storage().nbytes()
                     continue
                 why = gpu_relayout_refusal(t.owner, owners[t.owner])
                 if why is not None:
                     raise UnsupportedError(why + " (docs/QUANT.md)")
-                self.relaid[id(t.module)] = device_twin(
-                    t.module, tbe_kernel(owners[t.owner], t.module), free)
+                twin = self.relaid[id(t.module)] = device_twin(
+                    t.module, tbe_kernel(owners[t.owner], t.module),
+                    None if free is None else free - used)
+                used += _device_bytes(twin)
             if self.relaid and device.type == "cuda" and device.index not in (None, 0):
                 raise UnsupportedError(
                     f"{self.tbes[0].owner or '<root>'}: TorchRec places the shards of rank 0 "
@@ -116,22 +143,27 @@ class QuantPart(Adapter):
         self.keys = {storage_key(t.storage) for t in self.tbes}
         # weights of TBEs relaid in unified memory (quant_uvm, quant_uvm_caching kernels) ->
         # its kind; each caching TBE's cache buffers (meta, on its twin), by name
+        # (enforce_hbm: fbgemm keeps "UVM" rows in device memory)
         self.unified: Dict[int, str] = {
             storage_key(t.storage): UVM_HOST_MAPPED if t.module.uvm_host_mapped else UVM
-            for t in self.tbes if in_unified_memory(self.relaid.get(id(t.module)))}
-        self.unified.update(self.live_unified)
+            for t in self.tbes if in_unified_memory(self.relaid.get(id(t.module)))
+            and not t.module.enforce_hbm}
+        self.unified.update(self.live_unified)  # their shadows: host memory (HOST)
         self.caches: Dict[int, Dict[str, torch.Tensor]] = {
             id(t.module): {n: self.relaid[id(t.module)]._buffers[n]
                            for n in (*CACHE_FILL, *CACHE_MAPS)}
             for t in self.tbes if is_caching(self.relaid.get(id(t.module)))}
         self.storages = [StorageGroup(k, self._nbytes(k), kind="zeros",
-                                      memory=self.unified.get(k, DEVICE))
+                                      memory=HOST if k in self.live_unified
+                                      else self.unified.get(k, DEVICE))
                          for k in dict.fromkeys(storage_key(t.storage) for t in self.tbes)
                          if not (inplace and k in self.real)]  # in place: nothing to allocate
         self.storages += [StorageGroup(storage_key(b), b.untyped_storage().nbytes(),
                                        kind="zeros", where=f"{t.owner or '<root>'}: {n}")
                           for t in self.tbes for n, b in self.caches.get(id(t.module),
                                                                         {}).items()]
+        if self.cuda:
+            self._check_device_memory(device, emulated)
         # each rank's MC modules of sharded quantized MC collections: one storage per tensor
         self.ranks = rank_mc_modules(modules)
         self.rank_state = rank_mc_targets(self.ranks, loading)
@@ -158,6 +190,27 @@ class QuantPart(Adapter):
         self.init_jobs: List[QuantJob] = []
         self._loaded_names: Set[str] = set()
 
+    def _check_device_memory(self, device: torch.device, emulated: bool) -> None:
+        """:class:`DeviceMemoryError` before anything is allocated when the device memory the
+        TBEs need (their rows in device memory, the caches) is more than the GPU has free."""
+        from ...emulation import free_device_memory
+
+        free = free_device_memory(device, emulated)
+        need = sum(g.nbytes for g in self.storages if g.memory == DEVICE)
+        if free is None or need <= free:
+            return
+        caches = [(t.owner or "<root>", self.relaid[id(t.module)]) for t in self.tbes
+                  if id(t.module) in self.caches]
+        detail = "" if not caches else (
+            "; of it the caches of unified-memory TBEs take "
+            f"{sum(_device_bytes(tw) - tw.dev_size for _, tw in caches) / 2**30:.3f} GiB ("
+            + ", ".join(f"{o}: {tw.lxu_cache_state.shape[0]} sets" for o, tw in caches[:5])
+            + (" ..." if len(caches) > 5 else "") + "): lower cache_load_factor or pass "
+            "cache_sets in the sharder's fused_params")
+        raise DeviceMemoryError(
+            f"the quantized tables need {need / 2**30:.3f} GiB of device memory on {device} "
+            f"and {free / 2**30:.3f} GiB are free{detail}; nothing was allocated")
+
     def _stand_in(self, t: QuantTBE, device: torch.device, emulated: bool) -> None:
         real = t.storage
         where = t.owner or "<root>"
@@ -176,9 +229,8 @@ class QuantPart(Adapter):
         for tb in t.tables:
             tb.storage = standin
         self.real[storage_key(standin)] = real
-        if real is t.module.weights_uvm:  # its shadow is host memory too
-            self.live_unified[storage_key(standin)] = \
-                UVM_HOST_MAPPED if t.module.uvm_host_mapped else UVM
+        if real is t.module.weights_uvm and not t.module.enforce_hbm:  # host memory
+            self.live_unified[storage_key(standin)] = HOST
 
     def _is_live(self, x: torch.Tensor) -> bool:
         """``x`` views the stand-in of a live storage."""
@@ -188,9 +240,9 @@ class QuantPart(Adapter):
         """Live storages written through a shadow: those the checkpoint loads into."""
         return set() if self.inplace else self.touched
 
-    def transient_bytes(self) -> int:
-        """Bytes of the shadows of live storages (freed when the call returns)."""
-        return sum(self._nbytes(k) for k in self._shadowed())
+    def transient_keys(self) -> Set[int]:
+        """The shadows of live storages (freed when the call returns)."""
+        return set(self._shadowed())
 
     def _nbytes(self, key: int) -> int:
         return next(t.storage.untyped_storage().nbytes() for t in self.tbes
@@ -449,6 +501,7 @@ class QuantPart(Adapter):
                 slot.set(new)
                 n += 1
         dev = alloc.device
+        emptied = False
         for t in self.tbes:
             if self._is_live(t.storage):  # the shadow's bytes into the live storage
                 key = storage_key(t.storage)
@@ -456,7 +509,8 @@ class QuantPart(Adapter):
                     with torch.no_grad():  # unified memory: host to host
                         self._host(self.real[key]).copy_(alloc.host_view(alloc.full(key)))
                 if key in self.touched and t.module.lxu_cache_weights.numel():
-                    t.module.reset_cache_states()  # cached rows are the old ones: all evicted
+                    _empty_cache(t.module)  # cached rows are the old ones: all evicted
+                    emptied = True
                 continue
             tbe, twin = t.module, self.twins[id(t.module)]
             weights = twins.get(id(t.storage))
@@ -467,6 +521,8 @@ class QuantPart(Adapter):
                 device_layout(tbe, twin, weights, dev, self.relaid.get(id(tbe)), cache)
             else:
                 host_layout(tbe, twin, weights)
+        if emptied and dev.type == "cuda":
+            torch.cuda.synchronize(dev)  # lookups on other streams see the emptied caches
         untouched = {t.owner for t in self.tbes
                      if self._is_live(t.storage) and storage_key(t.storage) not in self.touched}
         for name, m in self.modules:
