@@ -365,7 +365,7 @@ def test_unified_memory_cache_sized_by_free_memory(monkeypatch):
     fewer where they do not fit (10); a second caching TBE is sized by what the first left
     (TorchRec builds them one after the other)."""
     from metamat.models.torchrec.quant_layout import device_twin
-    from metamat.models.torchrec.quant_part import _device_bytes
+    from metamat.models.torchrec.quant_layout import device_bytes
 
     tables = ebc_tables(dims=(16, 32, 48), rows=(37, 3, 5000))
     _, _, got, sharder, plan = _gpu_sharded(tables, "tw", "int8", kernel="quant_uvm_caching")
@@ -380,7 +380,7 @@ def test_unified_memory_cache_sized_by_free_memory(monkeypatch):
             assert b.shape == y._buffers[n].shape and b.dtype == y._buffers[n].dtype, n
     # what the first TBE took is not free for the second
     first = device_twin(tbe, "quant_uvm_caching", 100_000)
-    second = device_twin(tbe, "quant_uvm_caching", 100_000 - _device_bytes(first))
+    second = device_twin(tbe, "quant_uvm_caching", 100_000 - device_bytes(first))
     assert first.lxu_cache_state.shape[0] == 32 > second.lxu_cache_state.shape[0]
 
 

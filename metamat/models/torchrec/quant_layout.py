@@ -11,7 +11,7 @@
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Set, Tuple
+from typing import Any, Dict, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import nn
@@ -21,7 +21,8 @@ from .quant import quant_classes, weights_of
 
 __all__ = ["TBE_HOST_ATTRS", "TBE_DEVICE_ATTRS", "DEVICE_KERNELS", "KERNEL_LOCATIONS",
            "CACHE_FILL", "CACHE_MAPS", "host_twin", "device_twin", "inference_cache_sets",
-           "cache_values", "is_caching", "in_unified_memory", "tbe_kernel",
+           "cache_values", "is_caching", "in_unified_memory", "tbe_kernel", "cache_bytes",
+           "device_bytes", "cache_free_memory", "check_device_memory", "empty_cache",
            "gpu_relayout_refusal", "planned_for_gpu", "host_layout", "device_layout"]
 
 #: Attributes of an inference TBE that differ between one built on meta and the same one
@@ -291,3 +292,62 @@ def _device_layout(tbe: Any, twin: Any, weights: torch.Tensor, dev: torch.device
         tbe.weights_uvm, tbe.weights_dev = weights, empty
     else:
         tbe.weights_dev, tbe.weights_uvm = weights, empty
+
+
+def cache_bytes(twin: Any) -> int:
+    """Device memory of a caching TBE's cache buffers (0 without a cache)."""
+    if not is_caching(twin):
+        return 0
+    return sum(twin._buffers[n].untyped_storage().nbytes() for n in (*CACHE_FILL, *CACHE_MAPS))
+
+
+def device_bytes(twin: Any) -> int:
+    """Device memory a TBE laid out for a GPU takes: its rows there (DEVICE; ``enforce_hbm``
+    keeps its unified-memory rows there too) and its cache buffers."""
+    return twin.dev_size + (twin.uvm_size if twin.enforce_hbm else 0) + cache_bytes(twin)
+
+
+def cache_free_memory(device: torch.device, emulated: bool) -> Optional[int]:
+    """The free memory fbgemm sizes an inference TBE's cache by (the GPU's total memory less
+    what torch reserved; the emulated device's free memory), or None when unknown."""
+    if emulated:
+        from ...emulation import free_device_memory
+
+        return free_device_memory(device, True)
+    from .cuda_kernels import _free_memory
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _free_memory(index, 0.0)
+
+
+def check_device_memory(groups: Sequence[Any], caches: Sequence[Tuple[str, Any]],
+                        device: torch.device, emulated: bool) -> None:
+    """Raise :class:`~metamat.errors.DeviceMemoryError` before anything is allocated when the
+    device memory of ``groups`` (storage groups: rows in device memory, caches) is more than
+    the GPU has free; ``caches``: (owner, twin) of the caching TBEs, named in the message."""
+    from ...allocate import DEVICE
+    from ...emulation import free_device_memory
+    from ...errors import DeviceMemoryError
+
+    free = free_device_memory(device, emulated)
+    need = sum(g.nbytes for g in groups if g.memory == DEVICE)
+    if free is None or need <= free:
+        return
+    detail = "" if not caches else (
+        "; of it the caches of unified-memory TBEs take "
+        f"{sum(cache_bytes(tw) for _, tw in caches) / 2**30:.3f} GiB ("
+        + ", ".join(f"{o}: {tw.lxu_cache_state.shape[0]} sets" for o, tw in caches[:5])
+        + (" ..." if len(caches) > 5 else "") + "): lower cache_load_factor or pass "
+        "cache_sets in the sharder's fused_params")
+    raise DeviceMemoryError(
+        f"the quantized tables need {need / 2**30:.3f} GiB of device memory on {device} "
+        f"and {free / 2**30:.3f} GiB are free{detail}; nothing was allocated")
+
+
+def empty_cache(tbe: Any) -> None:
+    """Evict every row of a live caching TBE's cache (fbgemm's ``reset_cache_states``) and
+    drop the cache locations a prefetch queued for the next lookup (they point at old rows)."""
+    tbe.reset_cache_states()
+    for _ in range(tbe.lxu_cache_locations_list.size()):
+        tbe.lxu_cache_locations_list.pop()
+    tbe.timestep_prefetch_size.reset()

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from ...allocate import DEVICE, HOST, UVM, UVM_HOST_MAPPED, Allocation, host_alias
-from ...errors import DeviceMemoryError, MissingValueError, UnsupportedError
+from ...errors import MissingValueError, UnsupportedError
 from ...load.quantize import (DeviceSink, QuantJob, QuantOut, plan_quant_reads, quant_on,
                               quantize_into, rows_per_piece)
 from ...plan import StorageGroup, Target, storage_key
@@ -39,9 +39,10 @@ from .compat import check_versions
 from .graph import scan
 from .managed_collision import finish_mc_modules, is_mch
 from .quant import QuantTBE, find_tbes
-from .quant_layout import (CACHE_FILL, CACHE_MAPS, cache_values, device_layout, device_twin,
-                           gpu_relayout_refusal, host_layout, host_twin, in_unified_memory,
-                           is_caching, planned_for_gpu, tbe_kernel)
+from .quant_layout import (CACHE_FILL, CACHE_MAPS, cache_free_memory, cache_values,
+                           check_device_memory, device_bytes, device_layout, device_twin,
+                           empty_cache, gpu_relayout_refusal, host_layout, host_twin,
+                           in_unified_memory, is_caching, planned_for_gpu, tbe_kernel)
 from .quant_keys import QuantMatch, match_quant
 from .quant_mc import (check_loaded, match_own_state, rank_mc_modules, rank_mc_targets,
                        validate_loaded)
@@ -49,39 +50,6 @@ from .upstream import drop_quantized_weights, quantized_weights
 
 __all__ = ["QuantPart"]
 
-
-
-def _empty_cache(tbe) -> None:
-    """Evict every row of a live caching TBE's cache (fbgemm's ``reset_cache_states``) and
-    drop cache locations a prefetch queued for the next lookup (they point at old rows)."""
-    tbe.reset_cache_states()
-    n = tbe.lxu_cache_locations_list.size()
-    for _ in range(n):
-        tbe.lxu_cache_locations_list.pop()
-    tbe.timestep_prefetch_size.reset()
-
-
-def _device_bytes(twin) -> int:
-    """Device memory a TBE laid out for a GPU takes: its rows there (DEVICE; enforce_hbm
-    keeps its unified-memory rows there too) and its cache buffers."""
-    rows = twin.dev_size + (twin.uvm_size if twin.enforce_hbm else 0)
-    if not is_caching(twin):
-        return rows
-    return rows + sum(twin._buffers[n].untyped_storage().nbytes()
-                      for n in (*CACHE_FILL, *CACHE_MAPS))
-
-
-def _cache_free_memory(device: torch.device, emulated: bool) -> Optional[int]:
-    """The free memory fbgemm sizes an inference TBE's cache by (its total memory less what
-    torch reserved; the emulated device's free memory), or None when unknown."""
-    if emulated:
-        from ...emulation import free_device_memory
-
-        return free_device_memory(device, True)
-    from .cuda_kernels import _free_memory
-
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    return _free_memory(index, 0.0)
 
 
 class QuantPart(Adapter):
@@ -117,7 +85,7 @@ class QuantPart(Adapter):
             owners = dict(modules)
             # fbgemm sizes each TBE's cache by the memory free when it is built, after the
             # TBEs before it took theirs: the same order here
-            free, used = _cache_free_memory(device, emulated), 0
+            free, used = cache_free_memory(device, emulated), 0
             for t in self.tbes:
                 if self._is_live(t.storage):
                     continue
@@ -130,7 +98,7 @@ class QuantPart(Adapter):
                 twin = self.relaid[id(t.module)] = device_twin(
                     t.module, tbe_kernel(owners[t.owner], t.module),
                     None if free is None else free - used)
-                used += _device_bytes(twin)
+                used += device_bytes(twin)
             if self.relaid and device.type == "cuda" and device.index not in (None, 0):
                 raise UnsupportedError(
                     f"{self.tbes[0].owner or '<root>'}: TorchRec places the shards of rank 0 "
@@ -163,7 +131,9 @@ class QuantPart(Adapter):
                           for t in self.tbes for n, b in self.caches.get(id(t.module),
                                                                         {}).items()]
         if self.cuda:
-            self._check_device_memory(device, emulated)
+            check_device_memory(self.storages, [(t.owner or "<root>", self.relaid[id(t.module)])
+                                                for t in self.tbes if id(t.module) in self.caches],
+                                device, emulated)
         # each rank's MC modules of sharded quantized MC collections: one storage per tensor
         self.ranks = rank_mc_modules(modules)
         self.rank_state = rank_mc_targets(self.ranks, loading)
@@ -189,27 +159,6 @@ class QuantPart(Adapter):
         self.match: Optional[QuantMatch] = None
         self.init_jobs: List[QuantJob] = []
         self._loaded_names: Set[str] = set()
-
-    def _check_device_memory(self, device: torch.device, emulated: bool) -> None:
-        """:class:`DeviceMemoryError` before anything is allocated when the device memory the
-        TBEs need (their rows in device memory, the caches) is more than the GPU has free."""
-        from ...emulation import free_device_memory
-
-        free = free_device_memory(device, emulated)
-        need = sum(g.nbytes for g in self.storages if g.memory == DEVICE)
-        if free is None or need <= free:
-            return
-        caches = [(t.owner or "<root>", self.relaid[id(t.module)]) for t in self.tbes
-                  if id(t.module) in self.caches]
-        detail = "" if not caches else (
-            "; of it the caches of unified-memory TBEs take "
-            f"{sum(_device_bytes(tw) - tw.dev_size for _, tw in caches) / 2**30:.3f} GiB ("
-            + ", ".join(f"{o}: {tw.lxu_cache_state.shape[0]} sets" for o, tw in caches[:5])
-            + (" ..." if len(caches) > 5 else "") + "): lower cache_load_factor or pass "
-            "cache_sets in the sharder's fused_params")
-        raise DeviceMemoryError(
-            f"the quantized tables need {need / 2**30:.3f} GiB of device memory on {device} "
-            f"and {free / 2**30:.3f} GiB are free{detail}; nothing was allocated")
 
     def _stand_in(self, t: QuantTBE, device: torch.device, emulated: bool) -> None:
         real = t.storage
@@ -509,7 +458,7 @@ class QuantPart(Adapter):
                     with torch.no_grad():  # unified memory: host to host
                         self._host(self.real[key]).copy_(alloc.host_view(alloc.full(key)))
                 if key in self.touched and t.module.lxu_cache_weights.numel():
-                    _empty_cache(t.module)  # cached rows are the old ones: all evicted
+                    empty_cache(t.module)  # cached rows are the old ones: all evicted
                     emptied = True
                 continue
             tbe, twin = t.module, self.twins[id(t.module)]
