@@ -66,8 +66,8 @@ def fill_support(groups: Iterable[StorageGroup], targets: Iterable[Target],
                 continue  # born zero: gaps and zero storages need no write
             if g.kind == "targets":
                 written += _zero_gaps(alloc, g.key, covered.get(g.key, []))
-            elif g.kind == "zeros":  # unified memory: zeroed by the host, where it lives
-                alloc.host_view(alloc.full(g.key)).zero_()
+            elif g.kind == "zeros":
+                alloc.full(g.key).zero_()
                 written += g.nbytes
             elif g.kind == "values":
                 dst = alloc.full(g.key)
