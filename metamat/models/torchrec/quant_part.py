@@ -339,12 +339,10 @@ class QuantPart(Adapter):
         jobs = self.init_jobs + (self.match.jobs if self.match is not None else [])
         for job in jobs:
             for o in job.outs:
-                o.base = self._full(alloc, o.storage)
+                o.base = self._full(alloc, o.storage)  # unified memory: its host alias
                 # quantized on the host, copied to the device; unified memory is host memory:
-                # written in place through its host alias, no copy
+                # written in place, no copy
                 o.device_memory = self.cuda and o.storage not in self.unified
-                if o.storage in self.unified:
-                    o.base = alloc.host_view(o.base)
         for tg in self.targets:  # (the report's: a live table not loaded is unchanged)
             if self._is_live(tg.tensor):
                 tg.tensor = self.real[storage_key(tg.tensor)]
@@ -362,7 +360,8 @@ class QuantPart(Adapter):
             real.untyped_storage(), x.storage_offset(), x.shape, x.stride())
 
     def _full(self, alloc: Allocation, key: int) -> torch.Tensor:
-        """Storage ``key`` as uint8 bytes: the live one in place, else the allocated one."""
+        """Storage ``key`` as uint8 bytes: the live one in place, else the allocated one (as
+        the host writes them: unified memory through its host alias)."""
         if self.inplace and key in self.real:
             return self._host(self.real[key]).view(-1)
         return alloc.full(key)
@@ -392,7 +391,7 @@ class QuantPart(Adapter):
         written += fill_targets([tg for _, _, tg in self.rank_state if id(tg) not in loaded
                                  and alloc.key_of(tg.tensor) is not None], seed)
         for key in self._shadowed():  # a shadow starts as the live bytes
-            alloc.host_view(alloc.full(key)).copy_(self._host(self.real[key]).view(-1))
+            alloc.full(key).copy_(self._host(self.real[key]).view(-1))
         threads = default_io_threads()
         sink = DeviceSink(on_device=quant_on() == "device")
         for job in self.init_jobs:
@@ -456,7 +455,7 @@ class QuantPart(Adapter):
                 key = storage_key(t.storage)
                 if key in self._shadowed():
                     with torch.no_grad():  # unified memory: host to host
-                        self._host(self.real[key]).copy_(alloc.host_view(alloc.full(key)))
+                        self._host(self.real[key]).copy_(alloc.full(key))
                 if key in self.touched and t.module.lxu_cache_weights.numel():
                     empty_cache(t.module)  # cached rows are the old ones: all evicted
                     emptied = True
