@@ -102,6 +102,24 @@ $(EXT): $(shell find csrc -type f) CMakeLists.txt | $(CSTAMP)
 test-compat: setup-compat $(EXT)
 	PYTHONPATH=$(CURDIR) $(CVPY) -m pytest -q -n $(TEST_JOBS) -m torchrec $(COMPAT_ARGS)
 
+# ---- the GPU machine's TorchRec stack on a CPU: `make test-gpustack` (by hand, not in CI) -----
+# torch 2.11 + fbgemm-gpu-cpu 1.6.0 + torchrec 1.6.1 (constraints-gpustack.txt): the versions
+# scripts/gpu_torchrec_stack.sh packs for the lent GPU machine, whose CUDA fbgemm-gpu 1.6.0 has
+# the same Python. The TorchRec tests here, before a GPU run, catch what that older stack
+# breaks (its `cuda` tests skip). PyPI's torch 2.11 is a CUDA build: a 5.6 GiB venv that runs
+# on the CPU. Measured (Intel Xeon Ice Lake, 2 cores): install ~4 min, tests ~4 min.
+GVENV  := .venv-gpustack
+GVPY   := $(GVENV)/bin/python
+GSTAMP := $(GVENV)/.metamat-deps
+
+$(GSTAMP): requirements-dev.txt requirements-build.txt constraints-gpustack.txt Makefile
+	$(call install_stack,$(GVENV),constraints-gpustack.txt,true)
+
+.PHONY: test-gpustack
+test-gpustack: $(GSTAMP)
+	$(MAKE) --no-print-directory $(EXT) CSTAMP=$(GSTAMP) CVPY=$(GVPY)  # built by this venv
+	PYTHONPATH=$(CURDIR) $(GVPY) -m pytest -q -n $(TEST_JOBS) -m torchrec $(COMPAT_ARGS)
+
 # `make docs`: the API reference (Sphinx: docs/api) as HTML in build/docs; warnings are errors.
 .PHONY: docs
 DOCS_PY := $(if $(HAS_CUDA_TORCH),$(PY),$(VPY))

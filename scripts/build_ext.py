@@ -7,6 +7,7 @@ Unix Makefiles) and copies the module next to metamat/__init__.py, so `python -m
 
     python scripts/build_ext.py                 # CUDA backend when nvcc is found (AUTO)
     METAMAT_CUDA=ON METAMAT_CUDA_ARCHS=90 python scripts/build_ext.py
+    python scripts/build_ext.py --no-copy       # build only: metamat/ keeps the module it has
 
 Environment: METAMAT_CUDA (ON, OFF, AUTO), METAMAT_CUDA_ARCHS ("80;90" unless given),
 METAMAT_BUILD_DIR (build/inplace).
@@ -75,6 +76,9 @@ def main() -> int:
     subprocess.run(args, check=True)
     subprocess.run([cmake, "--build", str(build), "--parallel", str(os.cpu_count() or 2)],
                    check=True)
+    if "--no-copy" in sys.argv[1:]:  # a build for later (a running test keeps its module)
+        print(f"build_ext: built in {build}, not copied (--no-copy)")
+        return 0
     suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
     built = build / f"_C{suffix}"
     if not built.exists():

@@ -17,6 +17,10 @@
 #   build         300  metamat._C with its CUDA backend for this GPU (scripts/build_ext.py),
 #                      started in the background right after env, waited for here
 #   backend        30  the build has its CUDA backend and sees the GPU
+#   variants      240  the init kernel's variants (METAMAT_FILL_VARIANTS=1) for
+#                      scripts/gpu_speed.sh, built into build/speed (not installed) at nice 19
+#                      in the background from here until the benches, on the cores the tests
+#                      leave idle: gpu_speed.sh run next on the warm machine builds nothing
 #   torchrec_gpu  200  pytest -m cuda tests/test_torchrec_gpu.py (materialize + train vs eager
 #                      DMP on CUDA, per location) tests/test_torchrec_managed_collision.py
 #                      (managed collision, evicting) tests/test_torchrec_hash_zch.py (multi-probe
@@ -25,22 +29,25 @@
 #                      TrainPipelineSparseDist) tests/test_torchrec_composable.py
 #                      (shard_modules beside FSDP2); pytest-xdist -n XDIST_N (4) when installed
 #   torchrec_layout 90 pytest tests/test_torchrec_cuda_layout.py (-n XDIST_N too)
-#   torchrec_emulated 100 pytest tests/test_torchrec_gpu_emulated.py (-n XDIST_N; CPU-bound:
-#                      this fbgemm-gpu 1.6.0 against metamat's emulated device)
 #   cuda          150  every other `cuda` test: pytest -m cuda tests/ (less the files above)
 #   bench_dmp     100  bench/materialize.py --mode dmp --device cuda (DMP_GIB 4, DMP_REPS 3,
 #                      SMALL_TABLES 2048)
 #   bench_load    100  bench/materialize.py --mode load --device cuda (LOAD_GIB 4, LOAD_REPS 3)
+#   bench_quant    75  bench/bench_quant.py --device cuda (QUANT_GIB 1, QUANT_REPS 2): a float
+#                      DCP checkpoint into CUDA INT8 inference TBEs vs TorchRec's path
 #   bench_init     90  bench/materialize.py --mode init --device cuda (INIT_GIB 10, 5 reps)
 #   bench_stage    60  bench/bench_stage.py --device cuda --size-gib 1 --reps 3
 #   bench_tp       90  bench/materialize.py --mode tp --device cuda --ranks 1 (TP_GIB 4)
+#   torchrec_emulated 100 pytest tests/test_torchrec_gpu_emulated.py (-n XDIST_N; CPU-bound:
+#                      this fbgemm-gpu 1.6.0 against metamat's emulated device; the same
+#                      Python as fbgemm-gpu-cpu 1.6.0, which `make test-gpustack` runs on any CPU)
 #   memcheck      120  compute-sanitizer memcheck on the one-process cuda tests (if time remains)
 #   racecheck     120  compute-sanitizer racecheck, same tests (if time remains)
 # A failing step never stops the later ones. pytest steps run with -v -rA, a per-test timeout
 # (pytest-timeout, PER_TEST_S 120, when installed) and a JUnit XML. Expected on an H100
 # (estimates, nothing measured yet): env 10 s, stack 30, smoke 15, build done by ~100 s,
 # TorchRec tests 2-3 min, other cuda tests 1-2 min, benches 1-1.5 min each: the benches after
-# bench_load and the sanitizers run only if time remains.
+# bench_quant, the emulated-device tests and the sanitizers run only if time remains.
 #
 # OUTDIR gets at most 4 files (the device tool returns 8): summary.json (every step: status
 # PASS/FAIL/SKIPPED/TIMEOUT, seconds, tests passed/failed/skipped, every failing test's id and
@@ -48,15 +55,16 @@
 # logs/<step>.xml, bench folders), benches.csv (every bench's rows, a 'step' column first),
 # gpu_check.log (this output). They are rewritten after every step: a stopped run still
 # leaves a summary.
-# overall: FAIL if a step FAILed, or TIMEd OUT and is not optional (bench_tp, memcheck,
-# racecheck: they run if time remains, with at least 60 s for a sanitizer); else INCOMPLETE if
+# overall: FAIL if a step FAILed, or TIMEd OUT and is not optional (variants, bench_tp,
+# torchrec_emulated, memcheck, racecheck: they run if time remains, with at least 60 s for a
+# sanitizer); else INCOMPLETE if
 # a step that is not optional was SKIPPED (no time, nothing carried, all its tests skipped);
 # else PASS. Exit status: 0 PASS, 1 FAIL, 2 INCOMPLETE.
 #
 # env: PYTHON (python3), BUDGET_S (540), STEPS / SKIP_STEPS (space-separated step names: run
 #      only / leave out; a rerun of some steps on a warm machine), MIN_STEP_S (10), RESERVE_S
 #      (15: kept for the summary), PER_TEST_S, DMP_GIB, DMP_REPS, SMALL_TABLES, LOAD_GIB,
-#      LOAD_REPS, INIT_GIB, TP_GIB, XDIST_N (4; 0: no xdist), SITE (/tmp/site),
+#      LOAD_REPS, QUANT_GIB, QUANT_REPS, INIT_GIB, TP_GIB, XDIST_N (4; 0: no xdist), SITE (/tmp/site),
 #      GPU_CHECK_WORK (a fresh /tmp folder).
 #      GPU_CHECK_DRY=1 (tests/test_gpu_check_script.py, any machine): every step only says what
 #      it would run, pytest steps run a tiny stand-in test file; GPU_CHECK_FAIL / GPU_CHECK_HANG
@@ -80,9 +88,9 @@ exec > >(tee -a "$out/gpu_check.log") 2>&1
 tee_pid=$!
 export PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-order="env stack fbgemm_smoke build backend torchrec_gpu torchrec_layout torchrec_emulated cuda bench_dmp bench_load
-  bench_init bench_stage bench_tp memcheck racecheck"  # the summary lists the steps so
-printf '{"budget_s": %d, "start_epoch": %d, "dry": %s, "order": ["%s"], "optional_steps": ["bench_tp", "memcheck", "racecheck"]}\n' \
+order="env stack fbgemm_smoke build backend variants torchrec_gpu torchrec_layout cuda bench_dmp bench_load
+  bench_quant bench_init bench_stage bench_tp torchrec_emulated memcheck racecheck"  # the summary lists the steps so
+printf '{"budget_s": %d, "start_epoch": %d, "dry": %s, "order": ["%s"], "optional_steps": ["variants", "bench_tp", "torchrec_emulated", "memcheck", "racecheck"]}\n' \
   "$budget" "$(date +%s)" "$([ "$dry" = 1 ] && echo true || echo false)" \
   "$(echo $order | sed 's/ /", "/g')" >"$work/meta.json"
 
@@ -145,10 +153,20 @@ step() {
   done_step "$name" "$cap" "$kind" "$rc" $((SECONDS - t0))
 }
 
-# finish NAME: wait for a background step (nothing if it was not started)
+# finish NAME [stop]: wait for a background step (nothing if it was not started); with `stop`,
+# one still running is stopped instead (TERM to its timeout, which passes it to the whole
+# process group) and recorded as TIMEOUT
 finish() {
   local name=$1 rc
   [ -n "${bg_pid[$name]:-}" ] || return 0
+  if [ "${2:-}" = stop ] && kill -0 "${bg_pid[$name]}" 2>/dev/null; then
+    echo "== $name: still running after $((SECONDS - bg_t0[$name]))s: stopped"
+    kill -TERM "${bg_pid[$name]}" 2>/dev/null
+    wait "${bg_pid[$name]}"
+    record "$name" TIMEOUT "$?" $((SECONDS - bg_t0[$name])) "${bg_cap[$name]}" "${bg_kind[$name]}" \
+      "stopped before the benches"
+    return
+  fi
   echo "== $name: waiting for it (started $((SECONDS - bg_t0[$name]))s ago)"
   wait "${bg_pid[$name]}"
   rc=$?
@@ -245,6 +263,10 @@ fi
 # --- metamat._C with its CUDA backend (started first, above) ---------------------------------
 finish build
 step backend 30 cmd "$py" -c "import metamat._C as C; assert C.cuda_compiled(), 'no CUDA backend'; assert C.cuda_device_count() > 0, 'no GPU'; print('CUDA backend ok')"
+# the init kernel's variants for scripts/gpu_speed.sh, on the cores the tests leave idle; not
+# installed into metamat/ (the tests keep the build above)
+BG=1 step variants 240 cmd env METAMAT_CUDA=ON METAMAT_CUDA_ARCHS="${arch:-90}" METAMAT_FILL_VARIANTS=1 \
+  METAMAT_BUILD_DIR=build/speed nice -n 19 "$py" scripts/build_ext.py --no-copy
 
 # --- TorchRec on the GPU first, then every other cuda test -------------------------------------
 trec_files=(tests/test_torchrec_gpu.py tests/test_torchrec_cuda_layout.py tests/test_torchrec_gpu_emulated.py
@@ -257,26 +279,28 @@ if ((has_torchrec)); then
     tests/test_torchrec_two_dim.py tests/test_torchrec_train_pipeline.py \
     tests/test_torchrec_composable.py
   pytest_step torchrec_layout 90 "${xdist_args[@]}" tests/test_torchrec_cuda_layout.py
-  pytest_step torchrec_emulated 100 "${xdist_args[@]}" tests/test_torchrec_gpu_emulated.py
 else
   skip torchrec_gpu 200 pytest "$no_trec"
   skip torchrec_layout 90 pytest "$no_trec"
-  skip torchrec_emulated 100 pytest "$no_trec"
 fi
 ignore=()
 for f in "${trec_files[@]}"; do ignore+=(--ignore "$f"); done
 pytest_step cuda 150 -m cuda "${ignore[@]}" tests/
 
 # --- benches (GB/s tables in the logs, rows in benches.csv) ------------------------------------
+finish variants stop  # nothing compiles under the benches (build/speed keeps what it built)
 bench=("$py" bench/materialize.py --device cuda)
 if ((has_torchrec)); then
   step bench_dmp 100 cmd "${bench[@]}" --mode dmp --size-gib "${DMP_GIB:-4}" --reps "${DMP_REPS:-3}" \
     --small-tables "${SMALL_TABLES:-2048}" --out "$work/bench_dmp"
   step bench_load 100 cmd "${bench[@]}" --mode load --size-gib "${LOAD_GIB:-4}" \
     --reps "${LOAD_REPS:-3}" --out "$work/bench_load"
+  step bench_quant 75 cmd "$py" bench/bench_quant.py --device cuda --size-gib "${QUANT_GIB:-1}" \
+    --reps "${QUANT_REPS:-2}"
 else
   skip bench_dmp 100 cmd "$no_trec"
   skip bench_load 100 cmd "$no_trec"
+  skip bench_quant 75 cmd "$no_trec"
 fi
 step bench_init 90 cmd "${bench[@]}" --mode init --size-gib "${INIT_GIB:-10}" --reps 5 --sweep 1 \
   --out "$work/bench_init"
@@ -284,6 +308,11 @@ grep -A8 "GPU goals" "$work/bench_init.log" 2>/dev/null | sed 's/^/   /'
 step bench_stage 60 cmd "$py" bench/bench_stage.py --device cuda --size-gib 1 --reps 3
 step bench_tp 90 cmd "${bench[@]}" --mode tp --ranks 1 --size-gib "${TP_GIB:-4}" --reps 2 \
   --out "$work/bench_tp"
+if ((has_torchrec)); then
+  pytest_step torchrec_emulated 100 "${xdist_args[@]}" tests/test_torchrec_gpu_emulated.py
+else
+  skip torchrec_emulated 100 pytest "$no_trec"
+fi
 
 # --- sanitizers last, if time remains: one process each (spawned ranks are slow to sanitize) ---
 if command -v compute-sanitizer >/dev/null || [ "$dry" = 1 ]; then

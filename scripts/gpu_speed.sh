@@ -7,7 +7,9 @@
 #
 # Steps (cap in seconds; a step never runs past what is left of the budget, less RESERVE_S):
 #   build   110  metamat._C with its CUDA backend AND the init kernel's variants
-#                (METAMAT_FILL_VARIANTS=1, csrc/fill/fill_cuda_var_*.cu) for this GPU's architecture
+#                (METAMAT_FILL_VARIANTS=1, csrc/fill/fill_cuda_var_*.cu) for this GPU's architecture,
+#                in build/speed: seconds after scripts/gpu_check.sh on the same machine (its
+#                `variants` step built them there)
 #   check    25  every variant, GPU == CPU bit for bit (fp32/fp16/bf16 x the distributions,
 #                aligned, narrow, unaligned and many-table launches, 1 and 4 tiles per block)
 #   init     45  bench/bench_init_variants.py: fp32/bf16 x Uniform/Normal/TruncatedNormal (and

@@ -27,9 +27,9 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "scripts", "gpu_check.sh")
-ORDER = ["env", "stack", "fbgemm_smoke", "build", "backend", "torchrec_gpu", "torchrec_layout",
-         "torchrec_emulated", "cuda", "bench_dmp", "bench_load", "bench_init", "bench_stage", "bench_tp", "memcheck",
-         "racecheck"]
+ORDER = ["env", "stack", "fbgemm_smoke", "build", "backend", "variants", "torchrec_gpu",
+         "torchrec_layout", "cuda", "bench_dmp", "bench_load", "bench_quant", "bench_init",
+         "bench_stage", "bench_tp", "torchrec_emulated", "memcheck", "racecheck"]
 STATUSES = {"PASS", "FAIL", "SKIPPED", "TIMEOUT"}
 
 
@@ -126,6 +126,26 @@ def test_dry_run_stops_a_hanging_step_and_skips_what_the_budget_leaves_out(tmp_p
     assert steps["bench_load"]["status"] == "SKIPPED"
     assert "no time left" in steps["bench_load"]["note"]
     assert summary["overall"] == "FAIL" and summary["failed_steps"] == ["bench_dmp"]
+
+
+def test_dry_run_stops_the_background_variants_build_before_the_benches(tmp_path):
+    """The init kernel's variants build in the background while the tests run; one still
+    running when the benches start is stopped there (nothing compiles under a bench) and, being
+    optional, fails nothing."""
+    p, out, summary = run_check(tmp_path, {
+        "GPU_CHECK_DRY": "1", "STEPS": "env backend variants cuda bench_dmp",
+        "GPU_CHECK_HANG": "variants", "BUDGET_S": "120"})
+    assert p.returncode == 0, p.stdout + p.stderr
+    steps = by_name(summary)
+    v = steps["variants"]
+    assert v["status"] == "TIMEOUT" and v["note"] == "stopped before the benches", v
+    assert v["seconds"] < 100, v  # stopped, not run to its cap
+    assert steps["cuda"]["status"] == "PASS" and steps["bench_dmp"]["status"] == "PASS"
+    assert summary["overall"] == "PASS" and summary["failed_steps"] == []
+    started = [line[3:].split(" ")[0] for line in p.stdout.splitlines()
+               if line.startswith("== ") and "(at most" in line]
+    assert started == ["env", "backend", "variants", "cuda", "bench_dmp"]
+    assert p.stdout.index("== variants: still running") < p.stdout.index("== bench_dmp (at most")
 
 
 def test_real_steps_on_this_cpu(tmp_path):
