@@ -21,6 +21,7 @@ recorded (tests of the GPU path on machines without a GPU).
 """
 from __future__ import annotations
 
+import ctypes
 import math
 import mmap
 from typing import Dict, Iterable, Optional, Set
@@ -31,7 +32,8 @@ from torch import nn
 from .plan import StorageGroup, storage_key
 
 __all__ = ["Allocation", "allocate", "zeroed_cpu_storage", "is_zero_dist", "LAZY_ZERO_MIN_BYTES",
-           "DEVICE", "UVM", "UVM_HOST_MAPPED", "HOST", "MEMORY_KINDS", "host_alias"]
+           "DEVICE", "UVM", "UVM_HOST_MAPPED", "HOST", "MEMORY_KINDS", "host_alias",
+           "mapped_host_view", "host_tensor_at"]
 
 # Below this a map costs more than the memset it saves (and rounds up to a page).
 LAZY_ZERO_MIN_BYTES = 1 << 20
@@ -52,22 +54,53 @@ def host_alias(x: torch.Tensor) -> Optional[torch.Tensor]:
     try:
         if not torch.ops.fbgemm.is_uvm_tensor(x):
             return None
-        return torch.ops.fbgemm.uvm_to_cpu(x)
     except (AttributeError, RuntimeError):  # no fbgemm: nothing can be unified memory
         return None
+    try:
+        return torch.ops.fbgemm.uvm_to_cpu(x)
+    except RuntimeError:  # host-mapped memory: fbgemm < 1.8's uvm_to_cpu reads managed only
+        return mapped_host_view(x)
+
+
+def mapped_host_view(x: torch.Tensor) -> Optional[torch.Tensor]:
+    """A CPU tensor over the host pages that CUDA tensor ``x`` reaches when its storage is
+    page-locked host memory mapped for the GPU (fbgemm's host-mapped UVM: malloc +
+    cudaHostRegister), else None. The view keeps ``x``'s storage alive."""
+    from . import _C
+
+    st = x.untyped_storage()
+    addr = _C.host_pointer(st.data_ptr()) if st.nbytes() else 0
+    if not addr:
+        return None
+    return host_tensor_at(addr, st, x)
+
+
+def host_tensor_at(addr: int, owner: torch.UntypedStorage, like: torch.Tensor) -> torch.Tensor:
+    """A CPU tensor over the ``owner.nbytes()`` host bytes at ``addr``, viewed as ``like``
+    views ``owner`` (offset, shape, stride); it keeps ``owner`` alive."""
+    buf = (ctypes.c_uint8 * owner.nbytes()).from_address(addr)
+    buf.owner = owner  # the storage outlives every view of its bytes
+    st = torch.frombuffer(buf, dtype=torch.uint8).untyped_storage()
+    return torch.empty((0,), dtype=like.dtype).set_(st, like.storage_offset(), like.shape,
+                                                    like.stride())
 
 
 def _unified_storage(nbytes: int, device: torch.device, host_mapped: bool):
     """(storage on ``device``, CPU alias of the same bytes) from fbgemm's UVM allocator."""
     try:
         new_unified = torch.ops.fbgemm.new_unified_tensor
-        to_cpu = torch.ops.fbgemm.uvm_to_cpu
     except (AttributeError, RuntimeError) as e:  # torch.ops lookups raise without the library
         raise RuntimeError("UVM tables need fbgemm-gpu's CUDA build (torch.ops.fbgemm."
                            "new_unified_tensor)") from e
     proto = torch.empty(1, dtype=torch.uint8, device=device)
     t = new_unified(proto, [int(nbytes)], bool(host_mapped))
-    return t.untyped_storage(), to_cpu(t).untyped_storage()
+    alias = host_alias(t)
+    if alias is None:
+        raise RuntimeError(
+            f"no host view of fbgemm's {'host-mapped' if host_mapped else 'managed'} memory on "
+            f"{device}: neither torch.ops.fbgemm.uvm_to_cpu nor metamat's CUDA backend "
+            "(metamat._C.host_pointer) gives one; rebuild metamat with METAMAT_CUDA=ON")
+    return t.untyped_storage(), alias.untyped_storage()
 
 
 def zeroed_cpu_storage(nbytes: int) -> torch.UntypedStorage:

@@ -290,6 +290,8 @@ def materialize(
             for live, shadow, _fqn in shadows:
                 live.copy_(shadow)
         report.num_tensors = sum(p.register(alloc, loaded=loading) for p in parts)
+        if dev.type == "cuda":  # the shadows' copies and emptied caches, seen on every stream
+            torch.cuda.synchronize(dev)
     sec["register"] = time.perf_counter() - t
     for w in report.warnings:
         _warnings.warn(w, stacklevel=3)  # 3: past gc_paused's wrapper

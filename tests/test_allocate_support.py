@@ -3,6 +3,7 @@ zeroed, covered bytes are left to their targets, and a storage its targets cover
 not written at all."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from metamat.allocate import allocate
@@ -65,3 +66,59 @@ def test_a_parameter_twin_made_from_the_callers_view_is_its_own_object():
     plain_view = alloc.view(buf)
     plain = alloc.twin(buf, plain_view)  # a plain tensor's twin is a view of its own
     assert plain is not plain_view and plain.data_ptr() == plain_view.data_ptr()
+
+
+def test_a_host_tensor_at_an_address_aliases_it_and_keeps_its_owner_alive():
+    """host_tensor_at: the CPU view metamat makes of host-mapped unified memory (fbgemm < 1.8
+    gives none) views the owner's bytes as the CUDA tensor does, and holds the owner."""
+    import gc
+    import weakref
+
+    from metamat import _C
+    from metamat.allocate import host_tensor_at
+
+    owner = torch.arange(24, dtype=torch.float32).untyped_storage()
+    like = torch.empty(0).set_(owner, 2, (3, 4), (4, 1))  # a view from element 2
+    view = host_tensor_at(owner.data_ptr(), owner, like)
+    assert view.device.type == "cpu" and view.shape == (3, 4) and view.stride() == (4, 1)
+    assert torch.equal(view, torch.arange(2, 14, dtype=torch.float32).view(3, 4))
+    view[0, 0] = -1.0  # the same bytes
+    assert torch.empty(0).set_(owner)[2] == -1.0
+    probe = weakref.ref(owner)
+    del owner, like
+    gc.collect()
+    assert probe() is not None  # the view keeps its owner
+    del view
+    gc.collect()
+    assert probe() is None
+    # no CUDA backend, or an address CUDA does not know: no host pointer
+    assert _C.host_pointer(torch.zeros(4).data_ptr()) == 0
+
+
+@pytest.mark.cuda
+def test_unified_memory_has_a_host_view_on_a_gpu():
+    """fbgemm's host-mapped (malloc + cudaHostRegister) and managed memory both get a CPU
+    view of the same bytes, also where fbgemm's uvm_to_cpu refuses host-mapped memory
+    (before 1.8); a page-locked tensor's host pointer is its own; device memory has none."""
+    pytest.importorskip("fbgemm_gpu")
+    from metamat import _C
+    from metamat.allocate import UVM, UVM_HOST_MAPPED, host_alias
+
+    if not torch.cuda.is_available() or not _C.cuda_compiled():
+        pytest.skip("needs a GPU and metamat's CUDA backend")
+    dev = torch.device("cuda", torch.cuda.current_device())
+    groups = [StorageGroup(1, 4096, kind="zeros", memory=UVM_HOST_MAPPED),
+              StorageGroup(2, 4096, kind="zeros", memory=UVM)]
+    alloc = allocate(groups, dev)
+    want = (torch.arange(4096) % 251).to(torch.uint8)
+    for k in (1, 2):
+        host = alloc.full(k)
+        assert host.device.type == "cpu"
+        host.copy_(want)  # written by the host, read by the GPU
+        on_gpu = torch.empty(0, dtype=torch.uint8, device=dev).set_(alloc.storages[k])
+        assert torch.equal(on_gpu.cpu(), want), k
+        alias = host_alias(on_gpu)
+        assert alias is not None and alias.data_ptr() == host.data_ptr(), k
+    pinned = torch.empty(64, pin_memory=True)
+    assert _C.host_pointer(pinned.data_ptr()) == pinned.data_ptr()
+    assert _C.host_pointer(torch.empty(64, device=dev).data_ptr()) == 0

@@ -379,9 +379,26 @@ def test_unified_memory_cache_sized_by_free_memory(monkeypatch):
         for n, b in x.named_buffers():
             assert b.shape == y._buffers[n].shape and b.dtype == y._buffers[n].dtype, n
     # what the first TBE took is not free for the second
-    first = device_twin(tbe, "quant_uvm_caching", 100_000)
-    second = device_twin(tbe, "quant_uvm_caching", 100_000 - device_bytes(first))
-    assert first.lxu_cache_state.shape[0] == 32 > second.lxu_cache_state.shape[0]
+    first = device_twin(tbe, "quant_uvm_caching", 120_000)
+    second = device_twin(tbe, "quant_uvm_caching", 120_000 - device_bytes(first))
+    assert first.lxu_cache_state.shape[0] == 32 > second.lxu_cache_state.shape[0] >= 1
+
+
+def test_unified_memory_cache_sizing_refuses_what_fbgemm_asserts():
+    """fbgemm asserts a positive cache_load_factor and free memory left after
+    cache_reserved_memory when it sizes a cache: clear errors here, before any allocation."""
+    from metamat.models.torchrec.quant_layout import device_twin
+
+    tables = ebc_tables(dims=(16, 32, 48), rows=(37, 3, 5000))
+    _, _, got, _, _ = _gpu_sharded(tables, "tw", "int8", kernel="quant_uvm_caching")
+    (tbe,) = tbes(got)
+    tbe.cache_reserved_memory = 50_000.0
+    with pytest.raises(metamat.DeviceMemoryError, match="no GPU memory is left.*cache_sets"):
+        device_twin(tbe, "quant_uvm_caching", 40_000)
+    assert device_twin(tbe, "quant_uvm_caching", 80_000).lxu_cache_state.shape[0] >= 1
+    tbe.cache_load_factor = 0.0
+    with pytest.raises(ValueError, match="cache_load_factor 0.0: it must be > 0"):
+        device_twin(tbe, "quant_uvm_caching", 80 << 30)
 
 
 def test_unified_memory_cache_that_does_not_fit_is_refused(tmp_path):

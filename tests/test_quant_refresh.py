@@ -365,6 +365,29 @@ def test_refresh_in_unified_memory_emulated(tmp_path, kernel, inplace):
             assert t.timestep_prefetch_size.get() == 0
 
 
+def test_refresh_that_leaves_the_tables_alone_needs_no_device_memory_for_them(tmp_path):
+    """A GPU model refreshed from a checkpoint of its dense layer only: no shadow of the
+    (untouched) tables, so it is not refused for device memory their shadows would need."""
+    tables = ebc_tables(rows=(2000, 1, 3000))
+    served = meta_quant(tables, "int8", False)
+    f = float_model(tables, seed=1)
+    state = {k: v.detach().clone() for k, v in f.state_dict().items()}
+    torch.save({k: v for k, v in state.items() if k.startswith("dense.")},
+               str(tmp_path / "dense.pt"))
+    with emulated_cuda():
+        metamat.materialize(served, _save(f, str(tmp_path / "all.pt")), device="cuda")
+    before = _storages(served)
+    size = sum(t.weights_dev.numel() for t in tbes(served))
+    with emulated_cuda(free_memory=size // 2):  # room for the dense layer, not the tables
+        r = metamat.materialize(served, str(tmp_path / "dense.pt"), device="cuda",
+                                strict=False)
+    assert r.bytes_allocated < size // 2
+    assert all(torch.equal(a, c) and torch.equal(b, d)
+               for (a, b), (c, d) in zip(before, _storages(served)))
+    with emulated_cuda(free_memory=size // 2), pytest.raises(metamat.DeviceMemoryError):
+        metamat.materialize(served, str(tmp_path / "all.pt"), device="cuda")  # shadows: no room
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("kernel", ["quant_uvm", "quant_uvm_caching"])
 def test_refresh_in_unified_memory_on_a_gpu(tmp_path, kernel):
@@ -381,7 +404,9 @@ def test_refresh_in_unified_memory_on_a_gpu(tmp_path, kernel):
     kjt = batch(*feature_rows(tables)).to(dev)
     served.coll(kjt)
     new = float_model(tables, seed=2)
-    metamat.materialize(served, _save(new, str(tmp_path / "b.pt")))
+    # the device named: the served model's dense layer stayed on the CPU (TorchRec's quant
+    # sharding moves only the collection), so it would otherwise say "cpu"
+    metamat.materialize(served, _save(new, str(tmp_path / "b.pt")), device=dev)
     qnew = quantize(new, "int8", True)
     want = shard(qnew, sharder, plan, 1, "cuda", compute_device="cuda")
     want.load_state_dict(qnew.state_dict())

@@ -227,6 +227,9 @@ void metamat_bind_io(py::module_& m) {
            },
            "Per sink counters: copies, bytes, records, waits, reuse_violations, max_pending,\n"
            "began, finished (kept after close()).");
+  m.def("host_pointer", &mio::host_pointer, py::arg("device_addr"),
+        "The host address of page-locked host memory a GPU reaches at device_addr (fbgemm's\n"
+        "host-mapped UVM tables), 0 when it is not such memory or there is no CUDA backend.");
   m.def("stage_live_buffers", &mio::stage_live_buffers,
         "Staging buffers allocated and not yet freed in this process (tests).");
   m.def("stage_pool_stats", [] {

@@ -209,6 +209,15 @@ void* pinned_alloc(int64_t bytes, int device) {
   return p;
 }
 
+uintptr_t host_pointer(uintptr_t ptr) noexcept {
+  cudaPointerAttributes a{};
+  if (cudaPointerGetAttributes(&a, reinterpret_cast<const void*>(ptr)) != cudaSuccess) {
+    cudaGetLastError();  // not a pointer CUDA knows: clear the error, answer "none"
+    return 0;
+  }
+  return a.type == cudaMemoryTypeHost ? reinterpret_cast<uintptr_t>(a.hostPointer) : 0;
+}
+
 std::unique_ptr<CopySink> make_cuda_sink(const SinkSpec& spec, int ring) {
   MM_CHECK(spec.device >= 0, "CUDA sink needs a device index");
   return std::unique_ptr<CopySink>(new CudaCopySink(spec, ring));

@@ -11,6 +11,7 @@ void* pinned_alloc(int64_t, int) {
   return nullptr;
 }
 void pinned_free(void*) noexcept {}
+uintptr_t host_pointer(uintptr_t) noexcept { return 0; }
 
 std::unique_ptr<CopySink> make_cuda_sink(const SinkSpec&, int) {
   MM_CHECK(false, "metamat was built without its CUDA backend: no CUDA copy sink "

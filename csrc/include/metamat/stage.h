@@ -104,6 +104,10 @@ std::unique_ptr<CopySink> make_cuda_sink(const SinkSpec& spec, int ring);
 // no context is created on another device); the stub throws / does nothing.
 void* pinned_alloc(int64_t bytes, int device);
 void pinned_free(void* p) noexcept;
+// The host address of page-locked host memory that a device reaches at `ptr` (memory a
+// library mapped with cudaHostRegister / cudaHostAlloc), 0 when `ptr` is not such memory;
+// never throws. The stub answers 0.
+uintptr_t host_pointer(uintptr_t ptr) noexcept;
 
 // Live staging buffers and sink threads in the process (tests: nothing leaks).
 int64_t stage_live_buffers();

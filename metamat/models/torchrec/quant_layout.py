@@ -16,7 +16,7 @@ from typing import Any, Dict, Optional, Sequence, Set, Tuple
 import torch
 from torch import nn
 
-from ...errors import UnsupportedError
+from ...errors import DeviceMemoryError, UnsupportedError
 from .quant import quant_classes, weights_of
 
 __all__ = ["TBE_HOST_ATTRS", "TBE_DEVICE_ATTRS", "DEVICE_KERNELS", "KERNEL_LOCATIONS",
@@ -117,6 +117,9 @@ def inference_cache_sets(tbe: Any, location: Any, free_memory: Optional[int]) ->
 
     if tbe.cache_sets > 0:
         return int(tbe.cache_sets)
+    if not tbe.cache_load_factor > 0:  # fbgemm asserts it
+        raise ValueError(f"an inference TBE with cached tables has cache_load_factor "
+                         f"{tbe.cache_load_factor}: it must be > 0, or pass cache_sets")
     specs = [(n, r, d, ty, location) for n, r, d, ty, _ in tbe.embedding_specs]
     state = construct_cache_state([s[1] for s in specs], [s[4] for s in specs],
                                   list(tbe.feature_table_map))
@@ -126,8 +129,14 @@ def inference_cache_sets(tbe: Any, location: Any, free_memory: Optional[int]) ->
     sets = (int(state.total_cache_hash_size * tbe.cache_load_factor) + assoc - 1) // assoc
     if free_memory is not None:
         free = free_memory - int(tbe.cache_reserved_memory)
+        if free <= 0:  # fbgemm asserts it
+            raise DeviceMemoryError(
+                f"no GPU memory is left for an inference TBE's cache ({free_memory / 2**30:.3f}"
+                f" GiB free after the TBEs before it, cache_reserved_memory "
+                f"{float(tbe.cache_reserved_memory) / 2**30:.3f} GiB): pass cache_sets in the "
+                "sharder's fused_params; nothing was allocated")
         if sets * assoc * max_d > free:
-            sets = (int(1.0 * max(free, 0) / max_d) + assoc - 1) // assoc
+            sets = (int(1.0 * free / max_d) + assoc - 1) // assoc
     return 1 if sets == 0 else sets
 
 

@@ -130,10 +130,7 @@ class QuantPart(Adapter):
                                        kind="zeros", where=f"{t.owner or '<root>'}: {n}")
                           for t in self.tbes for n, b in self.caches.get(id(t.module),
                                                                         {}).items()]
-        if self.cuda:
-            check_device_memory(self.storages, [(t.owner or "<root>", self.relaid[id(t.module)])
-                                                for t in self.tbes if id(t.module) in self.caches],
-                                device, emulated)
+        self._emulated = emulated  # (decide checks the device memory of what it keeps)
         # each rank's MC modules of sharded quantized MC collections: one storage per tensor
         self.ranks = rank_mc_modules(modules)
         self.rank_state = rank_mc_targets(self.ranks, loading)
@@ -330,6 +327,10 @@ class QuantPart(Adapter):
         self.touched = touched & set(self.real)
         self.storages = [g for g in self.storages
                          if g.key not in self.real or g.key in self.touched]
+        if self.cuda:  # what will be allocated: no shadow of a live table left untouched
+            check_device_memory(self.storages, [(t.owner or "<root>", self.relaid[id(t.module)])
+                                                for t in self.tbes if id(t.module) in self.caches],
+                                device, self._emulated)
 
     def bind(self, alloc: Allocation, device: Optional[torch.device] = None) -> None:
         """Point the jobs at the new storages; twins of every meta view of them."""
@@ -341,8 +342,9 @@ class QuantPart(Adapter):
             for o in job.outs:
                 o.base = self._full(alloc, o.storage)  # unified memory: its host alias
                 # quantized on the host, copied to the device; unified memory is host memory:
-                # written in place, no copy
-                o.device_memory = self.cuda and o.storage not in self.unified
+                # written in place, no copy (where the host has a view of it)
+                o.device_memory = self.cuda and (o.storage not in self.unified
+                                                 or o.base.device.type == "cuda")
         for tg in self.targets:  # (the report's: a live table not loaded is unchanged)
             if self._is_live(tg.tensor):
                 tg.tensor = self.real[storage_key(tg.tensor)]
@@ -449,7 +451,10 @@ class QuantPart(Adapter):
                 slot.set(new)
                 n += 1
         dev = alloc.device
-        emptied = False
+        if self.touched and dev.type == "cuda":
+            # GPU work already queued on any stream (a lookup, a cache fill) ends before the
+            # live rows and caches change under it. (Lookups must not start during the call.)
+            torch.cuda.synchronize(dev)
         for t in self.tbes:
             if self._is_live(t.storage):  # the shadow's bytes into the live storage
                 key = storage_key(t.storage)
@@ -458,7 +463,6 @@ class QuantPart(Adapter):
                         self._host(self.real[key]).copy_(alloc.full(key))
                 if key in self.touched and t.module.lxu_cache_weights.numel():
                     empty_cache(t.module)  # cached rows are the old ones: all evicted
-                    emptied = True
                 continue
             tbe, twin = t.module, self.twins[id(t.module)]
             weights = twins.get(id(t.storage))
@@ -469,8 +473,6 @@ class QuantPart(Adapter):
                 device_layout(tbe, twin, weights, dev, self.relaid.get(id(tbe)), cache)
             else:
                 host_layout(tbe, twin, weights)
-        if emptied and dev.type == "cuda":
-            torch.cuda.synchronize(dev)  # lookups on other streams see the emptied caches
         untouched = {t.owner for t in self.tbes
                      if self._is_live(t.storage) and storage_key(t.storage) not in self.touched}
         for name, m in self.modules:
