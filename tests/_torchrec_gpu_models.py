@@ -217,10 +217,17 @@ def bits(t: torch.Tensor) -> torch.Tensor:
                                 1: torch.uint8}[t.element_size()])
 
 
+#: A fused TBE's plain attributes its constructor computes, compared with fbgemm's own (the
+#: CPU kernels ignore info_B_*, the CUDA backward decodes its (table, batch) index with them)
+TBE_SCALARS = ("info_B_num_bits", "info_B_mask", "total_D", "max_D", "total_hash_size",
+               "total_hash_size_bits", "total_cache_hash_size", "max_D_cache", "timestep")
+
+
 def fbgemm_mismatches(model) -> list:
-    """Every buffer of each fused TBE (metadata, cache, counters, optimizer state) against
-    the same TBE built for real by fbgemm-gpu-cpu on the CPU with the same CUDA specs; the
-    weights excepted (their values are metamat's)."""
+    """Every buffer of each fused TBE (metadata, cache, counters, optimizer state) and its
+    computed scalars (:data:`TBE_SCALARS`) against the same TBE built for real by
+    fbgemm-gpu-cpu on the CPU with the same CUDA specs; the weights excepted (their values
+    are metamat's)."""
     from fbgemm_gpu.split_embedding_configs import SparseType
     from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
         SplitTableBatchedEmbeddingBagsCodegen as TBE)
@@ -248,6 +255,9 @@ def fbgemm_mismatches(model) -> list:
         for name, p in ref.named_parameters():  # momentum (zeros), empty weight buffers
             if not name.startswith("weights_") and not torch.equal(getattr(emb, name), p):
                 bad.append(name)
+        for name in TBE_SCALARS:
+            if hasattr(ref, name) and getattr(emb, name, None) != getattr(ref, name):
+                bad.append(f"{name}={getattr(emb, name, None)} (fbgemm: {getattr(ref, name)})")
     return bad
 
 

@@ -101,6 +101,16 @@ def _make_streams(plan: Plan) -> None:
             upstream.set_fully_sharded_stream(w, torch.cuda.Stream(device=plan.device))
 
 
+def _fix_batch_info(plan: Plan) -> None:
+    """The batch-index bits of every fbgemm training TBE, which its constructor on meta left
+    at the meta kernel's -1 (upstream.TBE_BATCH_INFO)."""
+    from . import upstream
+    from .sharded import named_wrappers
+
+    for _, w in named_wrappers(plan.sharded):
+        upstream.fix_batch_info(upstream.kernel_module(w))
+
+
 def _fix_process_groups(plan: Plan) -> None:
     """Create the intra/cross-node groups TWRW and grid sharding skip on meta (under 2D,
     two_dim.py creates them while building), and rebuild the output dists TorchRec built
@@ -146,6 +156,7 @@ def register(model: Any, plan: Plan, alloc: Allocation) -> None:
         for slot in plan.graph.slots.get(tid, []):
             slot.set(new_tuple)
     _fix_devices(model, plan, plan.device)
+    _fix_batch_info(plan)
     _make_streams(plan)
     _fix_process_groups(plan)
     _rebuild_ddps(plan)

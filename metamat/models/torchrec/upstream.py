@@ -118,6 +118,11 @@ PERMUTE_TENSORS = ("_offset_dim_list", "_permute", "_inv_permute", "_inv_offset_
 #: fbgemm's prefetch state that ``_apply_cache_state`` resets (part.reset_cache).
 TBE_CACHE_STATE = ("timesteps_prefetched", "lxu_cache_locations_list",
                    "lxu_cache_locations_empty", "lxu_cache_locations")
+#: What fbgemm's training TBE constructor computes with an op whose meta kernel answers a
+#: placeholder (``get_infos_metadata``: -1, -1): how the backward packs (table, batch) into one
+#: index. Left at -1, the CUDA backward of a TBE of several features decodes every gradient
+#: as table 0's (register.py sets them).
+TBE_BATCH_INFO = ("info_B_num_bits", "info_B_mask")
 #: fbgemm training TBE attributes the CUDA layout reads (cuda_layout.tbe_layout, cuda_plan).
 _TBE_LAYOUT_ATTRS = ("embedding_specs", "weights_precision", "optimizer", "feature_table_map",
                      "weights_dev", "weights_uvm", "weights_host",
@@ -232,6 +237,9 @@ DECLARED: Tuple[Private, ...] = (
       for n in _TBE_LAYOUT_ATTRS],
     *[_fb(TRAIN_TBE, n, "attr", "reset after a load into a live model (part.reset_cache)")
       for n in TBE_CACHE_STATE],
+    *[_fb(TRAIN_TBE, n, "attr", "register: meta's placeholder replaced (fix_batch_info)")
+      for n in TBE_BATCH_INFO],
+    _fb(FBGEMM_OPS, "get_infos_metadata", "object", "register: a meta-built TBE's batch info"),
     _fb(TRAIN_TBE, "_apply_cache_state", "method", "cuda_layout mirrors its cache layout; "
         "part.reset_cache its prefetch state"),
     _fb(TRAIN_TBE, "reset_cache_states", "method", "part.reset_cache"),
@@ -424,6 +432,25 @@ def set_fully_sharded_stream(wrapper: nn.Module, stream: Any) -> None:
     if type(wrapper).__name__ not in FULLY_SHARDED_KERNELS:
         raise TypeError(f"{type(wrapper).__name__} has no stream of its own")
     wrapper._async_stream = stream
+
+
+def fix_batch_info(emb: nn.Module) -> bool:
+    """Give fbgemm training TBE ``emb``, built on meta, the batch-index bits its constructor
+    computes on a real device (:data:`TBE_BATCH_INFO`); True when it changed them. Other
+    modules (the dense TBE recomputes them in its backward), and TBEs built on a real device,
+    are left alone."""
+    import torch
+
+    mod = sys.modules.get(TRAINING)
+    if mod is None or not isinstance(emb, mod.SplitTableBatchedEmbeddingBagsCodegen):
+        return False
+    if _read(emb, TRAIN_TBE, "info_B_num_bits") != -1:
+        return False
+    features = len(_read(emb, TRAIN_TBE, "feature_table_map"))
+    infos = _read(torch.ops.fbgemm, FBGEMM_OPS, "get_infos_metadata")
+    bits, mask = infos(torch.empty(0, dtype=torch.int32), 1, features)  # its CPU kernel
+    emb.info_B_num_bits, emb.info_B_mask = int(bits), int(mask)
+    return True
 
 
 def kernel_config(w: nn.Module) -> Any:
