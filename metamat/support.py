@@ -14,7 +14,7 @@ import torch
 from .allocate import Allocation
 from .plan import StorageGroup, Target
 
-__all__ = ["fill_support"]
+__all__ = ["fill_support", "is_broadcast"]
 
 
 def _gaps(n: int, covered: List[Tuple[int, int]]) -> List[Tuple[int, int]]:
@@ -36,6 +36,11 @@ def _zero_gaps(alloc: Allocation, key: int, covered: List[Tuple[int, int]]) -> i
         for lo, hi in gaps:
             full[lo:hi].zero_()
     return sum(hi - lo for lo, hi in gaps)
+
+
+def is_broadcast(value: torch.Tensor) -> bool:
+    """``value`` is one element broadcast to its shape (``expand`` of a scalar)."""
+    return value.numel() > 1 and all(s == 0 for s in value.stride())
 
 
 def fill_support(groups: Iterable[StorageGroup], targets: Iterable[Target],
@@ -71,10 +76,13 @@ def fill_support(groups: Iterable[StorageGroup], targets: Iterable[Target],
                 written += g.nbytes
             elif g.kind == "values":
                 dst = alloc.full(g.key)
-                src = g.value.contiguous().view(-1).view(torch.uint8)
-                dst[: src.numel()].copy_(src)
-                if src.numel() < dst.numel():
-                    dst[src.numel():].zero_()
+                n = g.value.numel() * g.value.element_size()
+                if is_broadcast(g.value):  # one value everywhere: filled where dst is
+                    dst[:n].view(g.value.dtype).fill_(g.value[(0,) * g.value.dim()].item())
+                else:
+                    dst[:n].copy_(g.value.contiguous().view(-1).view(torch.uint8))
+                if n < dst.numel():
+                    dst[n:].zero_()
                 written += g.nbytes
     return written
 

@@ -122,3 +122,25 @@ def test_unified_memory_has_a_host_view_on_a_gpu():
     pinned = torch.empty(64, pin_memory=True)
     assert _C.host_pointer(pinned.data_ptr()) == pinned.data_ptr()
     assert _C.host_pointer(torch.empty(64, device=dev).data_ptr()) == 0
+
+
+def test_a_broadcast_value_is_filled_in_place_and_a_real_one_copied():
+    """"values" storages: a broadcast scalar (an LXU cache's -1s, built as one element) is
+    written by a fill where the storage lives; a real tensor is copied; bytes past either are
+    zeroed."""
+    from metamat.support import is_broadcast
+
+    minus = torch.tensor(-1, dtype=torch.int64).expand(3, 4)
+    real = torch.arange(6, dtype=torch.int32)
+    groups = [StorageGroup(1, 3 * 4 * 8 + 16, kind="values"), StorageGroup(2, 24, kind="values")]
+    groups[0].value, groups[1].value = minus, real
+    assert is_broadcast(minus) and not is_broadcast(real)
+    assert not is_broadcast(torch.tensor(5).expand(1))  # one element: nothing to gain
+    alloc = allocate(groups, torch.device("cpu"))
+    for g in groups:
+        alloc.full(g.key).fill_(0xAB)
+    written = fill_support(groups, [], alloc)
+    assert written == groups[0].nbytes + groups[1].nbytes
+    one = alloc.full(1)
+    assert one[:96].view(torch.int64).eq(-1).all() and one[96:].eq(0).all()
+    assert torch.equal(alloc.full(2).view(torch.int32), real)

@@ -92,6 +92,9 @@ CASES = {
     # sharder names an fp32 one
     "bf16-adam": ("ebc", {"t0": ("tw", "fused"), "t1": ("rw", "fused_uvm_caching")},
                   dict(data_type="BF16", optimizer="ADAM", extra={"cache_precision": "FP32"}), 1),
+    # enforce_hbm keeps the rows and momentum1 in device memory; fbgemm leaves momentum2 in UVM
+    "adam-enforce-hbm": ("ebc", {"t0": ("tw", "fused_uvm"), "t1": ("rw", "fused_uvm_caching")},
+                         dict(optimizer="ADAM", extra={"enforce_hbm": True}), 1),
     "adagrad": ("ebc", {"t0": ("tw", "fused_uvm"), "t1": ("cw", "fused_uvm_caching")},
                 dict(optimizer="EXACT_ADAGRAD"), 1),
     "sgd": ("ebc", {"t0": ("tw", "fused"), "t1": ("rw", "fused_uvm_caching")},

@@ -11,8 +11,8 @@ checks it against what the meta TBE holds, so that later stages can
   block at its global (row, col) so values match metamat's CPU init bit for bit;
 * set the metadata and cache buffers to the values fbgemm's constructor gives them.
 
-fbgemm functions replicated (fbgemm_gpu 1.8.0, ``split_table_batched_embeddings_ops_training``
-unless noted):
+fbgemm functions replicated (fbgemm_gpu 1.6.0 to 1.9.0,
+``split_table_batched_embeddings_ops_training`` unless noted):
 
 * ``construct_split_state``: per table a placement (HOST / DEVICE / MANAGED /
   MANAGED_CACHING) and an offset into the ``{prefix}_host`` / ``_dev`` / ``_uvm`` buffer;
@@ -42,6 +42,7 @@ from .compat import UnsupportedError
 __all__ = [
     "Split", "CacheLayout", "TBELayout", "FillItem", "split_state", "cache_state", "tbe_layout",
     "initial_values", "fill_items", "fill_many_items", "allocate_storages", "STORAGE_OF",
+    "ENFORCE_HBM_SPLITS",
 ]
 
 # fbgemm EmbeddingLocation name -> the buffer suffix its rows live in (split_embedding_weights)
@@ -279,13 +280,19 @@ def initial_values(layout: TBELayout) -> Dict[str, torch.Tensor]:
     else:
         out["cache_hash_size_cumsum"] = torch.tensor(c.cache_hash_size_cumsum, dtype=torch.int64)
         out["cache_index_table_map"] = torch.tensor(c.cache_index_table_map, dtype=torch.int32)
-        out["lxu_cache_state"] = torch.full((c.cache_sets, c.assoc), -1, dtype=torch.int64)
-        out["lxu_cache_weights"] = torch.zeros(c.cache_sets * c.assoc, c.max_d_cache,
-                                               dtype=c.dtype)
+        # the cache's own buffers (GiBs for a large cache): one value each, broadcast, so the
+        # fill writes them on the device and the host never builds them (support.fill_support)
+        out["lxu_cache_state"] = _constant(-1, (c.cache_sets, c.assoc), torch.int64)
+        out["lxu_cache_weights"] = _constant(0, (c.cache_sets * c.assoc, c.max_d_cache), c.dtype)
         shape = (c.total_cache_hash_size + 1,) if c.algorithm == "LFU" else (c.cache_sets, c.assoc)
-        out["lxu_state"] = torch.zeros(shape, dtype=torch.int64)
+        out["lxu_state"] = _constant(0, shape, torch.int64)
     out["cache_miss_counter"] = torch.zeros(2, dtype=torch.int64)
     return out
+
+
+def _constant(value: int, shape: Tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A tensor of ``shape`` holding ``value`` everywhere, one element in memory."""
+    return torch.tensor(value, dtype=dtype).expand(shape)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -339,6 +346,12 @@ def fill_many_items(items: Sequence[FillItem], storages: Mapping[str, torch.Tens
     return out
 
 
+#: The storages fbgemm's ``enforce_hbm`` keeps in device memory: its constructor passes it to
+#: these ``_apply_split`` calls only (fbgemm 1.6 to 1.9), so momentum2 and the later optimizer
+#: state of a UVM table stay in unified memory.
+ENFORCE_HBM_SPLITS = ("weights", "momentum1")
+
+
 def allocate_storages(layout: TBELayout, device: torch.device, *, enforce_hbm: bool = False
                       ) -> Dict[str, torch.Tensor]:
     """Allocate the TBE's storages on CUDA ``device`` as fbgemm's ``apply_split_helper`` does,
@@ -356,7 +369,7 @@ def allocate_storages(layout: TBELayout, device: torch.device, *, enforce_hbm: b
         make = torch.empty if table else torch.zeros
         out[f"{s.prefix}_dev"] = make(s.dev_size, dtype=s.dtype, device=device)
         out[f"{s.prefix}_host"] = torch.empty(0, dtype=s.dtype, device=device)
-        if s.uvm_size and enforce_hbm:
+        if s.uvm_size and enforce_hbm and s.prefix in ENFORCE_HBM_SPLITS:
             out[f"{s.prefix}_uvm"] = make(s.uvm_size, dtype=s.dtype, device=device)
         elif s.uvm_size:
             uvm = torch.ops.fbgemm.new_unified_tensor(

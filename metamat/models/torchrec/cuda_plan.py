@@ -9,8 +9,9 @@ on meta (:mod:`.cuda_kernels`). For each of them this module
   ``lxu_cache_state`` = -1, cache weights and counters at zero, ...), cross-checked against the
   values recorded while the model was sharded;
 * says which storages live in fbgemm's unified memory (``weights_uvm``, the UVM optimizer
-  state: managed, or host-mapped when the TBE was built with ``uvm_host_mapped``), unless the
-  TBE was built with ``enforce_hbm``; everything else is device memory;
+  state: managed, or host-mapped when the TBE was built with ``uvm_host_mapped``), less the
+  rows and momentum1 of a TBE built with ``enforce_hbm`` (as fbgemm: ENFORCE_HBM_SPLITS);
+  everything else is device memory;
 * checks the device memory the model needs against what the GPU has free, before anything is
   allocated, naming the LXU caches (whose ``cache_sets`` fbgemm would have capped).
 """
@@ -26,7 +27,7 @@ from ...allocate import DEVICE, UVM, UVM_HOST_MAPPED
 from ...errors import DeviceMemoryError
 from ...plan import StorageGroup, storage_key
 from .compat import UnsupportedError
-from .cuda_layout import TBELayout, initial_values, tbe_layout
+from .cuda_layout import ENFORCE_HBM_SPLITS, TBELayout, initial_values, tbe_layout
 from .meta_factories import recorded_value
 from .upstream import kernel_config, kernel_module
 
@@ -92,10 +93,10 @@ def plan_cuda_storages(tbes: Sequence[CudaTBE], storages: Dict[int, StorageGroup
                     f"{tbe.path}: fbgemm's {name} is {tuple(t.shape)}/{t.dtype}, metamat's "
                     f"CUDA layout {tuple(value.shape)}/{value.dtype}")
             put(t, value)
-        if tbe.enforce_hbm:
-            continue
         kind = UVM_HOST_MAPPED if tbe.layout.uvm_host_mapped else UVM
         for split in tbe.layout.splits():
+            if tbe.enforce_hbm and split.prefix in ENFORCE_HBM_SPLITS:
+                continue  # fbgemm keeps these in device memory
             uvm = getattr(emb, f"{split.prefix}_uvm")
             if uvm.is_meta and uvm.numel():
                 g = storages.get(storage_key(uvm))
