@@ -84,6 +84,30 @@ def test_init_equals_the_cpu_bit_for_bit(device, dtype):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_callable_init_leaves_the_callers_random_streams_alone(device):
+    """A callable init (and a module's own reset) runs seeded per tensor, the same numbers
+    every time; the caller's CPU and GPU generators are where they were afterwards."""
+    if device == "cuda":
+        torch.cuda.init()
+    cuda = torch.cuda.is_initialized()
+    torch.manual_seed(123)
+    before_cpu = torch.get_rng_state()
+    before_gpu = torch.cuda.get_rng_state() if cuda else None
+
+    def values():
+        m = _meta()
+        metamat.materialize(m, device=device, seed=7,
+                            init={"lin.weight": lambda t: t.normal_(0.0, 0.5)})
+        return m.lin.weight.detach().cpu().clone()
+
+    first, second = values(), values()
+    assert torch.equal(first, second) and first.std() > 0.3
+    assert torch.equal(torch.get_rng_state(), before_cpu)
+    if cuda:
+        assert torch.equal(torch.cuda.get_rng_state(), before_gpu)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fmt", ["safetensors", "dcp"])
 def test_load_equals_the_checkpoint(saved, device, fmt):
     sd, paths = saved

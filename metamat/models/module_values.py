@@ -35,6 +35,7 @@ from ..dtypes import FILL_DTYPES
 from ..errors import MissingValueError, UnsupportedError
 from ..init import fill_many_
 from ..keys import module_seed
+from ..rng import seeded
 from ..rules import (RESET, Default, InitValue, container_init, default_init, fix_zero_row,
                      match_init, reset_method)
 from ..spec import Constant, Dist
@@ -314,8 +315,7 @@ def _run_resets(entries: Sequence[Entry], dec: Dict[int, Decision],
                 x = whole.get(id(e.old), e.local)
                 if x.is_floating_point():
                     x.fill_(float("nan"))
-            with torch.random.fork_rng(devices=[]), _swapped_in(m, swap):
-                torch.manual_seed(module_seed(seed, mname))
+            with seeded(module_seed(seed, mname)), _swapped_in(m, swap):
                 fn()
             for e in mine:
                 x = whole.get(id(e.old), e.local)
@@ -359,8 +359,7 @@ def fill_values(entries: Sequence[Entry], dec: Dict[int, Decision],
             elif d.run is not None:
                 e.local.copy_(_block(e, d.run(seed)))
             elif d.fn is not None:
-                with torch.random.fork_rng(devices=[]):
-                    torch.manual_seed(module_seed(seed, e.fqn))
+                with seeded(module_seed(seed, e.fqn)):
                     if _whole(e):
                         full = torch.empty(e.global_shape, dtype=e.dtype, device="cpu")
                         d.fn(full)

@@ -48,6 +48,7 @@ from torch import nn
 
 from ...errors import MissingValueError
 from ...keys import module_seed
+from ...rng import seeded
 from ...plan import storage_key
 from ...spec import Constant, Dist, Normal, TruncatedNormal, Uniform, Zeros
 from .. import torch_upstream
@@ -380,9 +381,7 @@ class Trace:
                                             if s.is_param else temp)
         mods = [self.calls[c][1] for c in mi.calls]
         try:
-            with torch.no_grad(), torch.random.fork_rng(devices=[]), \
-                    self._installed(mods, real):
-                torch.manual_seed(module_seed(seed, e.fqn))
+            with torch.no_grad(), seeded(module_seed(seed, e.fqn)), self._installed(mods, real):
                 for c in mi.calls:
                     fn, m, _name, _owner = self.calls[c]
                     fn(m)

@@ -19,6 +19,7 @@ import torch
 from ...allocate import DEVICE, Allocation, is_zero_dist
 from ...init import fill_many_, fill_many_emulated_
 from ...plan import Target
+from ...rng import seeded
 from ..module_values import module_seed
 
 __all__ = ["fill_targets", "needs_write"]
@@ -39,8 +40,7 @@ def fill_targets(targets: List[Target], seed: int, alloc: Optional[Allocation] =
                 tg.init_fn(tg.tensor, tg.offsets)
                 written += tg.nbytes
             elif tg.init_fn is not None:
-                with torch.random.fork_rng(devices=[]):
-                    torch.manual_seed(module_seed(seed, f"{tg.fqn}@{tg.offsets}"))
+                with seeded(module_seed(seed, f"{tg.fqn}@{tg.offsets}")):
                     if getattr(tg.init_fn, "metamat_block", False):
                         tg.init_fn(tg.tensor, tg.offsets)
                     else:
