@@ -252,6 +252,8 @@ def materialize(
             shadows = _bind_reads(ld, alloc, inplace)
             for p in parts:
                 p.before_read()
+            if dev.type == "cuda":  # the caches' write-back and the last training step land
+                torch.cuda.synchronize(dev)  # before the host writes rows in place
         sec["allocate"] = time.perf_counter() - t
         t = time.perf_counter()
         report.bytes_written = sum(p.fill(alloc, seed, ld.loaded) for p in parts)
