@@ -48,8 +48,8 @@ from torch import nn
 
 from ...errors import MissingValueError
 from ...keys import module_seed
-from ...rng import seeded
 from ...plan import storage_key
+from ...rng import seeded
 from ...spec import Constant, Dist, Normal, TruncatedNormal, Uniform, Zeros
 from .. import torch_upstream
 from . import upstream

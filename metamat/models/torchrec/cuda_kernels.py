@@ -14,10 +14,10 @@ the DMP is still built with ``device=meta``, but while it is built:
   (fbgemm otherwise asks ``torch.cuda.get_device_properties``), then builds the real fbgemm
   class with ``device=meta``.
 
-fbgemm (checked: fbgemm-gpu-cpu 1.6.0 to 1.9.0) then lays every table out as on a GPU (weights_dev /
-weights_uvm, momentum, LXU cache) with every tensor on meta; the UVM buffer goes through
-``torch.ops.fbgemm.new_unified_tensor`` on a meta prototype, which ``MetaFactories(cuda=
-True)`` answers with a meta tensor.
+fbgemm (checked: fbgemm-gpu-cpu 1.6.0 to 1.9.0) then lays every table out as on a GPU
+(weights_dev / weights_uvm, momentum, LXU cache) with every tensor on meta; the UVM buffer
+goes through ``torch.ops.fbgemm.new_unified_tensor`` on a meta prototype, which
+``MetaFactories(cuda=True)`` answers with a meta tensor.
 
 Nothing in this module allocates: all checks run before the DMP is constructed.
 """
