@@ -45,6 +45,7 @@ start=$SECONDS
 export PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 work=$(mktemp -d /tmp/gpu_speed.XXXXXX)  # the benches' JSON (read by the summary)
+trap 'rm -rf "$work"' EXIT
 steps_tsv=$work/steps.tsv
 : >"$steps_tsv"
 

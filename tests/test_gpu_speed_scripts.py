@@ -70,7 +70,9 @@ def test_gpu_check_through_the_emulation():
 
 def test_gpu_speed_dry_run_and_summary(tmp_path):
     out = tmp_path / "out"
+    before = set(Path("/tmp").glob("gpu_speed.*"))
     text = _run(["bash", "scripts/gpu_speed.sh", str(out)], env={"GPU_SPEED_DRY": "1"})
+    assert set(Path("/tmp").glob("gpu_speed.*")) <= before  # its scratch folder is gone
     files = sorted(p.name for p in out.iterdir())
     assert len(files) <= 8, files
     assert {"summary.json", "summary.csv", "env.txt", "build.log", "check.log", "init.log",
