@@ -450,11 +450,9 @@ class QuantPart(Adapter):
             for slot in self.graph.slots.get(old_id, []):
                 slot.set(new)
                 n += 1
+        # (no GPU work is in flight: materialize synchronized after the reads, and does again
+        # after the register stage)
         dev = alloc.device
-        if self.touched and dev.type == "cuda":
-            # GPU work already queued on any stream (a lookup, a cache fill) ends before the
-            # live rows and caches change under it. (Lookups must not start during the call.)
-            torch.cuda.synchronize(dev)
         for t in self.tbes:
             if self._is_live(t.storage):  # the shadow's bytes into the live storage
                 key = storage_key(t.storage)

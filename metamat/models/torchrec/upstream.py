@@ -434,23 +434,21 @@ def set_fully_sharded_stream(wrapper: nn.Module, stream: Any) -> None:
     wrapper._async_stream = stream
 
 
-def fix_batch_info(emb: nn.Module) -> bool:
+def fix_batch_info(emb: nn.Module) -> None:
     """Give fbgemm training TBE ``emb``, built on meta, the batch-index bits its constructor
-    computes on a real device (:data:`TBE_BATCH_INFO`); True when it changed them. Other
-    modules (the dense TBE recomputes them in its backward), and TBEs built on a real device,
-    are left alone."""
+    computes on a real device (:data:`TBE_BATCH_INFO`). Other modules (the dense TBE
+    recomputes them in its backward), and TBEs built on a real device, are left alone."""
     import torch
 
     mod = sys.modules.get(TRAINING)
     if mod is None or not isinstance(emb, mod.SplitTableBatchedEmbeddingBagsCodegen):
-        return False
+        return
     if _read(emb, TRAIN_TBE, "info_B_num_bits") != -1:
-        return False
+        return
     features = len(_read(emb, TRAIN_TBE, "feature_table_map"))
     infos = _read(torch.ops.fbgemm, FBGEMM_OPS, "get_infos_metadata")
     bits, mask = infos(torch.empty(0, dtype=torch.int32), 1, features)  # its CPU kernel
     emb.info_B_num_bits, emb.info_B_mask = int(bits), int(mask)
-    return True
 
 
 def kernel_config(w: nn.Module) -> Any:
