@@ -48,7 +48,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
-from _common import Row, env_header, finish, print_table, progress  # noqa: E402
+from _common import Row, env_header, finish, print_table, progress, write_csv  # noqa: E402
 
 QDTYPES = {"int8": torch.qint8, "int4": torch.quint4x2, "int2": torch.quint2x4,
            "fp16": torch.float16}
@@ -196,6 +196,24 @@ def child(method: int, ckpt: str, size: int, n_tables: int, dim: int, qdtype: st
             "device_peak": torch.cuda.max_memory_allocated(dev) if cuda else 0}
 
 
+def _gpu_peak(results: dict, method: int) -> float:
+    return max(r["device_peak"] for r in results[method])
+
+
+def _check_digests(results: dict, cuda: bool) -> None:
+    """Every method's bytes agree with those of the methods that quantize alike: on the CPU
+    all of them; on a GPU metamat's host conversion (materialize, refresh) with itself, and
+    fbgemm's CUDA op (TorchRec's conversion on the GPU, METAMAT_QUANT_ON=device) with
+    itself (the cuda tests compare the two kinds)."""
+    groups = [[1, 2], [0, 3]] if cuda else [[0, 1, 2]]
+    for g in groups:
+        seen = {i: {r["digest"] for r in results[i]} for i in g if i in results}
+        if len(set().union(*seen.values())) != 1:
+            raise RuntimeError(
+                "quantized bytes differ between methods that quantize alike: "
+                + "; ".join(f"{METHODS[i]}: {sorted(d)}" for i, d in seen.items()))
+
+
 def _write_checkpoint(root: str, size: int, n_tables: int, dim: int) -> str:
     """A float training checkpoint of the tables (DCP, one writer), filled fast."""
     import torch.distributed.checkpoint as dcp
@@ -228,7 +246,8 @@ def run_quant(a, device: torch.device) -> List[Row]:
         ranks = getattr(a, "quant_ranks", 0)  # bench_quant.py's --ranks (materialize.py: 0)
         if ranks and device.type != "cpu":
             raise SystemExit("--ranks: TorchRec's CPU inference sharding only (device cpu)")
-        methods = METHODS if device.type == "cuda" else METHODS[:3]
+        cuda = device.type == "cuda"
+        methods = METHODS if cuda else METHODS[:3]
         if ranks:
             methods = (f"torchrec: float EBC + dcp.load + quantize_embeddings + "
                        f"shard_quant_model (RW x{ranks}) + load_state_dict",
@@ -246,8 +265,13 @@ def run_quant(a, device: torch.device) -> List[Row]:
                     capture_output=True, text=True, timeout=3600)
                 if out.returncode != 0:
                     raise RuntimeError(f"{name} failed:\n{out.stderr[-4000:]}")
-                results[i].append(json.loads(out.stdout.strip().splitlines()[-1]))
+                r = json.loads(out.stdout.strip().splitlines()[-1])
+                results[i].append(r)
+                print(f"   {r['seconds']:.3f} s, host peak growth {r['grew'] / 2**30:.3f} GiB"
+                      + (f", GPU peak {r['device_peak'] / 2**30:.3f} GiB" if cuda else "")
+                      + f", digest {r['digest']}", flush=True)  # a stopped run keeps these
         digests = {r["digest"] for rs in results.values() for r in rs}
+        _check_digests(results, cuda)
         for i, name in enumerate(methods):
             rs = results[i]
             grew = statistics.median(r["grew"] for r in rs)
@@ -269,19 +293,20 @@ def run_quant(a, device: torch.device) -> List[Row]:
                     "VmHWM growth per process)", rows, methods[0], methods[0])
         base, mm = rows[:2]
         print(f"metamat: {base.seconds / mm.seconds:.1f}x faster, peak memory "
-              f"{mm.peak_rss_gib / base.peak_rss_gib:.2f}x TorchRec's "
-              f"(goal: >= 5x faster, <= 0.3x memory at INT8)")
+              f"{mm.peak_rss_gib / base.peak_rss_gib:.2f}x TorchRec's (host)"
+              + (f", {_gpu_peak(results, 1) / _gpu_peak(results, 0):.2f}x (GPU)" if cuda else "")
+              + " (goal: >= 5x faster, <= 0.3x memory at INT8)")
         print(f"refresh of a live model: {rows[2].seconds / mm.seconds:.2f}x the time of "
               f"materializing from meta, peak {rows[2].peak_rss_gib / mm.peak_rss_gib:.2f}x "
               "(the shadow of the quantized storages)")
         if len(rows) > 3:
             print(f"quantized on the device: {mm.seconds / rows[3].seconds:.2f}x the host "
                   "quantization's speed (METAMAT_QUANT_ON=device if > 1)")
-        if len(digests) != 1 and device.type == "cpu":
-            raise RuntimeError("the two methods gave different quantized bytes")
-        if len(digests) != 1:  # fbgemm's CUDA quantization op against the host one's bytes
-            print("NOTE: TorchRec's GPU conversion and metamat's host conversion differ in "
-                  "bytes (fbgemm's CUDA op is not the CPU op bit for bit)")
+        if len(digests) != 1:  # each conversion is checked against its own kind above
+            print("NOTE: fbgemm's CUDA quantization (TorchRec's conversion on the GPU, "
+                  "METAMAT_QUANT_ON=device) and the host conversion differ in bytes")
+        if getattr(a, "out", None):
+            write_csv(os.path.join(a.out, "results.csv"), rows)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return rows
@@ -301,6 +326,7 @@ def main(argv=None) -> int:
     p.add_argument("--size", type=int, help=argparse.SUPPRESS)
     p.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
     p.add_argument("--device", default="cpu", help="cpu, or cuda: into CUDA inference TBEs")
+    p.add_argument("--out", default=None, help="directory for results.csv")
     p.add_argument("--ranks", dest="quant_ranks", type=int, default=0,
                    help="quant-shard every table row-wise over this many ranks of one process")
     a = p.parse_args(argv)

@@ -8,10 +8,18 @@ dmp (init), three table sets:
   fbgemm's zeros, the kernel's uniform_, then each table's init_fn) against
   ``shard_on_meta(compute_device="cuda")`` + ``materialize``, and against ``fill_`` of the same
   device bytes (the HBM write ceiling);
-* the same bytes as UVM tables (``fused_uvm``): metamat writes unified memory from the host,
-  so its ceiling is ``fill_`` of fresh host memory with every CPU thread;
+* UVM tables (``fused_uvm``, at most ``UVM_GIB_MAX`` GiB: the host writes them at host-memory
+  speed): metamat writes unified memory from the host, so its ceilings are ``fill_`` of fresh
+  unified memory of the same kind from the host (fbgemm's allocator) and of fresh pageable
+  host memory, with every CPU thread;
 * many small DEVICE tables (``--small-tables`` of 1,000 x 64): TorchRec's per-table work
   against metamat's.
+
+The user's ``EmbeddingBagCollection`` on meta and the plan are built before each timed call
+(their common input, as in ``--mode scale``). Rows per set: eager DMP, metamat
+(``shard_on_meta`` + ``materialize``), ``materialize`` alone, metamat's fill phase (the bytes
+it wrote over the phase's seconds, the GPU synchronised), and the ceilings. A table set's rows
+go to ``--out``'s results.csv as soon as it is measured (a stopped run keeps them).
 
 load: a DCP checkpoint (tables + optimizer state) of the large DEVICE tables, page cache warm:
 eager DMP(device=cuda) + ``dcp.load`` (building the eager model included, as a user pays it)
@@ -31,14 +39,16 @@ import os
 import shutil
 import tempfile
 import threading
+import statistics
 import time
-from typing import Callable, List
+from typing import Callable, List, Optional
 
 import torch
 
-from _common import Row, finish, print_table, progress, timeit
+from _common import Row, finish, print_table, progress, times, write_csv
 
 SMALL_ROWS, SMALL_DIM = 1000, 64
+UVM_GIB_MAX = 4.0  # the UVM set's bytes at most: host memory is written at ~10 GB/s
 
 
 def _sync(device: torch.device) -> None:
@@ -53,10 +63,17 @@ def _free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def _timed(fn: Callable[[], object], reps: int, device: torch.device) -> float:
+def _timed(fn: Callable[[], object], reps: int, device: torch.device,
+           setup: Optional[Callable[[], None]] = None) -> float:
     """Median seconds of ``reps`` calls after one warm-up; what ``fn`` returns is freed
-    between calls (models do not accumulate in GPU memory)."""
-    t = timeit(fn, reps, device, setup=lambda: _free(device))
+    between calls (models do not accumulate in GPU memory); ``setup`` runs untimed before
+    each call."""
+    def before():
+        _free(device)
+        if setup:
+            setup()
+
+    t = statistics.median(times(fn, reps, device, setup=before))
     _free(device)
     return t
 
@@ -89,39 +106,58 @@ def _plan(ebc, kernel: str, device_type: str, shd):
 
 
 class _Methods:
-    """Build the same tables with TorchRec (eager) or metamat, on the device or emulated."""
+    """Build the same tables with TorchRec (eager) or metamat, on the device or emulated.
+    ``prepare`` makes the common input (the EBC on meta, the plan, the sharder) untimed; the
+    timed calls take it. ``reports`` keeps every metamat call's Report."""
 
     def __init__(self, device: torch.device, emulate: bool):
         self.device, self.emulate = device, emulate
+        self.reports: list = []
+        self.inputs: Optional[tuple] = None
 
-    def eager(self, cfgs, kernel: str):
-        import torch.distributed as dist
+    def prepare(self, cfgs, kernel: str, eager: bool) -> None:
         from torchrec import EmbeddingBagCollection
+
+        if eager and self.emulate:  # the CPU kernels stand in for TorchRec's GPU ones
+            kernel, kind = "fused", "cpu"
+        else:
+            kind = "cuda"
+        ebc = EmbeddingBagCollection(tables=cfgs, device=torch.device("meta"))
+        shd = _sharder()
+        self.inputs = (ebc, _plan(ebc, kernel, kind, shd), shd)
+
+    def eager(self):
+        import torch.distributed as dist
         from torchrec.distributed.model_parallel import DistributedModelParallel
         from torchrec.distributed.types import ShardingEnv
 
-        ebc = EmbeddingBagCollection(tables=cfgs, device=torch.device("meta"))
-        shd = _sharder()
-        if self.emulate:  # the CPU kernels stand in for TorchRec's GPU ones
-            kernel, dev, kind = "fused", torch.device("cpu"), "cpu"
-        else:
-            dev, kind = self.device, "cuda"
+        (ebc, plan, shd), self.inputs = self.inputs, None  # the DMP takes the EBC over
+        dev = torch.device("cpu") if self.emulate else self.device
         return DistributedModelParallel(ebc, ShardingEnv.from_process_group(dist.group.WORLD),
-                                        device=dev, plan=_plan(ebc, kernel, kind, shd),
-                                        sharders=[shd])
+                                        device=dev, plan=plan, sharders=[shd])
 
-    def metamat(self, cfgs, kernel: str, ckpt=None):
+    def metamat(self, ckpt=None):
         import metamat
         from metamat.emulation import emulated_cuda
-        from torchrec import EmbeddingBagCollection
 
-        ebc = EmbeddingBagCollection(tables=cfgs, device=torch.device("meta"))
-        shd = _sharder()
-        model = metamat.shard_on_meta(ebc, plan=_plan(ebc, kernel, "cuda", shd),
-                                      sharders=[shd], compute_device="cuda")
+        (ebc, plan, shd), self.inputs = self.inputs, None
+        model = metamat.shard_on_meta(ebc, plan=plan, sharders=[shd], compute_device="cuda")
         with emulated_cuda() if self.emulate else contextlib.nullcontext():
-            self.report = metamat.materialize(model, ckpt, progress=False)
+            self.reports.append(metamat.materialize(model, ckpt, progress=False))
         return model
+
+    def timed_eager(self, cfgs, kernel: str, reps: int, dev: torch.device,
+                    fn: Optional[Callable[[], object]] = None) -> float:
+        """Median seconds of ``fn`` (default: the eager DMP), its input prepared untimed."""
+        return _timed(fn or self.eager, reps, dev,
+                      setup=lambda: self.prepare(cfgs, kernel, eager=True))
+
+    def timed_metamat(self, cfgs, kernel: str, reps: int, dev: torch.device, ckpt=None):
+        """(median seconds of shard_on_meta + materialize, the Reports of the timed calls)."""
+        self.reports = []
+        t = _timed(lambda: self.metamat(ckpt), reps, dev,
+                   setup=lambda: self.prepare(cfgs, kernel, eager=False))
+        return t, self.reports[1:]  # the first call warms up
 
 
 def _fill_ceiling(nbytes: int, device: torch.device, reps: int, label: str) -> Row:
@@ -130,46 +166,86 @@ def _fill_ceiling(nbytes: int, device: torch.device, reps: int, label: str) -> R
     return Row("dmp", label, n * 4, sec, reps, extra=f"fresh memory on {device}")
 
 
+def _unified_fill_ceiling(nbytes: int, device: torch.device, reps: int, label: str) -> Row:
+    """``fill_`` from the host of fresh unified memory of the kind metamat writes UVM tables
+    in (fbgemm's managed memory through its CPU alias): its first-touch faults are the
+    driver's, dearer than those of plain pageable memory."""
+    from metamat.allocate import _unified_storage
+
+    n = max(1, nbytes // 4)
+
+    def fill():
+        st, alias = _unified_storage(n * 4, device, host_mapped=False)
+        torch.empty(0, dtype=torch.float32).set_(alias, 0, (n,)).fill_(0.5)
+        return st
+
+    sec = _timed(fill, reps, device)
+    return Row("dmp", label, n * 4, sec, reps,
+               extra="fresh fbgemm managed memory, written through its CPU alias")
+
+
+def _median(xs) -> float:
+    xs = list(xs)
+    return statistics.median(xs) if xs else float("nan")
+
+
 def run_dmp_cuda(a, device: torch.device, emulate: bool = False) -> List[Row]:
     from bench_scale import process_group
 
     dev = torch.device("cpu") if emulate else device
     m = _Methods(device, emulate)
-    per = int(a.size_gib * 2**30)
-    rows_per_table = max(8, per // (a.tables * a.dim * 4))
-    large = _tables(a.tables, rows_per_table, a.dim)
+
+    def large(gib: float):
+        per = int(gib * 2**30)
+        return _tables(a.tables, max(8, per // (a.tables * a.dim * 4)), a.dim)
+
+    uvm_gib = min(a.size_gib, UVM_GIB_MAX)
     n_small = getattr(a, "small_tables", 2048)
     small = _tables(n_small, SMALL_ROWS, SMALL_DIM, prefix="s")
     tag = " (emulated)" if emulate else ""
     out: List[Row] = []
+    sets = (("DEVICE", large(a.size_gib), "fused", a.reps),
+            ("UVM", large(uvm_gib), "fused_uvm", a.reps),
+            (f"{n_small} small", small, "fused", min(a.reps, 2)))  # ~0.5 GB: Python's time
     with process_group():
-        for what, cfgs, kernel in (("DEVICE", large, "fused"), ("UVM", large, "fused_uvm"),
-                                   (f"{n_small} small", small, "fused")):
-            progress(f"dmp cuda: {what} tables, eager TorchRec, {a.reps} reps")
-            rows: List[Row] = []
-            eager_s = _timed(lambda: m.eager(cfgs, kernel), a.reps, dev)
-            progress(f"dmp cuda: {what} tables, metamat, {a.reps} reps")
-            ours = _timed(lambda: m.metamat(cfgs, kernel), a.reps, dev)
-            mem = m.report.bytes_by_memory
-            nbytes = m.report.bytes_allocated
-            rows.append(Row("dmp", f"TorchRec DMP(cuda), {what}{tag}", nbytes, eager_s, a.reps))
-            rows.append(Row("dmp", f"metamat, {what}{tag}", nbytes, ours, a.reps,
-                            extra=", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in mem.items())))
-            if kernel == "fused_uvm":  # written from the host: the host's write ceiling
-                ceil = _fill_ceiling(mem.get("uvm", 0) + mem.get("uvm_host_mapped", 0),
-                                     torch.device("cpu"), a.reps, f"host fill_, {what}{tag}")
+        for what, cfgs, kernel, reps in sets:
+            progress(f"dmp cuda: {what} tables, eager TorchRec, {reps} reps")
+            eager_s = m.timed_eager(cfgs, kernel, reps, dev)
+            progress(f"dmp cuda: {what} tables, metamat, {reps} reps")
+            ours, reports = m.timed_metamat(cfgs, kernel, reps, dev)
+            last = reports[-1]
+            mem, nbytes = last.bytes_by_memory, last.bytes_allocated
+            written = last.bytes_written
+            mat_s = _median(r.total_seconds for r in reports)
+            fill_s = _median(r.seconds.get("fill", 0.0) for r in reports)
+            rows = [Row("dmp", f"TorchRec DMP(cuda), {what}{tag}", nbytes, eager_s, reps),
+                    Row("dmp", f"metamat, {what}{tag}", nbytes, ours, reps,
+                        extra="shard_on_meta + materialize; " + ", ".join(
+                            f"{k} {v / 2**30:.2f} GiB" for k, v in mem.items())),
+                    Row("dmp", f"metamat materialize alone, {what}{tag}", nbytes, mat_s, reps),
+                    Row("dmp", f"metamat fill phase, {what}{tag}", written, fill_s, reps,
+                        extra="bytes written / the fill phase's seconds")]
+            if kernel == "fused_uvm":  # written from the host: the host's write ceilings
+                host = mem.get("uvm", 0) + mem.get("uvm_host_mapped", 0)
+                if not emulate:
+                    rows.append(_unified_fill_ceiling(host, device, reps,
+                                                      f"host fill_ of unified memory, {what}"))
+                rows.append(_fill_ceiling(host, torch.device("cpu"), reps,
+                                          f"host fill_, {what}{tag}"))
             else:
-                ceil = _fill_ceiling(mem.get("device", nbytes), dev, a.reps,
-                                     f"device fill_, {what}{tag}")
-            rows.append(ceil)
+                rows.append(_fill_ceiling(mem.get("device", nbytes), dev, reps,
+                                          f"device fill_, {what}{tag}"))
+            ceil = rows[4]  # the ceiling of the memory metamat wrote
             finish(rows, rows[0].method, ceil.method)
             print_table(f"dmp --device cuda: {what} tables (kernel {kernel}), one rank{tag}",
                         rows, rows[0].method, ceil.method)
-            print(f"metamat vs its ceiling ({ceil.method}): bytes it wrote there "
-                  f"{ceil.nbytes / 2**30:.2f} GiB in {ours:.3f} s -> "
-                  f"{ceil.nbytes / ours / 1e9:.2f} GB/s, "
-                  f"{(ceil.nbytes / ours) / (ceil.nbytes / ceil.seconds):.2f}x the ceiling")
+            fill = rows[3]
+            print(f"{what}: metamat {eager_s / ours:.2f}x eager DMP(cuda) "
+                  f"(materialize alone {eager_s / mat_s:.2f}x); fill phase {fill.gbps:.1f} GB/s "
+                  f"= {fill.gbps / ceil.gbps:.2f}x {ceil.method} ({ceil.gbps:.1f} GB/s)")
             out += rows
+            if getattr(a, "out", None):  # a stopped run keeps the sets it measured
+                write_csv(os.path.join(a.out, "results.csv"), out)
     return out
 
 
@@ -222,6 +298,7 @@ def _h2d_ceiling(nbytes: int, device: torch.device, reps: int) -> float:
 
 def run_load_cuda(a, device: torch.device, emulate: bool = False) -> List[Row]:
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
 
     from bench_scale import process_group
     from metamat.load import default_io_threads
@@ -236,41 +313,54 @@ def run_load_cuda(a, device: torch.device, emulate: bool = False) -> List[Row]:
     try:
         with process_group():
             progress("load cuda: writing the checkpoint")
-            src = m.metamat(cfgs, "fused")
+            m.prepare(cfgs, "fused", eager=False)
+            src = m.metamat()
             ckpt = os.path.join(root, "dcp")
+            # no fsync: the bytes are read back from the page cache (warm), disk speed is moot
             dcp.save({"model": src.state_dict(), "optim": src.fused_optimizer.state_dict()},
-                     checkpoint_id=ckpt)
+                     storage_writer=FileSystemWriter(ckpt, sync_files=False))
             del src
             _free(dev)
 
             def eager_load():
-                model = m.eager(cfgs, "fused")
+                model = m.eager()
                 state = {"model": model.state_dict(), "optim": model.fused_optimizer.state_dict()}
                 dcp.load(state, checkpoint_id=ckpt)
                 model.fused_optimizer.load_state_dict(state["optim"])
                 return model
 
             progress(f"load cuda: eager TorchRec + dcp.load, {a.reps} reps")
-            eager_s = _timed(eager_load, a.reps, dev)
+            eager_s = m.timed_eager(cfgs, "fused", a.reps, dev, fn=eager_load)
             progress(f"load cuda: metamat, {a.reps} reps")
-            ours = _timed(lambda: m.metamat(cfgs, "fused", ckpt), a.reps, dev)
-            need = m.report.bytes_needed
+            ours, reports = m.timed_metamat(cfgs, "fused", a.reps, dev, ckpt)
+            need = reports[-1].bytes_needed
+            read_phase = _median(r.seconds.get("read", 0.0) for r in reports)
             files = [os.path.join(ckpt, f) for f in os.listdir(ckpt) if f.endswith(".distcp")]
             threads = default_io_threads()
             read_s = _read_ceiling(files, threads, a.reps)
             rows = [Row("load", f"TorchRec DMP(cuda) + dcp.load{tag}", need, eager_s, a.reps),
                     Row("load", f"metamat materialize(ckpt){tag}", need, ours, a.reps,
-                        extra=f"read phase {m.report.seconds.get('read', 0):.3f} s"),
+                        extra="shard_on_meta + materialize"),
+                    Row("load", f"metamat read phase{tag}", need, read_phase, a.reps,
+                        extra="checkpoint bytes / the read phase's seconds"),
                     Row("load", f"page-cache read into pinned memory{tag}",
                         sum(os.path.getsize(f) for f in files), read_s, a.reps,
                         extra=f"ceiling: {threads} threads, 8 MiB preads, best of reps")]
             if not emulate:
                 rows.append(Row("load", "pinned H2D copy", need,
-                                _h2d_ceiling(need, device, a.reps), a.reps, extra="ceiling"))
+                                _h2d_ceiling(need, device, a.reps), a.reps,
+                                extra="ceiling, best of reps"))
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    finish(rows, rows[0].method, rows[2].method)
+    finish(rows, rows[0].method, rows[3].method)
     print_table(f"load --device cuda: {a.tables} DEVICE tables + row-wise Adagrad state, "
                 f"~{a.size_gib:g} GiB, one rank, page cache warm{tag}",
-                rows, rows[0].method, rows[2].method)
+                rows, rows[0].method, rows[3].method)
+    ours_row = rows[1]
+    goals = [f"load: metamat {ours_row.ratio_to_baseline:.2f}x eager DMP(cuda) + dcp.load "
+             "(goal >= 10x)"]
+    for ceil in rows[3:]:
+        goals.append(f"{ours_row.gbps / ceil.gbps:.2f}x {ceil.method} ({ceil.gbps:.1f} GB/s; "
+                     f"read phase alone {rows[2].gbps / ceil.gbps:.2f}x)")
+    print("; ".join(goals) + " (goal >= 0.8x the read ceiling)")
     return rows

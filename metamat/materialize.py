@@ -257,6 +257,8 @@ def materialize(
         sec["allocate"] = time.perf_counter() - t
         t = time.perf_counter()
         report.bytes_written = sum(p.fill(alloc, seed, ld.loaded) for p in parts)
+        if dev.type == "cuda" and not loading:  # the kernels ran, not just launched: the
+            torch.cuda.synchronize(dev)  # phase's seconds (Report.fill_gbps) are real
         sec["fill"] = time.perf_counter() - t
         if loading:
             t = time.perf_counter()

@@ -30,11 +30,12 @@
 #                      (shard_modules beside FSDP2); pytest-xdist -n XDIST_N (4) when installed
 #   torchrec_layout 90 pytest tests/test_torchrec_cuda_layout.py (-n XDIST_N too)
 #   cuda          150  every other `cuda` test: pytest -m cuda tests/ (less the files above)
-#   bench_dmp     100  bench/materialize.py --mode dmp --device cuda (DMP_GIB 4, DMP_REPS 3,
-#                      SMALL_TABLES 2048)
+#   bench_dmp     100  bench/materialize.py --mode dmp --device cuda (DMP_GIB 16 of DEVICE
+#                      tables, UVM tables at most 4 GiB, DMP_REPS 3, SMALL_TABLES 2048)
 #   bench_load    100  bench/materialize.py --mode load --device cuda (LOAD_GIB 4, LOAD_REPS 3)
-#   bench_quant    75  bench/bench_quant.py --device cuda (QUANT_GIB 1, QUANT_REPS 2): a float
-#                      DCP checkpoint into CUDA INT8 inference TBEs vs TorchRec's path
+#   bench_quant    75  bench/bench_quant.py --device cuda (QUANT_GIB 1, QUANT_REPS 1: four
+#                      fresh processes): a float DCP checkpoint into CUDA INT8 inference TBEs
+#                      vs TorchRec's path
 #   bench_init     90  bench/materialize.py --mode init --device cuda (INIT_GIB 10, 5 reps)
 #   bench_stage    60  bench/bench_stage.py --device cuda --size-gib 1 --reps 3
 #   bench_tp       90  bench/materialize.py --mode tp --device cuda --ranks 1 (TP_GIB 4)
@@ -291,12 +292,12 @@ pytest_step cuda 150 -m cuda "${ignore[@]}" tests/
 finish variants stop  # nothing compiles under the benches (build/speed keeps what it built)
 bench=("$py" bench/materialize.py --device cuda)
 if ((has_torchrec)); then
-  step bench_dmp 100 cmd "${bench[@]}" --mode dmp --size-gib "${DMP_GIB:-4}" --reps "${DMP_REPS:-3}" \
-    --small-tables "${SMALL_TABLES:-2048}" --out "$work/bench_dmp"
+  step bench_dmp 100 cmd "${bench[@]}" --mode dmp --size-gib "${DMP_GIB:-16}" --reps "${DMP_REPS:-3}" \
+    --small-tables "${SMALL_TABLES:-2048}" --out "$work/bench_dmp"  # CSV after each table set
   step bench_load 100 cmd "${bench[@]}" --mode load --size-gib "${LOAD_GIB:-4}" \
     --reps "${LOAD_REPS:-3}" --out "$work/bench_load"
   step bench_quant 75 cmd "$py" bench/bench_quant.py --device cuda --size-gib "${QUANT_GIB:-1}" \
-    --reps "${QUANT_REPS:-2}"
+    --reps "${QUANT_REPS:-1}" --out "$work/bench_quant"
 else
   skip bench_dmp 100 cmd "$no_trec"
   skip bench_load 100 cmd "$no_trec"

@@ -106,9 +106,11 @@ def test_bench_torchrec_gpu_runs_on_the_emulated_device(mode, tmp_path):
     methods = [row["method"] for row in rows]
     assert all(m.endswith("(emulated)") for m in methods), methods
     if mode == "dmp":
-        for what in ("DEVICE", "UVM", "16 small"):
-            assert sum(what in m for m in methods) == 3, methods  # eager, metamat, ceiling
+        for what in ("DEVICE", "UVM", "16 small"):  # eager, metamat, materialize, fill, ceiling
+            assert sum(what in m for m in methods) == 5, methods
+            assert f"{what}: metamat " in r.stdout and "fill phase" in r.stdout
         assert "uvm 0.0" in r.stdout  # the UVM tables went to unified memory
     else:
         assert any("dcp.load" in m for m in methods) and any("pinned" in m for m in methods)
+        assert any("read phase" in m for m in methods) and "goal >= 10x" in r.stdout
     assert all(float(row["gbps"]) > 0 for row in rows)
