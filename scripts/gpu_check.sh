@@ -29,13 +29,18 @@
 #                      TrainPipelineSparseDist) tests/test_torchrec_composable.py
 #                      (shard_modules beside FSDP2); pytest-xdist -n XDIST_N (4) when installed
 #   torchrec_layout 90 pytest tests/test_torchrec_cuda_layout.py (-n XDIST_N too)
-#   cuda          150  every other `cuda` test: pytest -m cuda tests/ (less the files above)
+#   quant_gpu     120  pytest -m cuda tests/test_quant_cuda.py tests/test_quant_refresh.py
+#                      tests/test_quant_feature_processed.py tests/test_quant_managed_collision*.py
+#                      (quantized inference TBEs on the GPU; -n XDIST_N too)
 #   bench_dmp     100  bench/materialize.py --mode dmp --device cuda (DMP_GIB 16 of DEVICE
 #                      tables, UVM tables at most 4 GiB, DMP_REPS 3, SMALL_TABLES 2048)
 #   bench_load    100  bench/materialize.py --mode load --device cuda (LOAD_GIB 4, LOAD_REPS 3)
 #   bench_quant    75  bench/bench_quant.py --device cuda (QUANT_GIB 1, QUANT_REPS 1: four
 #                      fresh processes): a float DCP checkpoint into CUDA INT8 inference TBEs
 #                      vs TorchRec's path
+#   cuda          150  every other `cuda` test: pytest -m cuda tests/ (less the files above:
+#                      the engine's kernels and staged loads, which ran on GPUs before; after
+#                      the benches of the TorchRec paths, whose numbers are the goals)
 #   bench_init     90  bench/materialize.py --mode init --device cuda (INIT_GIB 10, 5 reps)
 #   bench_stage    60  bench/bench_stage.py --device cuda --size-gib 1 --reps 3
 #   bench_tp       90  bench/materialize.py --mode tp --device cuda --ranks 1 (TP_GIB 4)
@@ -47,8 +52,8 @@
 # A failing step never stops the later ones. pytest steps run with -v -rA, a per-test timeout
 # (pytest-timeout, PER_TEST_S 120, when installed) and a JUnit XML. Expected on an H100
 # (estimates, nothing measured yet): env 10 s, stack 30, smoke 15, build done by ~100 s,
-# TorchRec tests 2-3 min, other cuda tests 1-2 min, benches 1-1.5 min each: the benches after
-# bench_quant, the emulated-device tests and the sanitizers run only if time remains.
+# TorchRec and quant tests 3-4 min, benches 1-1.5 min each, other cuda tests 1-2 min: the
+# steps after `cuda`, the emulated-device tests and the sanitizers run only if time remains.
 #
 # OUTDIR gets at most 4 files (the device tool returns 8): summary.json (every step: status
 # PASS/FAIL/SKIPPED/TIMEOUT, seconds, tests passed/failed/skipped, every failing test's id and
@@ -89,8 +94,8 @@ exec > >(tee -a "$out/gpu_check.log") 2>&1
 tee_pid=$!
 export PYTHONUNBUFFERED=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-order="env stack fbgemm_smoke build backend variants torchrec_gpu torchrec_layout cuda bench_dmp bench_load
-  bench_quant bench_init bench_stage bench_tp torchrec_emulated memcheck racecheck"  # the summary lists the steps so
+order="env stack fbgemm_smoke build backend variants torchrec_gpu torchrec_layout quant_gpu bench_dmp
+  bench_load bench_quant cuda bench_init bench_stage bench_tp torchrec_emulated memcheck racecheck"  # the summary lists the steps so
 printf '{"budget_s": %d, "start_epoch": %d, "dry": %s, "order": ["%s"], "optional_steps": ["variants", "bench_tp", "torchrec_emulated", "memcheck", "racecheck"]}\n' \
   "$budget" "$(date +%s)" "$([ "$dry" = 1 ] && echo true || echo false)" \
   "$(echo $order | sed 's/ /", "/g')" >"$work/meta.json"
@@ -269,24 +274,28 @@ step backend 30 cmd "$py" -c "import metamat._C as C; assert C.cuda_compiled(), 
 BG=1 step variants 240 cmd env METAMAT_CUDA=ON METAMAT_CUDA_ARCHS="${arch:-90}" METAMAT_FILL_VARIANTS=1 \
   METAMAT_BUILD_DIR=build/speed nice -n 19 "$py" scripts/build_ext.py --no-copy
 
-# --- TorchRec on the GPU first, then every other cuda test -------------------------------------
+# --- TorchRec on the GPU first (training, then quantized inference), then the benches of both
+# (the goal numbers), then every other cuda test (the engine's, run on GPUs before) ------------
 trec_files=(tests/test_torchrec_gpu.py tests/test_torchrec_cuda_layout.py tests/test_torchrec_gpu_emulated.py
             tests/test_torchrec_managed_collision.py tests/test_torchrec_hash_zch.py
             tests/test_torchrec_two_dim.py tests/test_torchrec_train_pipeline.py
             tests/test_torchrec_composable.py)
+quant_files=(tests/test_quant_cuda.py tests/test_quant_refresh.py tests/test_quant_feature_processed.py
+             tests/test_quant_managed_collision.py tests/test_quant_managed_collision_sharded.py)
 if ((has_torchrec)); then
   pytest_step torchrec_gpu 200 "${xdist_args[@]}" -m cuda tests/test_torchrec_gpu.py \
     tests/test_torchrec_managed_collision.py tests/test_torchrec_hash_zch.py \
     tests/test_torchrec_two_dim.py tests/test_torchrec_train_pipeline.py \
     tests/test_torchrec_composable.py
   pytest_step torchrec_layout 90 "${xdist_args[@]}" tests/test_torchrec_cuda_layout.py
+  pytest_step quant_gpu 120 "${xdist_args[@]}" -m cuda "${quant_files[@]}"
 else
   skip torchrec_gpu 200 pytest "$no_trec"
   skip torchrec_layout 90 pytest "$no_trec"
+  skip quant_gpu 120 pytest "$no_trec"
 fi
 ignore=()
-for f in "${trec_files[@]}"; do ignore+=(--ignore "$f"); done
-pytest_step cuda 150 -m cuda "${ignore[@]}" tests/
+for f in "${trec_files[@]}" "${quant_files[@]}"; do ignore+=(--ignore "$f"); done
 
 # --- benches (GB/s tables in the logs, rows in benches.csv) ------------------------------------
 finish variants stop  # nothing compiles under the benches (build/speed keeps what it built)
@@ -303,6 +312,7 @@ else
   skip bench_load 100 cmd "$no_trec"
   skip bench_quant 75 cmd "$no_trec"
 fi
+pytest_step cuda 150 -m cuda "${ignore[@]}" tests/
 step bench_init 90 cmd "${bench[@]}" --mode init --size-gib "${INIT_GIB:-10}" --reps 5 --sweep 1 \
   --out "$work/bench_init"
 grep -A8 "GPU goals" "$work/bench_init.log" 2>/dev/null | sed 's/^/   /'

@@ -3,8 +3,8 @@
 with real pytest and JUnit) and two real steps on this CPU.
 
 * a failing step is recorded (FAIL, its failing tests named from the JUnit XML) and every later
-  step still runs, in the script's order (the TorchRec GPU tests before the other cuda tests
-  and the benches);
+  step still runs, in the script's order (the TorchRec GPU and quant tests, the benches of
+  those paths, then the other cuda tests);
 * a step that hangs is stopped at what is left of the budget (TIMEOUT) and the steps after it
   are SKIPPED for lack of time;
 * the output folder holds few files (the device tool returns at most 8, 16 MiB each, 2 folders
@@ -28,7 +28,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "scripts", "gpu_check.sh")
 ORDER = ["env", "stack", "fbgemm_smoke", "build", "backend", "variants", "torchrec_gpu",
-         "torchrec_layout", "cuda", "bench_dmp", "bench_load", "bench_quant", "bench_init",
+         "torchrec_layout", "quant_gpu", "bench_dmp", "bench_load", "bench_quant", "cuda",
+         "bench_init",
          "bench_stage", "bench_tp", "torchrec_emulated", "memcheck", "racecheck"]
 STATUSES = {"PASS", "FAIL", "SKIPPED", "TIMEOUT"}
 
@@ -65,14 +66,15 @@ def by_name(summary):
 
 
 def test_dry_run_records_a_failing_step_and_runs_the_later_ones(tmp_path):
-    selected = "env stack build backend torchrec_gpu cuda bench_dmp"
+    selected = "env stack build backend torchrec_gpu quant_gpu bench_dmp cuda"
     p, out, summary = run_check(tmp_path, {
         "GPU_CHECK_DRY": "1", "STEPS": selected, "GPU_CHECK_FAIL": "build torchrec_gpu",
         "BUDGET_S": "300"})
     assert p.returncode == 1, p.stdout + p.stderr
     names = check_outdir(out)
     assert {"summary.json", "logs.tar.gz", "gpu_check.log"} <= set(names), names
-    # every step, in the script's order: TorchRec's GPU tests before the other cuda tests
+    # every step, in the script's order: TorchRec's GPU tests and benches before the other
+    # cuda tests
     assert [s["name"] for s in summary["steps"]] == ORDER
     assert summary["overall"] == "FAIL" and summary["final"] is True
     assert summary["failed_steps"] == ["build", "torchrec_gpu"]
@@ -87,7 +89,7 @@ def test_dry_run_records_a_failing_step_and_runs_the_later_ones(tmp_path):
             assert s["status"] == "SKIPPED" and s["note"].startswith("not selected"), s
     assert steps["build"]["status"] == "FAIL" and steps["build"]["rc"] == 3
     # the steps after a failure ran
-    for name in ("backend", "cuda", "bench_dmp"):
+    for name in ("backend", "quant_gpu", "bench_dmp", "cuda"):
         assert steps[name]["status"] == "PASS", steps[name]
     # a failing pytest step names its failing tests (JUnit), with the message
     t = steps["torchrec_gpu"]
@@ -103,10 +105,11 @@ def test_dry_run_records_a_failing_step_and_runs_the_later_ones(tmp_path):
         assert f"logs/{name}.log" in members, members
     assert "logs/torchrec_gpu.xml" in members and "logs/steps.tsv" in members
     assert "test_fails" in p.stdout and "== summary: FAIL" in p.stdout
-    # run in this order: TorchRec's GPU tests, the other cuda tests, the benches
+    # run in this order: TorchRec's GPU tests, quantized ones, the benches, the other cuda tests
     started = [line[3:].split(" ")[0] for line in p.stdout.splitlines()
                if line.startswith("== ") and "(at most" in line]
-    assert started == ["env", "build", "stack", "backend", "torchrec_gpu", "cuda", "bench_dmp"]
+    assert started == ["env", "build", "stack", "backend", "torchrec_gpu", "quant_gpu",
+                       "bench_dmp", "cuda"]
     assert "== summary: FAIL" in (out / "gpu_check.log").read_text()
 
 
@@ -144,7 +147,7 @@ def test_dry_run_stops_the_background_variants_build_before_the_benches(tmp_path
     assert summary["overall"] == "PASS" and summary["failed_steps"] == []
     started = [line[3:].split(" ")[0] for line in p.stdout.splitlines()
                if line.startswith("== ") and "(at most" in line]
-    assert started == ["env", "backend", "variants", "cuda", "bench_dmp"]
+    assert started == ["env", "backend", "variants", "bench_dmp", "cuda"]
     assert p.stdout.index("== variants: still running") < p.stdout.index("== bench_dmp (at most")
 
 

@@ -34,6 +34,7 @@ SEED = 5
 ROWS = (64, 96)
 BUCKETS = 4  # a multiple of the world size; each table's rows a multiple of it
 HASH = 400  # raw ids in [0, HASH): a full bucket holds a quarter of its ids
+FAKE_ID = 10 * HASH  # ids no batch holds (the GPU test's expired slots)
 MC_PREFIX = "_managed_collision_collection._managed_collision_modules."
 
 
@@ -446,9 +447,30 @@ def _gpu_step(kind: str, model, seed: int) -> torch.Tensor:
     return out.detach().cpu().clone()
 
 
+def _expire_empty_slots(mc) -> int:
+    """Fills ``mc``'s empty slots with ids no batch holds, expired for its TTL policy (metadata
+    an hour old): every bucket is full, so each new id the next inserting step brings evicts
+    one of them (fbgemm's kernel takes an occupied slot only when it has expired). Returns
+    how many."""
+    import time
+
+    with torch.no_grad():
+        ids = mc._hash_zch_identities.data.view(-1)
+        empty = ids == -1
+        n = int(empty.sum())
+        ids[empty] = torch.arange(FAKE_ID, FAKE_ID + n, dtype=ids.dtype, device=ids.device)
+        mc._hash_zch_metadata.view(-1)[empty] = int(time.time() / 3600) - 1
+    return n
+
+
+def _fake_ids(mc) -> int:
+    return int((mc._hash_zch_identities >= FAKE_ID).sum())
+
+
 def worker_cuda(rank, world_size, tmp, kind):
     """One NCCL rank: init as eager TorchRec on CUDA; an eager model trained with insertions
-    saved by DCP and loaded like TorchRec's load; read-only steps alike; an inserting step
+    (then t0's free slots filled with expired ids) saved by DCP and loaded like TorchRec's
+    load; read-only steps alike; an inserting step evicts the same number of expired ids and
     puts the same ids in the same buckets."""
     import torch.distributed.checkpoint as dcp
 
@@ -464,22 +486,29 @@ def worker_cuda(rank, world_size, tmp, kind):
     eager = _eager(kind, world_size, "cuda")
     for step in range(3):
         _gpu_step(kind, eager, seed=100 + step)
-    res["inserted"] = sum(int((mc._hash_zch_identities != -1).sum()) for mc in _hash_zchs(eager))
+    res["inserted"] = sum(int(((mc._hash_zch_identities != -1) & (mc._hash_zch_identities < FAKE_ID))
+                              .sum()) for mc in _hash_zchs(eager))
+    res["expired"] = _expire_empty_slots(_hash_zchs(eager)[0])
     ckpt = _shared(tmp, f"{kind}-cuda")
     dcp.save(eager.state_dict(), checkpoint_id=ckpt)
     ref = _loaded_reference(kind, world_size, ckpt, "cuda")
     loaded = _on_meta(kind, world_size, cuda=True)
     metamat.materialize(loaded, ckpt)
     res["load_differs"] = _same(local_blocks(loaded.state_dict()), local_blocks(ref.state_dict()))
+    if res["load_differs"]:  # a wrong load may leave fbgemm's kernel spinning on a slot
+        return res
     _read_only(loaded), _read_only(ref)
     outs = [(_gpu_step(kind, loaded, 200 + s), _gpu_step(kind, ref, 200 + s)) for s in range(2)]
     res["read_only_close"] = [torch.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in outs]
     for m in (loaded, ref):  # inserting again, eviction module rebuilt on the module's device
         for mc in _hash_zchs(m):
             mc.reset_training_mode()
+        torch.manual_seed(SEED)  # the evicted rows' refill (init_fn, CUDA RNG) alike
         _gpu_step(kind, m, seed=300)
     res["insert_buckets_same"] = _buckets_of(loaded) == _buckets_of(ref)
-    res["inserted_after"] = sum(int((mc._hash_zch_identities != -1).sum())
+    res["evicted"] = [res["expired"] - _fake_ids(_hash_zchs(m)[0]) for m in (loaded, ref)]
+    res["inserted_after"] = sum(int(((mc._hash_zch_identities != -1)
+                                     & (mc._hash_zch_identities < FAKE_ID)).sum())
                                 for mc in _hash_zchs(loaded))
     return res
 
@@ -493,3 +522,5 @@ def test_on_a_gpu_with_insertions_like_eager_torchrec(kind, tmp_path):
     assert r["init_mc_differs"] == [] and r["loggers"] == ["ScalarLogger", "NoneType"], r
     assert r["inserted"] > 0 and r["load_differs"] == [] and all(r["read_only_close"]), r
     assert r["insert_buckets_same"] and r["inserted_after"] > r["inserted"], r
+    # t0's new ids each took an expired slot (TorchRec then reset and refilled those rows)
+    assert r["expired"] > 0 and r["evicted"][0] == r["evicted"][1] > 0, r
