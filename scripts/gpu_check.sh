@@ -199,11 +199,12 @@ done_step() {
   record "$name" "$status" "$rc" "$secs" "$cap" "$kind" "$note"
 }
 
-# pytest_step NAME CAP ARGS...: pytest with -v -rA, JUnit XML and the per-test timeout
+# pytest_step NAME CAP ARGS...: pytest with -v -rA, the 15 slowest tests, JUnit XML and the
+# per-test timeout
 pytest_step() {
   local name=$1 cap=$2
   shift 2
-  step "$name" "$cap" pytest "$py" -m pytest -v -rA -p no:cacheprovider \
+  step "$name" "$cap" pytest "$py" -m pytest -v -rA -p no:cacheprovider --durations=15 \
     --continue-on-collection-errors --junitxml="$work/$name.xml" "${timeout_args[@]}" "$@"
 }
 # xdist_args: pytest-xdist workers for the TorchRec steps (each test is its own NCCL/gloo world
