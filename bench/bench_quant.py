@@ -27,8 +27,9 @@ metamat's shards the quantized model on meta and materializes it.
 
 With ``--device cuda`` both build the quantized EBC on the GPU (TorchRec: the float EBC on the
 GPU, ``dcp.load`` into it, fbgemm's CUDA quantization; metamat: rows quantized on the host and
-copied to the device) and the GPU's peak allocation is reported too; a third row runs metamat
-with ``METAMAT_QUANT_ON=device`` (float rows uploaded, quantized by fbgemm's CUDA op).
+copied to the device) and the growth of the GPU's peak allocation (torch's allocator) is
+reported too; a fourth row runs metamat with ``METAMAT_QUANT_ON=device`` (float rows uploaded,
+quantized by fbgemm's CUDA op).
 """
 from __future__ import annotations
 
@@ -164,6 +165,10 @@ def child(method: int, ckpt: str, size: int, n_tables: int, dim: int, qdtype: st
         metamat.materialize(served, device=dev)
     resettable = _reset_peak()
     before = _status("VmRSS:")
+    if cuda:  # the GPU's peak growth from here (a refreshed model's own bytes not counted)
+        torch.cuda.synchronize(dev)
+        device_before = torch.cuda.memory_allocated(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
     t0 = time.perf_counter()
     if method == 2:
         q = served
@@ -193,7 +198,7 @@ def child(method: int, ckpt: str, size: int, n_tables: int, dim: int, qdtype: st
     qbytes = _quantized_bytes(q, cuda)
     return {"seconds": seconds, "grew": peak - before if resettable else -1,
             "qbytes": qbytes, "digest": _digest(q),
-            "device_peak": torch.cuda.max_memory_allocated(dev) if cuda else 0}
+            "device_peak": torch.cuda.max_memory_allocated(dev) - device_before if cuda else 0}
 
 
 def _gpu_peak(results: dict, method: int) -> float:
@@ -268,7 +273,7 @@ def run_quant(a, device: torch.device) -> List[Row]:
                 r = json.loads(out.stdout.strip().splitlines()[-1])
                 results[i].append(r)
                 print(f"   {r['seconds']:.3f} s, host peak growth {r['grew'] / 2**30:.3f} GiB"
-                      + (f", GPU peak {r['device_peak'] / 2**30:.3f} GiB" if cuda else "")
+                      + (f", GPU peak growth {r['device_peak'] / 2**30:.3f} GiB" if cuda else "")
                       + f", digest {r['digest']}", flush=True)  # a stopped run keeps these
         digests = {r["digest"] for rs in results.values() for r in rs}
         _check_digests(results, cuda)
@@ -276,7 +281,7 @@ def run_quant(a, device: torch.device) -> List[Row]:
             rs = results[i]
             grew = statistics.median(r["grew"] for r in rs)
             q = rs[0]["qbytes"]
-            gpu = (f"; GPU peak {max(r['device_peak'] for r in rs) / 2**30:.3f} GiB"
+            gpu = (f"; GPU peak growth {max(r['device_peak'] for r in rs) / 2**30:.3f} GiB"
                    if device.type == "cuda" else "")
             rows.append(Row("quant", name, nbytes, statistics.median(r["seconds"] for r in rs),
                             len(rs), peak_rss_gib=grew / 2**30,

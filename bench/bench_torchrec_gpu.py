@@ -65,15 +65,19 @@ def _free(device: torch.device) -> None:
 
 def _timed(fn: Callable[[], object], reps: int, device: torch.device,
            setup: Optional[Callable[[], None]] = None) -> float:
-    """Median seconds of ``reps`` calls after one warm-up; what ``fn`` returns is freed
-    between calls (models do not accumulate in GPU memory); ``setup`` runs untimed before
-    each call."""
+    """Median seconds of ``reps`` calls after one warm-up. What ``fn`` returns is kept until
+    the next call's untimed set-up frees it (models do not accumulate in GPU memory, and no
+    call pays for freeing the last one's); ``setup`` runs untimed before each call."""
+    held: list = []
+
     def before():
+        held.clear()
         _free(device)
         if setup:
             setup()
 
-    t = statistics.median(times(fn, reps, device, setup=before))
+    t = statistics.median(times(lambda: held.append(fn()), reps, device, setup=before))
+    held.clear()
     _free(device)
     return t
 
@@ -108,7 +112,8 @@ def _plan(ebc, kernel: str, device_type: str, shd):
 class _Methods:
     """Build the same tables with TorchRec (eager) or metamat, on the device or emulated.
     ``prepare`` makes the common input (the EBC on meta, the plan, the sharder) untimed; the
-    timed calls take it. ``reports`` keeps every metamat call's Report."""
+    timed calls take it. ``reports`` keeps every metamat call's (Report, seconds of
+    materialize)."""
 
     def __init__(self, device: torch.device, emulate: bool):
         self.device, self.emulate = device, emulate
@@ -143,7 +148,9 @@ class _Methods:
         (ebc, plan, shd), self.inputs = self.inputs, None
         model = metamat.shard_on_meta(ebc, plan=plan, sharders=[shd], compute_device="cuda")
         with emulated_cuda() if self.emulate else contextlib.nullcontext():
-            self.reports.append(metamat.materialize(model, ckpt, progress=False))
+            t = time.perf_counter()
+            report = metamat.materialize(model, ckpt, progress=False)  # synchronises a GPU
+            self.reports.append((report, time.perf_counter() - t))
         return model
 
     def timed_eager(self, cfgs, kernel: str, reps: int, dev: torch.device,
@@ -153,35 +160,55 @@ class _Methods:
                       setup=lambda: self.prepare(cfgs, kernel, eager=True))
 
     def timed_metamat(self, cfgs, kernel: str, reps: int, dev: torch.device, ckpt=None):
-        """(median seconds of shard_on_meta + materialize, the Reports of the timed calls)."""
+        """(median seconds of shard_on_meta + materialize, [(Report, seconds of materialize)]
+        of the timed calls)."""
         self.reports = []
         t = _timed(lambda: self.metamat(ckpt), reps, dev,
                    setup=lambda: self.prepare(cfgs, kernel, eager=False))
         return t, self.reports[1:]  # the first call warms up
 
 
-def _fill_ceiling(nbytes: int, device: torch.device, reps: int, label: str) -> Row:
+def _fill_ceiling(nbytes: int, device: torch.device, reps: int, label: str,
+                  fresh: bool = False) -> Row:
+    """``fill_`` of ``nbytes`` on ``device``: into memory allocated untimed before each call
+    (the write ceiling of a fill phase, which writes storages the allocate phase made), or
+    with ``fresh`` the allocation timed too."""
     n = max(1, nbytes // 4)
-    sec = _timed(lambda: torch.empty(n, device=device).fill_(0.5), reps, device)
-    return Row("dmp", label, n * 4, sec, reps, extra=f"fresh memory on {device}")
+    if fresh:
+        sec = _timed(lambda: torch.empty(n, device=device).fill_(0.5), reps, device)
+        return Row("dmp", label, n * 4, sec, reps,
+                   extra=f"allocated and written in the timed call, on {device}")
+    buf: list = []
+
+    def allocate():
+        buf.clear()
+        buf.append(torch.empty(n, device=device))
+
+    sec = _timed(lambda: buf[0].fill_(0.5), reps, device, setup=allocate)
+    buf.clear()
+    return Row("dmp", label, n * 4, sec, reps,
+               extra=f"allocated untimed (untouched), written in the timed call, on {device}")
 
 
 def _unified_fill_ceiling(nbytes: int, device: torch.device, reps: int, label: str) -> Row:
-    """``fill_`` from the host of fresh unified memory of the kind metamat writes UVM tables
-    in (fbgemm's managed memory through its CPU alias): its first-touch faults are the
-    driver's, dearer than those of plain pageable memory."""
+    """``fill_`` from the host of unified memory of the kind metamat writes UVM tables in
+    (fbgemm's managed memory through its CPU alias), allocated untimed and untouched: its
+    first-touch faults are the driver's, dearer than those of plain pageable memory."""
     from metamat.allocate import _unified_storage
 
     n = max(1, nbytes // 4)
+    buf: list = []
 
-    def fill():
+    def allocate():
+        buf.clear()
         st, alias = _unified_storage(n * 4, device, host_mapped=False)
-        torch.empty(0, dtype=torch.float32).set_(alias, 0, (n,)).fill_(0.5)
-        return st
+        buf.append(torch.empty(0, dtype=torch.float32).set_(alias, 0, (n,)))
+        buf.append(st)
 
-    sec = _timed(fill, reps, device)
+    sec = _timed(lambda: buf[0].fill_(0.5), reps, device, setup=allocate)
+    buf.clear()
     return Row("dmp", label, n * 4, sec, reps,
-               extra="fresh fbgemm managed memory, written through its CPU alias")
+               extra="fbgemm managed memory allocated untimed, written through its CPU alias")
 
 
 def _median(xs) -> float:
@@ -213,11 +240,11 @@ def run_dmp_cuda(a, device: torch.device, emulate: bool = False) -> List[Row]:
             eager_s = m.timed_eager(cfgs, kernel, reps, dev)
             progress(f"dmp cuda: {what} tables, metamat, {reps} reps")
             ours, reports = m.timed_metamat(cfgs, kernel, reps, dev)
-            last = reports[-1]
+            last = reports[-1][0]
             mem, nbytes = last.bytes_by_memory, last.bytes_allocated
             written = last.bytes_written
-            mat_s = _median(r.total_seconds for r in reports)
-            fill_s = _median(r.seconds.get("fill", 0.0) for r in reports)
+            mat_s = _median(sec for _, sec in reports)
+            fill_s = _median(r.seconds.get("fill", 0.0) for r, _ in reports)
             rows = [Row("dmp", f"TorchRec DMP(cuda), {what}{tag}", nbytes, eager_s, reps),
                     Row("dmp", f"metamat, {what}{tag}", nbytes, ours, reps,
                         extra="shard_on_meta + materialize; " + ", ".join(
@@ -231,18 +258,22 @@ def run_dmp_cuda(a, device: torch.device, emulate: bool = False) -> List[Row]:
                     rows.append(_unified_fill_ceiling(host, device, reps,
                                                       f"host fill_ of unified memory, {what}"))
                 rows.append(_fill_ceiling(host, torch.device("cpu"), reps,
-                                          f"host fill_, {what}{tag}"))
+                                          f"host fill_ of pageable memory, {what}{tag}"))
             else:
                 rows.append(_fill_ceiling(mem.get("device", nbytes), dev, reps,
                                           f"device fill_, {what}{tag}"))
-            ceil = rows[4]  # the ceiling of the memory metamat wrote
+                rows.append(_fill_ceiling(mem.get("device", nbytes), dev, reps,
+                                          f"device empty + fill_, {what}{tag}", fresh=True))
+            ceil = rows[4]  # the write ceiling of the memory metamat's fill phase wrote
             finish(rows, rows[0].method, ceil.method)
             print_table(f"dmp --device cuda: {what} tables (kernel {kernel}), one rank{tag}",
                         rows, rows[0].method, ceil.method)
-            fill = rows[3]
+            fill, alone = rows[3], rows[2]
             print(f"{what}: metamat {eager_s / ours:.2f}x eager DMP(cuda) "
                   f"(materialize alone {eager_s / mat_s:.2f}x); fill phase {fill.gbps:.1f} GB/s "
-                  f"= {fill.gbps / ceil.gbps:.2f}x {ceil.method} ({ceil.gbps:.1f} GB/s)")
+                  f"= {fill.gbps / ceil.gbps:.2f}x {ceil.method} ({ceil.gbps:.1f} GB/s)"
+                  + (f"; materialize alone {alone.gbps / rows[5].gbps:.2f}x {rows[5].method}"
+                     if len(rows) > 5 and kernel != "fused_uvm" else ""))
             out += rows
             if getattr(a, "out", None):  # a stopped run keeps the sets it measured
                 write_csv(os.path.join(a.out, "results.csv"), out)
@@ -333,8 +364,8 @@ def run_load_cuda(a, device: torch.device, emulate: bool = False) -> List[Row]:
             eager_s = m.timed_eager(cfgs, "fused", a.reps, dev, fn=eager_load)
             progress(f"load cuda: metamat, {a.reps} reps")
             ours, reports = m.timed_metamat(cfgs, "fused", a.reps, dev, ckpt)
-            need = reports[-1].bytes_needed
-            read_phase = _median(r.seconds.get("read", 0.0) for r in reports)
+            need = reports[-1][0].bytes_needed
+            read_phase = _median(r.seconds.get("read", 0.0) for r, _ in reports)
             files = [os.path.join(ckpt, f) for f in os.listdir(ckpt) if f.endswith(".distcp")]
             threads = default_io_threads()
             read_s = _read_ceiling(files, threads, a.reps)
