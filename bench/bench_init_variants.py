@@ -20,7 +20,6 @@ import statistics
 import sys
 import time
 
-import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -146,7 +145,7 @@ def main(argv=None) -> int:
                 (f"  goal >= {goal:.2f}x {'MET' if ratio >= goal else 'missed'}")
             print(f"  {d:<12} {name:<12} {nbytes / s / 1e9:8.1f} GB/s  {ratio:5.2f}x fill_{flag}")
             add(kind="init", dtype=dt, dist=d, variant=name, seconds=s, gbps=nbytes / s / 1e9,
-                x_fill=ratio, goal=goal)
+                x_fill=ratio, goal=goal, diagnostic=var[name]["diagnostic"])
         del buf, cases
 
     # many small tables vs one table of the same bytes (fp32 Uniform), per variant and tiles

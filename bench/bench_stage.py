@@ -199,15 +199,17 @@ def main(argv=None) -> int:
     ceil16 = Ceilings(ck16, targets_for(path16), dev, max(a.reps, 3))
     threads0 = default_io_threads()
 
-    def row(name, s, nb=nbytes, read_s=None, **extra):
+    def row(name, s, nb=nbytes, read_s=None, pcie_nb=None, **extra):
+        """``nb``: the bytes the row delivers; ``pcie_nb``: those it moves host -> device
+        (default ``nb``; the checkpoint's dtype's where the device converts)."""
         rec = {"row": name, "seconds": s, "gbps": nb / s / 1e9, **extra}
         msg = f"{name:60s} {s:8.3f} s {nb / s / 1e9:7.2f} GB/s"
         if read_s is not None:
             rec["x_read"] = read_s / s
             msg += f"  {read_s / s:5.2f}x read ceiling"
         h2d = ceil.copy(nbytes)
-        if h2d and read_s is not None:
-            rec["x_h2d"] = h2d / s * (nb / nbytes)
+        if h2d and read_s is not None:  # the copy of the same PCIe bytes, scaled from nbytes
+            rec["x_h2d"] = h2d / s * ((pcie_nb or nb) / nbytes)
             msg += f"  {rec['x_h2d']:5.2f}x H2D"
         out.append(rec)
         print(msg, flush=True)
@@ -250,7 +252,9 @@ def main(argv=None) -> int:
                     os.environ.pop("METAMAT_CONVERT_ON") if old is None else \
                         os.environ.__setitem__("METAMAT_CONVERT_ON", old)
             t_used = threads or threads0
-            row(name, s, nb, read_s=cl.read(t_used, cslice=cs), threads=t_used,
+            src = ck_dtype[path16 if use16 else path].itemsize
+            pcie = sum(t.tensor.numel() for t in tg) * src if conv == "device" else nb
+            row(name, s, nb, read_s=cl.read(t_used, cslice=cs), pcie_nb=pcie, threads=t_used,
                 first_seconds=stats[0].seconds, convert=conv)
             print(f"{'':60s} {_where(stats)}")
             del tg

@@ -19,7 +19,8 @@
 #   backend        30  the build has its CUDA backend and sees the GPU
 #   variants      240  the init kernel's variants (METAMAT_FILL_VARIANTS=1) for
 #                      scripts/gpu_speed.sh, built into build/speed (not installed) at nice 19
-#                      in the background from here until the benches, on the cores the tests
+#                      in the background from here until the benches (without TorchRec: until
+#                      the benches after the cuda tests), on the cores the tests
 #                      leave idle: gpu_speed.sh run next on the warm machine builds nothing
 #   torchrec_gpu  200  pytest -m cuda tests/test_torchrec_gpu.py (materialize + train vs eager
 #                      DMP on CUDA, per location) tests/test_torchrec_managed_collision.py
@@ -159,7 +160,8 @@ step() {
   done_step "$name" "$cap" "$kind" "$rc" $((SECONDS - t0))
 }
 
-# finish NAME [stop]: wait for a background step (nothing if it was not started); with `stop`,
+# finish NAME [stop]: wait for a background step (nothing if it was not started or is
+# finished already); with `stop`,
 # one still running is stopped instead (TERM to its timeout, which passes it to the whole
 # process group) and recorded as TIMEOUT
 finish() {
@@ -171,12 +173,14 @@ finish() {
     wait "${bg_pid[$name]}"
     record "$name" TIMEOUT "$?" $((SECONDS - bg_t0[$name])) "${bg_cap[$name]}" "${bg_kind[$name]}" \
       "stopped before the benches"
+    unset "bg_pid[$name]"  # finished: a later `finish` of it does nothing
     return
   fi
   echo "== $name: waiting for it (started $((SECONDS - bg_t0[$name]))s ago)"
   wait "${bg_pid[$name]}"
   rc=$?
   done_step "$name" "${bg_cap[$name]}" "${bg_kind[$name]}" "$rc" $((SECONDS - bg_t0[$name]))
+  unset "bg_pid[$name]"
 }
 
 # done_step NAME CAP KIND RC SECONDS: the status, the log's tail if not PASS, the record
@@ -299,7 +303,9 @@ ignore=()
 for f in "${trec_files[@]}" "${quant_files[@]}"; do ignore+=(--ignore "$f"); done
 
 # --- benches (GB/s tables in the logs, rows in benches.csv) ------------------------------------
-finish variants stop  # nothing compiles under the benches (build/speed keeps what it built)
+# nothing compiles under the benches (build/speed keeps what it built); without TorchRec the
+# variants go on building while the cuda tests run, and stop before the benches after them
+((has_torchrec)) && finish variants stop
 bench=("$py" bench/materialize.py --device cuda)
 if ((has_torchrec)); then
   step bench_dmp 100 cmd "${bench[@]}" --mode dmp --size-gib "${DMP_GIB:-16}" --reps "${DMP_REPS:-3}" \
@@ -314,6 +320,7 @@ else
   skip bench_quant 75 cmd "$no_trec"
 fi
 pytest_step cuda 150 -m cuda "${ignore[@]}" tests/
+finish variants stop
 step bench_init 90 cmd "${bench[@]}" --mode init --size-gib "${INIT_GIB:-10}" --reps 5 --sweep 1 \
   --out "$work/bench_init"
 grep -A8 "GPU goals" "$work/bench_init.log" 2>/dev/null | sed 's/^/   /'

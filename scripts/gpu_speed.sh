@@ -6,7 +6,7 @@
 #   bash scripts/gpu_speed.sh "$OUT"
 #
 # Steps (cap in seconds; a step never runs past what is left of the budget, less RESERVE_S):
-#   build   110  metamat._C with its CUDA backend AND the init kernel's variants
+#   build   110  (180 when build/speed is missing) metamat._C with its CUDA backend AND the init kernel's variants
 #                (METAMAT_FILL_VARIANTS=1, csrc/fill/fill_cuda_var_*.cu) for this GPU's architecture,
 #                in build/speed: seconds after scripts/gpu_check.sh on the same machine (its
 #                `variants` step built them there)
@@ -29,6 +29,8 @@
 # bench rows), summary.csv (the bench rows), env.txt, build.log, check.log, init.log,
 # stage.log (also the gds step's), ncu.log (when ncu ran).
 #
+# On a fresh machine (not right after gpu_check.sh) the build takes ~2 min from nothing: give
+# the call BUDGET_S=330 and a 350 s limit, or the build's cap leaves the benches no time.
 # env: PYTHON (python3), BUDGET_S (240), RESERVE_S (5), STEPS (space-separated subset),
 #      INIT_GIB, ROUNDS, TABLES, STAGE_GIB, STAGE_REPS, GDS_GIB, GDS_REPS, METAMAT_CUDA_ARCHS
 #      (from the GPU).
@@ -92,7 +94,7 @@ step() {
 cat "$out/env.txt"
 arch=${METAMAT_CUDA_ARCHS:-$("$py" -c "import torch; c = torch.cuda.get_device_capability(0); print(f'{c[0]}{c[1]}')" 2>/dev/null || echo 90)}
 
-step build 110 build.log env METAMAT_CUDA=ON METAMAT_CUDA_ARCHS="$arch" METAMAT_FILL_VARIANTS=1 \
+step build "$([ -d "${METAMAT_BUILD_DIR:-build/speed}" ] && echo 110 || echo 180)" build.log env METAMAT_CUDA=ON METAMAT_CUDA_ARCHS="$arch" METAMAT_FILL_VARIANTS=1 \
   METAMAT_BUILD_DIR="${METAMAT_BUILD_DIR:-build/speed}" "$py" scripts/build_ext.py
 step check 25 check.log "$py" scripts/gpu_speed_check.py
 step init 45 init.log "$py" bench/bench_init_variants.py --size-gib "${INIT_GIB:-4}" \

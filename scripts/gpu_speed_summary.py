@@ -29,7 +29,10 @@ def load(p: Path):
 
 def goals(init, stage) -> list:
     out = []
-    rows = [r for r in (init or []) if r.get("kind") == "init"]
+    # diagnostic variants (philoxbits: Philox + stores, not the CPU engine's values) show
+    # where the time goes; they never meet a goal
+    rows = [r for r in (init or []) if r.get("kind") == "init" and not r.get("diagnostic")
+            and r.get("variant") != "philoxbits"]
     for (dt, dist), goal in GOALS_INIT.items():
         cand = [r for r in rows if r["dtype"] == dt and r["dist"] == dist]
         if not cand:
@@ -40,13 +43,14 @@ def goals(init, stage) -> list:
                     round(base["x_fill"], 3), "best": round(best["x_fill"], 3),
                     "best_variant": best["variant"], "met": best["x_fill"] >= goal})
     many = [r for r in (init or []) if r.get("kind") == "many"]
-    if many:
-        best = min(many, key=lambda r: r["many_over_one"])
+    if many:  # the fastest many-table launch against the fastest one-table launch of any
+        one = min(r["one_seconds"] for r in many)  # variant (a slow one table flatters)
+        best = min(many, key=lambda r: r["many_seconds"])
         base = next((r for r in many if r["variant"] == "base" and r["tiles"] == 1), None)
         out.append({"goal": "10,240 tables <= 1.15x one table", "base": base and
-                    round(base["many_over_one"], 3), "best": round(best["many_over_one"], 3),
+                    round(base["many_over_one"], 3), "best": round(best["many_seconds"] / one, 3),
                     "best_variant": f"{best['variant']} tiles {best['tiles']}",
-                    "met": best["many_over_one"] <= 1.15})
+                    "met": best["many_seconds"] / one <= 1.15})
     if stage:
         rows = stage.get("rows", [])
         staged = next((r for r in rows if r["row"] == "metamat staged fp32"), None)
