@@ -168,6 +168,20 @@ class _Methods:
         return t, self.reports[1:]  # the first call warms up
 
 
+def _fill_allocated(allocate: Callable[[], tuple], reps: int, device: torch.device) -> float:
+    """Median seconds of ``fill_`` of the tensor ``allocate()`` returns first (what follows it
+    keeps its memory alive), allocated untimed and untouched before each call."""
+    buf: list = []
+
+    def setup():
+        buf.clear()
+        buf.extend(allocate())
+
+    sec = _timed(lambda: buf[0].fill_(0.5), reps, device, setup=setup)
+    buf.clear()
+    return sec
+
+
 def _fill_ceiling(nbytes: int, device: torch.device, reps: int, label: str,
                   fresh: bool = False) -> Row:
     """``fill_`` of ``nbytes`` on ``device``: into memory allocated untimed before each call
@@ -178,14 +192,7 @@ def _fill_ceiling(nbytes: int, device: torch.device, reps: int, label: str,
         sec = _timed(lambda: torch.empty(n, device=device).fill_(0.5), reps, device)
         return Row("dmp", label, n * 4, sec, reps,
                    extra=f"allocated and written in the timed call, on {device}")
-    buf: list = []
-
-    def allocate():
-        buf.clear()
-        buf.append(torch.empty(n, device=device))
-
-    sec = _timed(lambda: buf[0].fill_(0.5), reps, device, setup=allocate)
-    buf.clear()
+    sec = _fill_allocated(lambda: (torch.empty(n, device=device),), reps, device)
     return Row("dmp", label, n * 4, sec, reps,
                extra=f"allocated untimed (untouched), written in the timed call, on {device}")
 
@@ -197,16 +204,12 @@ def _unified_fill_ceiling(nbytes: int, device: torch.device, reps: int, label: s
     from metamat.allocate import _unified_storage
 
     n = max(1, nbytes // 4)
-    buf: list = []
 
     def allocate():
-        buf.clear()
         st, alias = _unified_storage(n * 4, device, host_mapped=False)
-        buf.append(torch.empty(0, dtype=torch.float32).set_(alias, 0, (n,)))
-        buf.append(st)
+        return torch.empty(0, dtype=torch.float32).set_(alias, 0, (n,)), st
 
-    sec = _timed(lambda: buf[0].fill_(0.5), reps, device, setup=allocate)
-    buf.clear()
+    sec = _fill_allocated(allocate, reps, device)
     return Row("dmp", label, n * 4, sec, reps,
                extra="fbgemm managed memory allocated untimed, written through its CPU alias")
 
