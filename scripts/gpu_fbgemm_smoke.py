@@ -259,6 +259,55 @@ def _bounds(ctx):
     assert int(warning.item()) == 0
 
 
+@check("zero_collision_hash: insert, then a read-only lookup (TorchRec's HashZch)")
+def _zch(ctx):
+    ctx.cuda_only()  # the CPU op only looks ids up (readonly)
+    d = ctx.device
+    identities, _ = torch.ops.fbgemm.create_zch_buffer(200, device=d)
+    ids = torch.arange(100, 200, dtype=torch.int64, device=d)
+    sizes, offsets = torch.full_like(ids, 100), torch.zeros_like(ids)
+    slots, _ = torch.ops.fbgemm.zero_collision_hash(
+        input=ids, identities=identities, max_probe=100, circular_probe=True,
+        local_sizes=sizes, offsets=offsets)
+    assert sorted(slots.cpu().tolist()) == list(range(100)), "not one slot per new id"
+    again, _ = torch.ops.fbgemm.zero_collision_hash(
+        input=ids, identities=identities, max_probe=100, circular_probe=True, readonly=True,
+        local_sizes=sizes, offsets=offsets)
+    assert torch.equal(again, slots), "a read-only lookup found other slots"
+
+
+@check("reset_weight_momentum (TorchRec's MC eviction of rows)")
+def _reset_rows(ctx):
+    ctx.cuda_only()  # no CPU kernel
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+        ComputeDevice, SplitTableBatchedEmbeddingBagsCodegen)
+
+    d = ctx.device
+    tbe = SplitTableBatchedEmbeddingBagsCodegen(
+        [(10, 8, EmbeddingLocation.DEVICE, ComputeDevice.CUDA)] * 2,
+        optimizer=EmbOptimType.EXACT_ROWWISE_ADAGRAD, device=d)
+    with torch.no_grad():
+        tbe.weights_dev.copy_(torch.randn(tbe.weights_dev.shape, generator=ctx.gen).to(d))
+        tbe.momentum1_dev.fill_(2.0)
+    before = [w.detach().cpu().clone() for w in tbe.split_embedding_weights()]
+    reset = {0: [1, 3], 1: [2]}  # rows per table
+    tbe.reset_embedding_weight_momentum(
+        pruned_indices=torch.tensor(reset[0] + reset[1], dtype=torch.int64),
+        pruned_indices_offsets=torch.tensor([0, 2, 3], dtype=torch.int64),
+        logical_table_ids=torch.tensor([0, 1], dtype=torch.int32),
+        buffer_ids=torch.tensor([0, 1], dtype=torch.int32))
+    after = [w.detach().cpu() for w in tbe.split_embedding_weights()]
+    momentum = tbe.momentum1_dev.cpu().view(2, 10)
+    for t, rows in reset.items():
+        keep = [r for r in range(10) if r not in rows]
+        assert float(after[t][rows].abs().sum()) == 0.0, f"table {t}: rows not reset"
+        assert torch.equal(after[t][keep], before[t][keep]), f"table {t}: other rows changed"
+        assert float(momentum[t, rows].abs().sum()) == 0.0, f"table {t}: momentum not reset"
+        assert bool((momentum[t, keep] == 2.0).all()), f"table {t}: other momentum changed"
+
+
 class Ctx:
     def __init__(self, device):
         self.device = device
