@@ -5,8 +5,10 @@ the diagnostic rows (Constant through the kernel: its store path; ``philoxbits``
 and 10,240 tables of 1 MiB against one table of the same bytes, per variant and tiles per block.
 
 Rounds interleave the rows (fill_, then each variant, ...) so clock and thermal drift hit all of
-them alike; each row's time is the median of its rounds. Segment tables are packed and uploaded
-before the clock (the launch alone, as the goals are stated). GB/s are 1e9 bytes per second.
+them alike; each row's time is the median of its rounds. Segment tables are packed into pinned
+memory before the clock; each timed call then does what ``materialize`` does per launch: splits
+the segments into tiles on the host, copies the table to the device (128 bytes a segment: 1.3 MB
+for 10,240 tables) and launches. GB/s are 1e9 bytes per second.
 
     python bench/bench_init_variants.py [--size-gib 4] [--rounds 7] [--tables 10240] [--json F]
     python bench/bench_init_variants.py --emulate     # CPU: the same rows through the emulation
@@ -38,7 +40,8 @@ MANY_GOAL = 1.15
 
 
 class Launcher:
-    """A packed segment table, uploaded once; ``run(variant, tiles)`` is one launch."""
+    """A packed segment table in pinned memory; ``run(variant, tiles)`` is one call: tiles split,
+    the table copied to the device, one launch."""
 
     def __init__(self, items, device: torch.device, emulate: bool):
         self.C, self.emulate, self.device = core(), emulate, device
