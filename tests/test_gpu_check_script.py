@@ -283,3 +283,19 @@ def test_fatbin_keep_arch_on_a_built_library(tmp_path):
     assert not any(a == 90 and "drop_me_vbe" in k for a, k, _ in after)
     assert "drop_me_vbe" in report.read_text()
     ctypes.CDLL(str(lib))  # loads (static cudart registers the fatbin at load)
+
+
+def test_fbgemm_smoke_runs_its_checks_on_fbgemm_cpu():
+    """The GPU check's smoke step is the same script on the CPU ops (fbgemm-gpu-cpu): every
+    check that has a CPU kernel passes, the CUDA-only ones say so, nothing fails to import."""
+    pytest.importorskip("fbgemm_gpu")
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "gpu_fbgemm_smoke.py"),
+                        "--device", "cpu"], cwd=ROOT, capture_output=True, text=True,
+                       timeout=240)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    lines = p.stdout.splitlines()
+    assert not [ln for ln in lines if ln.startswith("FAIL")], p.stdout
+    for name in ("zero_collision_hash", "reset_weight_momentum", "MANAGED_CACHING"):
+        assert any(ln.startswith("skip") and name in ln and ln.endswith("CUDA only")
+                   for ln in lines), (name, p.stdout)
+    assert any(ln.startswith("ok    inference tbe INT4") for ln in lines), p.stdout
