@@ -166,6 +166,13 @@ def _dst(t: torch.Tensor, op: ReadOp, r0: int, rows: int) -> torch.Tensor:
     return flat.as_strided((rows, n), (stride, 1), byte // isz)
 
 
+def _wait(gpus: Sequence[torch.device]) -> None:
+    """Wait for the work queued on each of ``gpus`` (``torch.cuda.synchronize()`` with no
+    device waits for the current one only)."""
+    for d in gpus:
+        torch.cuda.synchronize(d)
+
+
 def execute_plan_remote(plan: ReadPlan, *, staging_bytes: int = 256 << 20,
                         progress: Optional[Callable[[int, int], None]] = None,
                         verify=None, stats: Optional[RemoteStats] = None) -> Executed:
@@ -204,8 +211,11 @@ def execute_plan_remote(plan: ReadPlan, *, staging_bytes: int = 256 << 20,
         if e > size:
             raise ReadError(f"read [{s}, {e}) past end of object ({size} B)",
                             file=plan.files[f])
-    devices = {t.tensor.device for t in plan.targets}
-    pin = any(d.type == "cuda" for d in devices) and torch.cuda.is_available()
+    # the GPUs whose streams copy out of the pinned buffer (each copy runs on its
+    # destination's stream, current device or not): all waited for before the buffer refills
+    gpus = sorted({t.tensor.device for t in plan.targets if t.tensor.device.type == "cuda"},
+                  key=str)
+    pin = bool(gpus) and torch.cuda.is_available()
     cap = max(max((e - s for _, s, e, d in reqs if not d), default=0), int(staging_bytes))
     batches = batch_requests(reqs, cap)
     by_req: Dict[int, List[_Piece]] = {}
@@ -229,7 +239,7 @@ def execute_plan_remote(plan: ReadPlan, *, staging_bytes: int = 256 << 20,
     try:
         for batch in batches:
             if pin:
-                torch.cuda.synchronize()  # the previous batch's copies have left the buffer
+                _wait(gpus)  # the previous batch's copies have left the buffer
             where: Dict[int, int] = {}
             off = 0
             for i in batch:
@@ -298,7 +308,7 @@ def execute_plan_remote(plan: ReadPlan, *, staging_bytes: int = 256 << 20,
             if progress is not None:
                 progress(done, total)
         if pin:
-            torch.cuda.synchronize()
+            _wait(gpus)
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
     if verifier is not None:
