@@ -315,7 +315,8 @@ def _run_resets(entries: Sequence[Entry], dec: Dict[int, Decision],
                 x = whole.get(id(e.old), e.local)
                 if x.is_floating_point():
                     x.fill_(float("nan"))
-            with seeded(module_seed(seed, mname)), _swapped_in(m, swap):
+            with seeded(module_seed(seed, mname), [e.local.device for e in mine]), \
+                    _swapped_in(m, swap):
                 fn()
             for e in mine:
                 x = whole.get(id(e.old), e.local)
@@ -359,7 +360,7 @@ def fill_values(entries: Sequence[Entry], dec: Dict[int, Decision],
             elif d.run is not None:
                 e.local.copy_(_block(e, d.run(seed)))
             elif d.fn is not None:
-                with seeded(module_seed(seed, e.fqn)):
+                with seeded(module_seed(seed, e.fqn), [e.local.device]):
                     if _whole(e):
                         full = torch.empty(e.global_shape, dtype=e.dtype, device="cpu")
                         d.fn(full)

@@ -40,7 +40,7 @@ def fill_targets(targets: List[Target], seed: int, alloc: Optional[Allocation] =
                 tg.init_fn(tg.tensor, tg.offsets)
                 written += tg.nbytes
             elif tg.init_fn is not None:
-                with seeded(module_seed(seed, f"{tg.fqn}@{tg.offsets}")):
+                with seeded(module_seed(seed, f"{tg.fqn}@{tg.offsets}"), [tg.tensor.device]):
                     if getattr(tg.init_fn, "metamat_block", False):
                         tg.init_fn(tg.tensor, tg.offsets)
                     else:
