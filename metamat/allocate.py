@@ -234,15 +234,41 @@ class Allocation:
         return self._twins
 
 
+def _check_fits(groups: Iterable[StorageGroup], device: torch.device, emulated: bool) -> None:
+    """Raise :class:`~metamat.errors.DeviceMemoryError`, before anything is allocated, when
+    the device memory of ``groups`` (every part's: TorchRec tables, dense layers, buffers) is
+    more than the GPU has free. (The TorchRec and quantized plans check their own tables
+    first, naming the caches that take the memory.)"""
+    if device.type != "cuda" and not emulated:
+        return
+    from .emulation import free_device_memory
+    from .errors import DeviceMemoryError
+
+    free = free_device_memory(device, emulated)
+    if free is None:
+        return
+    sizes = {g.key: g.nbytes for g in groups if g.memory == DEVICE}
+    need = sum(sizes.values())
+    if need > free:
+        raise DeviceMemoryError(
+            f"the model's tensors need {need:,} bytes ({need / 2**30:.2f} GiB) of device "
+            f"memory on {'the emulated GPU' if emulated else device} ({len(sizes)} storages) "
+            f"and {free:,} bytes are free; nothing was allocated")
+
+
 def allocate(groups: Iterable[StorageGroup], device: torch.device, *,
              emulated: bool = False) -> Allocation:
     """Allocate every storage of ``groups`` on ``device``, in the memory each asks for
     (``StorageGroup.memory``: device or unified memory on CUDA); touches no memory.
+    Raises :class:`~metamat.errors.DeviceMemoryError` first when the device memory they need
+    is more than the GPU has free.
 
     Large CPU storages (>= :data:`LAZY_ZERO_MIN_BYTES`) are born zero (anonymous maps).
     ``emulated``: ``device`` is the CPU standing in for a CUDA device; every kind of memory
     is a CPU storage, and unified memory is its own host alias.
     """
+    groups = list(groups)
+    _check_fits(groups, device, emulated)
     alloc = Allocation(device, emulated)
     for g in groups:
         if g.key in alloc.storages:

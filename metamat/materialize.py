@@ -115,9 +115,11 @@ def materialize(
             ``module.``; fused-optimizer state (``state.<param>.<table>.momentum1``) behind
             ``optim.``, ``optimizer.`` or nothing.
         device: target device; default: where an already real model lives, else the DTensor
-            mesh's device type, else the current CUDA device if there is one, else the CPU
-            (TorchRec tables too: on a GPU host each rank's GPU, ``cuda:LOCAL_RANK`` under
-            torchrun; docs/TORCHREC_GPU.md).
+            mesh's device type, else this rank's GPU if there is one (``cuda:LOCAL_RANK``
+            under torchrun, else the current CUDA device), else the CPU. ``"cuda"`` without
+            an index is that GPU, or the one a TorchRec model was laid out for (another GPU
+            than that one is refused: its plan places this rank's shards there;
+            docs/TORCHREC_GPU.md).
         strict: with ``ckpt``, like ``load_state_dict``: every persistent model tensor must be
             in the checkpoint (else :class:`MissingTensorError` naming them all) and every
             checkpoint tensor must match one (else :class:`UnexpectedTensorError`, unless

@@ -27,6 +27,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ..._gcpause import gc_paused
+from ..device import this_ranks_gpu
 from .fastbuild import linear_table_optimizers
 from .fastnames import indexed_table_names
 from .fastranks import indexed_group_ranks
@@ -186,19 +187,6 @@ def building_on_meta(cuda: Optional[torch.device] = None):
         stack.enter_context(indexed_table_names())  # its name filter too
         stack.enter_context(indexed_group_ranks())  # torch's placement check: per world
         yield records
-
-
-def this_ranks_gpu(device: torch.device) -> torch.device:
-    """``cuda`` without an index is this rank's GPU: ``cuda:LOCAL_RANK`` under torchrun (when
-    that GPU exists), else the current CUDA device; without a visible GPU it stays ``cuda``."""
-    import os
-
-    if device.index is not None or not torch.cuda.is_available():
-        return device
-    local = os.environ.get("LOCAL_RANK")
-    if local is not None and local.isdigit() and int(local) < torch.cuda.device_count():
-        return torch.device("cuda", int(local))
-    return torch.device("cuda", torch.cuda.current_device())
 
 
 def shard_on_meta(
