@@ -110,6 +110,36 @@ def _shard_views(model, prefix: str = "") -> list:
             for _, t in blocks if t.numel()]
 
 
+def _sync_lists_off_live(model, device_type: str) -> list:
+    """What ``sync()`` would average but the live tables do not hold: each tensor of the lists
+    TorchRec cached on meta while building (``weights_by_dtype``, ``optimizer_tensors_by_dtype``
+    of each context) must be on ``device_type`` and be the same view of the same storage as
+    one the live kernels give now. On one GPU sync() is the identity, so this is what shows
+    lists left behind there."""
+    ctxs = getattr(model, "_ctxs", None) or []
+    if not ctxs:
+        return ["no DMPCollection contexts"]
+
+    def view(t):
+        return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)
+
+    off = []
+    for ci, ctx in enumerate(ctxs):
+        live = set()
+        for kernel, _ in ctx.modules_to_sync:
+            live.update(view(w) for w in kernel.split_embedding_weights())
+            live.update(view(s["sum"]) for s in kernel.get_optimizer_state())
+        for kind in ("weights_by_dtype", "optimizer_tensors_by_dtype"):
+            for dtype, ts in getattr(ctx, kind).items():
+                off += [f"ctx {ci} {kind}[{dtype}][{i}] on {t.device}" +
+                        ("" if view(t) in live else ", not a live view")
+                        for i, t in enumerate(ts)
+                        if t.device.type != device_type or view(t) not in live]
+        if not live:
+            off.append(f"ctx {ci}: no tensors to sync")
+    return off
+
+
 def worker_init(rank, world_size, kind, layout, tmp, inter_host=False):
     import torch.distributed.checkpoint as dcp
 
@@ -606,7 +636,7 @@ def worker_submodule_configs(rank, world_size, tmp):
         metamat.materialize(model, seed=SEED)
     metamat.materialize(ref, device="cpu", seed=SEED)
     res = dict(two_dim=_state(model), ref=M.local_blocks(ref.state_dict()),
-               buffers=M.fbgemm_mismatches(model),
+               buffers=M.fbgemm_mismatches(model), sync_lists=_sync_lists_off_live(model, "cpu"),
                kept=given == placed(config),
                group_sizes=[dist.get_world_size(c.sharding_pg) for c in model._ctxs])
     # sync(): replicas pushed 2.0 apart (by the EBC's replica) come back to their mean, +1.0,
@@ -638,6 +668,7 @@ def test_submodule_configs_give_a_module_type_its_own_plan_and_sharding_group(tm
         assert r["kept"], "the caller's submodule plan was changed"
         assert r["group_sizes"] == [GROUP, 1], r["group_sizes"]
         assert r["buffers"] == [], r["buffers"]
+        assert r["sync_lists"] == [], r["sync_lists"]
         assert all(n > 0 for n in r["views"]) and max(r["synced"]) < 1e-6, r["synced"]
         M.assert_same([r["roundtrip"]], [ref], "dcp round trip")
     ec_keys = sorted(k for k in ref if k.startswith("ec."))
@@ -698,8 +729,9 @@ def worker_gpu(rank, world_size, name):
     report = metamat.materialize(gpu, seed=SEED)
     res = dict(device=report.device, memory=report.bytes_by_memory,
                init_bits=unsharded_mismatches(gpu, tables),
-               streams={str(w._async_stream.device) for w in M.wrappers(gpu)
-                        if hasattr(w, "_async_stream")})
+               streams={(type(w._async_stream).__name__, str(w._async_stream.device))
+                        for w in M.wrappers(gpu) if hasattr(w, "_async_stream")},
+               sync_lists=_sync_lists_off_live(gpu, "cuda"))
     # TorchRec's own DMPCollection on the GPU, given the same values
     emod, esharder, eplan, _ = M.build("ebc", layout, 1)
     eager = DMPCollection(emod, device=dev, plan=eplan, world_size=world_size,
@@ -731,8 +763,11 @@ def test_trains_and_syncs_like_torchrecs_own_dmp_collection_on_gpus(name):
     for r in ranks:
         assert r["device"].startswith("cuda:"), r["device"]
         assert r["memory"]["device"] > 0 and ("uvm" in r["memory"]) == uvm, r["memory"]
-        if name == "fully-sharded":  # its kernels' streams on the rank's GPU
-            assert r["streams"] == {r["device"]}, r["streams"]
+        if name == "fully-sharded":  # its kernels' streams: real ones, on the rank's GPU
+            assert r["streams"] == {("Stream", r["device"])}, r["streams"]
+        # what sync() averages is the live tables and state (sync over one GPU is the
+        # identity: this is what can fail there)
+        assert r["sync_lists"] == [], r["sync_lists"]
         assert r["init_bits"] == [], r["init_bits"]
         assert r["loaded"] == [], r["loaded"]
         assert all(r["out_close"]), r["out_close"]
