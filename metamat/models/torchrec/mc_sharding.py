@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ...errors import UnsupportedError
+from ..device import this_ranks_gpu
 
 __all__ = ["mc_sharding_on_meta", "refuse_unsupported_kinds", "is_mc_container",
            "is_mc_collection", "is_quant_mc_collection", "sharded_quant_mc_classes",
@@ -49,8 +50,8 @@ def _exchange_device(env: Any, gpu: Optional[torch.device]) -> torch.device:
     backend = str(dist.get_backend(pg))
     if "gloo" in backend or not torch.cuda.is_available():
         return torch.device("cpu")
-    # the GPU the tables are laid out for; else the current one (NCCL needs it set per rank)
-    return gpu if gpu is not None else torch.device("cuda", torch.cuda.current_device())
+    # the GPU the tables are laid out for; else this rank's (NCCL needs one per rank)
+    return gpu if gpu is not None else this_ranks_gpu(torch.device("cuda"))
 
 
 def _rebuild_on(mc: nn.Module, meta: torch.device, output_id_range, output_segments,
