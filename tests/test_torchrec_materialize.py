@@ -649,6 +649,51 @@ def test_table_init_fns_and_overrides_world2():
         assert len(r["warnings"]) == 1 and "'t1'" in r["warnings"][0]
 
 
+def worker_topology_groups(rank, world_size, pod):
+    """TWRW tables placed on nodes of one rank (LOCAL_WORLD_SIZE=1) while TorchRec's topology
+    groups span ``pod`` hosts (torchrec 1.6: TOPOLOGY_DOMAIN_MULTIPLE, 1.8+:
+    TORCHREC_RESOLVED_POD_SIZE)."""
+    import os
+
+    from metamat import UnsupportedError
+
+    from torchrec import EmbeddingBagCollection
+    from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
+    from torchrec.distributed.sharding_plan import (construct_module_sharding_plan, row_wise,
+                                                    table_row_wise)
+    from torchrec.distributed.types import ShardingPlan
+
+    os.environ.update(LOCAL_WORLD_SIZE="1", TOPOLOGY_DOMAIN_MULTIPLE=str(pod),
+                      TORCHREC_RESOLVED_POD_SIZE=str(pod))
+    ebc = EmbeddingBagCollection(tables=ebc_tables(n=2), device=torch.device("meta"))
+    sharder = EmbeddingBagCollectionSharder(fused_params=fused_params())
+    mp = construct_module_sharding_plan(  # two hosts of one rank: t0 on host 1's rank
+        ebc, {"t0": table_row_wise(host_index=1), "t1": row_wise()}, local_size=1,
+        world_size=world_size, device_type="cpu", sharder=sharder)
+    for ps in mp.values():
+        ps.compute_kernel = "fused"
+    dmp = metamat_shard_on_meta(ebc, plan=ShardingPlan({"": mp}), sharders=[sharder])
+    try:
+        metamat_materialize(dmp, device="cpu", seed=SEED)
+    except UnsupportedError as e:
+        return str(e), all(p.is_meta for p in dmp.parameters())
+    return "materialized", not any(p.is_meta for p in dmp.parameters())
+
+
+@pytest.mark.multiprocess
+def test_twrw_node_groups_of_another_size_than_the_placement_are_refused():
+    """On meta TorchRec places table-row-wise tables by the local world size; the node groups
+    metamat creates at register take TorchRec's topology size. When they differ the model is
+    refused before anything is allocated (it would disagree on which rank holds which rows);
+    when they agree it materializes."""
+    for why, meta in run_dist(worker_topology_groups, 2, 2):
+        assert "<root>: its table-row-wise" in why and "placed on nodes of 1 rank (" in why \
+            and "node groups would have 2" in why, why
+        assert meta
+    for what, real in run_dist(worker_topology_groups, 2, 1):
+        assert what == "materialized" and real
+
+
 def test_unsupported_versions_raise_before_allocating(monkeypatch):
     import torchrec
 

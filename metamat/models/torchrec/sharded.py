@@ -1,6 +1,7 @@
 """TorchRec adapter: the sharded collections of a model, their kernel wrappers and layouts."""
 from __future__ import annotations
 
+import os
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -9,7 +10,7 @@ from torch import nn
 from ...errors import UnsupportedError
 
 __all__ = ["root_of", "sharded_modules", "wrappers", "named_wrappers", "laid_out_for",
-           "table_configs", "uses_torchrec", "pec_aliases"]
+           "table_configs", "uses_torchrec", "pec_aliases", "check_node_groups"]
 
 
 def root_of(model: nn.Module) -> nn.Module:
@@ -193,3 +194,42 @@ def table_configs(sm: nn.Module) -> Dict[str, Any]:
         for t in upstream.kernel_config(w).embedding_tables:
             out.setdefault(t.name, t)
     return out
+
+
+def check_node_groups(sharded: List[Tuple[str, Any]]) -> None:
+    """Refuse, before anything is allocated, table-row-wise and grid shardings whose node
+    groups (created at register: register.py, ``_fix_process_groups``) would have another size than
+    the node their tables were placed by: on meta TorchRec places them by the local world
+    size, while its node groups take the topology group's size (``TOPOLOGY_DOMAIN_MULTIPLE``
+    or ``TORCHREC_RESOLVED_POD_SIZE`` ranks' hosts), and the two would disagree on which rank
+    holds which rows."""
+    import torch.distributed as dist
+    from torchrec.distributed import comm
+
+    from . import upstream
+
+    topology_size = getattr(comm, "get_topology_group_world_size", None)
+    if topology_size is None or not dist.is_initialized() or not any(
+            v in os.environ for v in ("TOPOLOGY_DOMAIN_MULTIPLE", "TORCHREC_RESOLVED_POD_SIZE")):
+        return  # node groups of the local world size, as the tables were placed
+    size = None
+    for name, sm in sharded:
+        for sh in upstream.shardings(sm):
+            groups = upstream.node_groups(sh)
+            if groups is None or groups[0] is not None or upstream.is_2d_parallel(sh):
+                continue
+            if size is None:
+                try:
+                    size = topology_size(dist.get_world_size())
+                except ValueError as e:
+                    raise UnsupportedError(f"{name or '<root>'}: TorchRec's node groups: {e}") \
+                        from e
+            placed = upstream.placed_node_size(sh)
+            if size != placed:
+                raise UnsupportedError(
+                    f"{name or '<root>'}: its table-row-wise or grid tables were placed on "
+                    f"nodes of {placed} rank{'s' * (placed != 1)} (the local world size), and "
+                    f"TorchRec's node groups would have {size} (TOPOLOGY_DOMAIN_MULTIPLE / "
+                    "TORCHREC_RESOLVED_POD_SIZE set): "
+                    "metamat cannot build these shardings on meta with topology groups; unset "
+                    "those variables, or plan these tables with another sharding type")

@@ -180,10 +180,12 @@ DECLARED: Tuple[Private, ...] = (
     _tr(TWRW, "_intra_pg", "attr", "None on meta: created at register (under 2D: built)"),
     _tr(TWRW, "_cross_pg", "attr", "None on meta: created at register (under 2D: built)"),
     _tr(TWRW, "_is_2D_parallel", "attr", "2D: its node groups exist from the build on"),
+    _tr(TWRW, "_local_size", "attr", "the ranks per node its tables were placed by"),
     _tr(GRID, "_pg", "attr", "the backend of the node groups"),
     _tr(GRID, "_intra_pg", "attr", "None on meta: created at register (under 2D: built)"),
     _tr(GRID, "_cross_pg", "attr", "None on meta: created at register (under 2D: built)"),
     _tr(GRID, "_is_2D_parallel", "attr", "2D: its node groups exist from the build on"),
+    _tr(GRID, "_local_size", "attr", "the ranks per node its tables were placed by"),
     # -- lookups and kernel wrappers (sharded.py, tbe.py, cuda_plan.py) --------------------------
     _tr(POOLED_LOOKUP, "_emb_modules", "attr", "the kernel wrappers of an EBC's lookup"),
     _tr(SEQ_LOOKUP, "_emb_modules", "attr", "the kernel wrappers of an EC's lookup"),
@@ -515,6 +517,12 @@ def set_node_groups(sh: Any, intra: Any, cross: Any) -> None:
 
 def sharding_pg(sh: Any) -> Any:
     return _read(sh, _node_group_owner(sh) or TWRW, "_pg")
+
+
+def placed_node_size(sh: Any) -> int:
+    """The ranks per node a TWRW or grid sharding placed its tables by (on meta, without node
+    groups: the local world size)."""
+    return int(_read(sh, _node_group_owner(sh) or TWRW, "_local_size"))
 
 
 def is_2d_parallel(sh: Any) -> bool:

@@ -29,7 +29,8 @@ from . import upstream
 from .compat import check_versions
 from .graph import Graph, scan
 from .managed_collision import mc_collections, mc_targets
-from .sharded import laid_out_for, named_wrappers, root_of, sharded_modules, uses_torchrec
+from .sharded import (check_node_groups, laid_out_for, named_wrappers, root_of,
+                      sharded_modules, uses_torchrec)
 from .targets import optimizer_targets, table_targets
 from .values import known_values, put_value
 
@@ -116,6 +117,7 @@ def build_plan(model: nn.Module, device: torch.device, init=None, *, claimed=fro
         upstream.require("train")
         upstream.check_sharded(sharded)
         upstream.check_dmp(model)
+        check_node_groups(sharded)
     torch_upstream.require("module")
     _refuse_scattered(sharded)
     graph = scan(model)
