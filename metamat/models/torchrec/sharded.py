@@ -198,11 +198,11 @@ def table_configs(sm: nn.Module) -> Dict[str, Any]:
 
 def check_node_groups(sharded: List[Tuple[str, Any]]) -> None:
     """Refuse, before anything is allocated, table-row-wise and grid shardings whose node
-    groups (created at register: register.py, ``_fix_process_groups``) would have another size than
-    the node their tables were placed by: on meta TorchRec places them by the local world
-    size, while its node groups take the topology group's size (``TOPOLOGY_DOMAIN_MULTIPLE``
-    or ``TORCHREC_RESOLVED_POD_SIZE`` ranks' hosts), and the two would disagree on which rank
-    holds which rows."""
+    groups (made at register: register.py ``_fix_process_groups``) would have another size
+    than the nodes their tables were placed by: on meta TorchRec places them by the local
+    world size, while its node groups take the topology group's size (the hosts of
+    ``TOPOLOGY_DOMAIN_MULTIPLE`` or ``TORCHREC_RESOLVED_POD_SIZE``), and the two would
+    disagree on which rank holds which rows."""
     import torch.distributed as dist
     from torchrec.distributed import comm
 
