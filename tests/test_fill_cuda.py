@@ -87,10 +87,12 @@ def test_fill_runs_on_the_current_stream():
     side = torch.cuda.Stream()
     t = torch.full((512, 256), float("nan"), device="cuda")
     side.wait_stream(torch.cuda.current_stream())
+    # the default stream held up (~0.1 s): a fill queued there would land after the mul_
+    torch.cuda._sleep(200_000_000)
     with torch.cuda.stream(side):
         metamat.fill_(t, metamat.Normal(), key="s")
         t.mul_(2)  # ordered after the fill only if the fill went to `side`
-    side.synchronize()
+    torch.cuda.synchronize()
     want = metamat.fill_(torch.empty(512, 256), metamat.Normal(), key="s") * 2
     assert torch.equal(t.cpu(), want)
 

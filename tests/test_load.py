@@ -37,6 +37,25 @@ def target(fqn, full: torch.Tensor, offsets, shape, dtype=None, row_pad=0) -> Ta
     return Target(fqn, fqn, tuple(full.shape), tuple(offsets), tuple(shape), dtype, tensor=t)
 
 
+def on_device(x: torch.Tensor, device) -> torch.Tensor:
+    """``x`` on ``device`` laid out as on the host: its whole storage copied (a row-padded
+    view's poisoned padding included) and viewed with the same shape, strides and offset
+    (``x.to(device)`` would give a contiguous copy: no strided destination)."""
+    n = x.untyped_storage().nbytes() // x.element_size()
+    flat = torch.empty(0, dtype=x.dtype).set_(x.untyped_storage(), 0, (n,), (1,))
+    return flat.to(device).as_strided(x.shape, x.stride(), x.storage_offset())
+
+
+def outside(x: torch.Tensor) -> torch.Tensor:
+    """The elements of ``x``'s storage that ``x`` does not view (its padding), on the host."""
+    n = x.untyped_storage().nbytes() // x.element_size()
+    flat = torch.empty(0, dtype=x.dtype, device=x.device).set_(x.untyped_storage(), 0, (n,),
+                                                                (1,))
+    keep = torch.ones(n, dtype=torch.bool, device=x.device)
+    keep.as_strided(x.shape, x.stride(), x.storage_offset()).fill_(False)
+    return flat[keep].cpu()
+
+
 def expect(full, offsets, shape):
     idx = tuple(slice(o, o + s) for o, s in zip(offsets, shape))
     return full[idx]

@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 from metamat.checkpoint import open_checkpoint
 from metamat.load import load_targets, plan_load
 from metamat.load.ops import split_ops
-from test_load import expect, same_bits, target
+from test_load import expect, on_device, outside, same_bits, target
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +31,7 @@ def blocks(sd, dtype_of=lambda n, t: t.dtype, device="cpu"):
     out = []
     for name, off, shape, pad in specs:
         t = target(name, sd[name], off, shape, dtype_of(name, sd[name]), row_pad=pad)
-        t.tensor = t.tensor.to(device) if device != "cpu" else t.tensor
+        t.tensor = on_device(t.tensor, device) if device != "cpu" else t.tensor
         out.append(t)
     return out
 
@@ -77,7 +77,10 @@ def test_cuda_destinations_through_pinned_ring(ckpts):
     sd, paths = ckpts
     for path in paths:
         with open_checkpoint(path) as ck:
-            tg = blocks(sd, device="cuda")
+            tg = blocks(sd, device="cuda")  # two of them row-padded views (strided copies)
+            assert sum(not t.tensor.is_contiguous() for t in tg) == 2
+            pads = [outside(t.tensor) for t in tg]
             load_targets(tg, ck, staging_bytes=1 << 20)
-            for t in tg:
+            for t, pad in zip(tg, pads):
                 assert same_bits(t.tensor.cpu(), expect(sd[t.fqn], t.offsets, t.local_shape))
+                assert same_bits(outside(t.tensor), pad), f"{t.fqn}: padding written"

@@ -21,7 +21,7 @@ from metamat.load.execute import execute_plan
 from metamat.load.staged import execute_plan_staged
 from metamat.load.verify import load_manifest
 from reader_ops import os_threads as thread_count
-from test_load import expect, same_bits, target
+from test_load import expect, on_device, outside, same_bits, target
 
 C = core()
 RAW = C.DTYPE_CODES["raw"]
@@ -293,20 +293,30 @@ def test_read_error_mid_pipeline_names_the_tensor(tmp_path, monkeypatch, no_leak
 # ---- on a GPU ---------------------------------------------------------------------------------
 
 @pytest.mark.cuda
-def test_cuda_pinned_ring_equals_host(ckpt, no_leaks):
+@pytest.mark.parametrize("convert_on", ["host", "device"])
+def test_cuda_pinned_ring_equals_host(ckpt, no_leaks, monkeypatch, convert_on):
+    """Random blocks (row-padded ones are strided destinations on the GPU too; fp32 read into
+    fp16/bf16, converted by the readers or by the copy stream's kernel) equal the
+    checkpoint; no padding written."""
     sd, path = ckpt
+    monkeypatch.setenv("METAMAT_CONVERT_ON", convert_on)
     rng = random.Random(7)
+    strided = 0
     for ring, ring_bytes in ((1, 64), (2, 4096), (3, 1 << 20)):
         tg = _random_targets(sd, rng, 5, convert=True)
         for t in tg:
-            t.tensor = t.tensor.cuda()
+            t.tensor = on_device(t.tensor, "cuda")
+            strided += not t.tensor.is_contiguous()
+        pads = [outside(t.tensor) for t in tg]
         with open_checkpoint(path) as ck:
             plan = plan_load(tg, ck)
             execute_plan_staged(plan, StagingBudget(1 << 30, threads=2, bounce_bytes=1 << 16, ring=ring,
                                                     ring_bytes=ring_bytes))
-        for t in tg:
+        for t, pad in zip(tg, pads):
             ref = expect(sd[t.fqn], t.offsets, t.local_shape).to(t.tensor.dtype)
             assert same_bits(t.tensor.cpu(), ref), t.fqn
+            assert same_bits(outside(t.tensor), pad), f"{t.fqn}: padding written"
+    assert strided, "no strided destination drawn"
 
 
 @pytest.mark.cuda

@@ -208,6 +208,42 @@ def test_composable_sharding_laid_out_for_gpus_emulated(tmp_path):
                 assert torch.equal(M.bits(c), M.bits(b)), k
 
 
+def _init_mismatches(net) -> list:
+    """Keys of ``net``'s blocks (tables' local shards, the dense layers whole) whose bits
+    differ from the same block of the unsharded model materialized on the CPU (the values are
+    plan invariant: keyed by table, global row and column)."""
+    ref = Net(torch.device("meta"))
+    metamat.materialize(ref, device="cpu", seed=SEED)
+    full = ref.state_dict()
+    bad = []
+    for k, blocks in _blocks(net).items():
+        for off, t in blocks:
+            want = full[k][tuple(slice(o, o + n) for o, n in zip(off, t.shape))]
+            if not torch.equal(M.bits(t.detach().cpu()), M.bits(want)):
+                bad.append(k)
+    return bad
+
+
+def _state_mismatches(a, b) -> list:
+    """Keys whose blocks (tables, dense layers, the tables' fused optimizer state) differ
+    between models ``a`` and ``b`` beyond float tolerance."""
+    def state(net):
+        out = _blocks(net)
+        for part in ("sparse", "seq"):
+            out.update({f"{part}.{k}": v
+                        for k, v in M.optimizer_blocks(getattr(net, part)).items()})
+        return out
+
+    sa, sb = state(a), state(b)
+    bad = [k for k in sa.keys() ^ sb.keys()]
+    for k in sa.keys() & sb.keys():
+        for (o1, x), (o2, y) in zip(sa[k], sb[k]):
+            if o1 != o2 or x.shape != y.shape or not torch.allclose(
+                    x.detach().cpu().float(), y.detach().cpu().float(), rtol=1e-5, atol=1e-6):
+                bad.append(k)
+    return bad
+
+
 def worker_gpu(rank, world_size):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -219,18 +255,20 @@ def worker_gpu(rank, world_size):
     mesh = init_device_mesh("cuda", (world_size,))
     net = _gpu_net(mesh, "fused", world_size)
     metamat.materialize(net, seed=SEED)
+    res = {"init_bits": _init_mismatches(net)}  # the GPU's values: the CPU's, bit for bit
     plan, sharders = _plan_and_sharders(world_size, "cuda")
     eager = shard_modules(Net(dev), env=ShardingEnv.from_process_group(dist.group.WORLD),
                           device=dev, plan=plan, sharders=sharders)
     fully_shard(eager.dense, mesh=mesh)
     fully_shard(eager.over, mesh=mesh)
     eager.load_state_dict(net.state_dict())
+    # the same ids in both steps: the second loss reads every row the first step updated
+    bags = M.batch(len(BAGS), seed=0, device=dev)
+    seqs = M.batch(len(SEQS), seed=0, device=dev)
     losses = []
     for step in range(2):
         g = torch.Generator().manual_seed(step)
-        args = (torch.randn(4, 4, generator=g).to(dev),
-                M.batch(len(BAGS), seed=step, device=dev), M.batch(len(SEQS), seed=step,
-                                                                   device=dev))
+        args = (torch.randn(4, 4, generator=g).to(dev), bags, seqs)
         pair = []
         for m in (net, eager):
             loss = m(*args)
@@ -242,14 +280,21 @@ def worker_gpu(rank, world_size):
                         p.grad = None
             pair.append(float(loss))
         losses.append(pair)
-    return losses
+    res["losses"] = losses
+    res["after"] = _state_mismatches(net, eager)  # tables, optimizer state, dense layers
+    return res
 
 
 @pytest.mark.cuda
 def test_composable_sharding_on_a_gpu_trains_like_eager():
-    """One GPU (one rank: the layout, kernels and FSDP2 on CUDA, no real split of rows)."""
-    for ours, eager in run_dist(worker_gpu, 1, backend="nccl")[0]:
+    """One GPU (one rank: the layout, kernels and FSDP2 on CUDA, no real split of rows): the
+    CPU materialize's values, then two steps on the same ids like TorchRec and FSDP2 eagerly
+    (losses, tables, fused optimizer state and dense layers after them)."""
+    r = run_dist(worker_gpu, 1, backend="nccl")[0]
+    assert r["init_bits"] == [], r["init_bits"]
+    for ours, eager in r["losses"]:
         assert abs(ours - eager) <= 1e-5 * max(1.0, abs(eager)), (ours, eager)
+    assert r["after"] == [], r["after"]
 
 
 def test_cpu_layout_is_not_laid_out_again_for_a_gpu(world1_env):

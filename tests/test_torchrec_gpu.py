@@ -70,6 +70,14 @@ def _close(a: dict, b: dict) -> list:
     return bad
 
 
+def _host_mapped(t) -> bool:
+    """Whether CUDA reports ``t``'s memory as page-locked host memory mapped for the GPU
+    (fbgemm's host-mapped UVM), not managed memory (fbgemm's is_uvm_tensor holds for both)."""
+    from metamat import _C
+
+    return bool(_C.host_pointer(t.untyped_storage().data_ptr()))
+
+
 def worker_train(rank, world_size, case, tmp, via="shard_on_meta"):
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -98,7 +106,7 @@ def worker_train(rank, world_size, case, tmp, via="shard_on_meta"):
         emb = w._emb_module
         if hasattr(emb, "weights_uvm") and emb.weights_uvm.numel():
             uvm.append((bool(torch.ops.fbgemm.is_uvm_tensor(emb.weights_uvm)),
-                        str(emb.weights_uvm.device)))
+                        str(emb.weights_uvm.device), _host_mapped(emb.weights_uvm)))
         if hasattr(emb, "weights_dev") and emb.weights_dev.numel():
             res.setdefault("dev_not_uvm", []).append(
                 not torch.ops.fbgemm.is_uvm_tensor(emb.weights_dev)
@@ -116,6 +124,9 @@ def worker_train(rank, world_size, case, tmp, via="shard_on_meta"):
     emod, _, _, _ = M.build(kind, layout, world_size, extra=extra)
     eager = DistributedModelParallel(emod, env, device=dev, plan=plan, sharders=[sharder])
     eager.load_state_dict(gpu.state_dict())
+    # the kind of unified memory fbgemm gave the eager model's tables, as CUDA reports it
+    res["eager_uvm"] = [_host_mapped(w._emb_module.weights_uvm) for w in M.wrappers(eager)
+                        if getattr(w._emb_module, "weights_uvm", torch.empty(0)).numel()]
     outs = []
     for step in range(2):
         b = M.batch(len(tables), seed=step, device=dev)
@@ -134,6 +145,7 @@ def worker_train(rank, world_size, case, tmp, via="shard_on_meta"):
     b = M.batch(len(tables), seed=8, device=dev)
     want = M.forward(eager, b).detach().cpu()
     res["fresh_forward"] = torch.allclose(M.forward(fresh, b).detach().cpu(), want)
+    res["fresh_state"] = _close(_state(fresh), _state(eager))  # every row and the state
     res["live_forward"] = torch.allclose(M.forward(gpu, b).detach().cpu(), want)
     res["live_state"] = _close(_state(gpu), _state(eager))
     return res
@@ -149,11 +161,16 @@ def test_materialize_train_and_load_like_eager_torchrec(case, via, tmp_path):
     assert r["init_bits"] == [], r["init_bits"]
     kinds = {k for _, k in layout.values()}
     if kinds & {"fused_uvm", "fused_uvm_caching"}:
-        want = "uvm_host_mapped" if extra.get("uvm_host_mapped") else "uvm"
-        assert want in r["memory"], r["memory"]
-        assert r["uvm"] and all(is_uvm and d.startswith("cuda") for is_uvm, d in r["uvm"])
+        mapped = bool(extra.get("uvm_host_mapped"))
+        want, other = ("uvm_host_mapped", "uvm") if mapped else ("uvm", "uvm_host_mapped")
+        assert want in r["memory"] and other not in r["memory"], r["memory"]
+        assert r["uvm"] and all(is_uvm and d.startswith("cuda") for is_uvm, d, _ in r["uvm"])
+        # the memory kind as CUDA sees it, as fbgemm allocated it for the eager model
+        assert r["eager_uvm"] and set(r["eager_uvm"]) == {mapped}, r["eager_uvm"]
+        assert {m for _, _, m in r["uvm"]} == {mapped}, r["uvm"]
     assert all(r.get("dev_not_uvm", [True]))
     assert all(r["out_close"]), r["out_close"]
     assert r["after"] == [], r["after"]
     assert r["fresh_forward"] and r["live_forward"], r
+    assert r["fresh_state"] == [], r["fresh_state"]
     assert r["live_state"] == [], r["live_state"]
