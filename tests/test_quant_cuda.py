@@ -463,9 +463,9 @@ def test_sharded_for_a_gpu_goes_to_cuda_0():
 # ------------------------------------------------------------------------------------------
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("where", ["host", "device"])
-@pytest.mark.parametrize("qdtype,split", [("int8", False), ("int4", True), ("int2", True),
-                                          ("fp16", False)])
+@pytest.mark.parametrize("qdtype,split,where", [  # (FP16 rows are never quantized on the device)
+    (q, s, w) for q, s in (("int8", False), ("int4", True), ("int2", True))
+    for w in ("host", "device")] + [("fp16", False, "host")])
 def test_cuda_inference_tbes(tmp_path, monkeypatch, qdtype, split, where):
     """Against TorchRec's conversion on the GPU (the float model on cuda, fbgemm's CUDA
     quantization op), every buffer and attribute, and the forward pass on the GPU; the rows
@@ -489,11 +489,11 @@ def test_cuda_inference_tbes(tmp_path, monkeypatch, qdtype, split, where):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("where", ["host", "device"])
-@pytest.mark.parametrize("kind,qdtype,kernel", [
-    ("tw", "int8", "quant"), ("rw", "int4", "quant"), ("cw", "int8", "quant"),
-    ("tw", "int2", "quant"), ("tw", "int8", "quant_uvm"), ("rw", "int4", "quant_uvm_caching"),
-    ("cw", "int8", "quant_uvm_caching")])
+@pytest.mark.parametrize("kind,qdtype,kernel,where", [  # (unified memory: written by the host)
+    (k, q, "quant", w) for k, q in (("tw", "int8"), ("rw", "int4"), ("cw", "int8"), ("tw", "int2"))
+    for w in ("host", "device")] + [
+    ("tw", "int8", "quant_uvm", "host"), ("rw", "int4", "quant_uvm_caching", "host"),
+    ("cw", "int8", "quant_uvm_caching", "host")])
 def test_cuda_sharded_inference(tmp_path, monkeypatch, kind, qdtype, kernel, where):
     """TorchRec's default GPU inference sharding built on meta and materialized on the GPU,
     against the same plan sharded by TorchRec on the GPU (``sharding_device="cuda"``) with the

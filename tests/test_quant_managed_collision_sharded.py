@@ -108,6 +108,14 @@ def _rank_modules(model) -> dict:
             for t, m in mcs.items()}
 
 
+def _device(d) -> torch.device:
+    """``d`` with the current GPU's index where it names none (TorchRec may keep "cuda")."""
+    d = torch.device(d)
+    if d.type == "cuda" and d.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return d
+
+
 def _rank_state_differs(model, ref) -> list:
     """What of each rank's MC modules differs from TorchRec's, beyond the state_dict: every
     buffer (``_mch_slots``, ``_delimiter`` are not saved), the output offset, the row
@@ -127,7 +135,7 @@ def _rank_state_differs(model, ref) -> list:
             getattr(r, "_output_global_offset_tensor", None)
         if (off is None) != (want is None) or (off is not None and not torch.equal(off, want)):
             bad.append((key, "_output_global_offset_tensor"))
-        if m._device != r._device:
+        if _device(m._device) != _device(r._device):
             bad.append((key, "_device"))
     return bad
 
@@ -389,15 +397,20 @@ def test_on_a_gpu_like_torchrecs_own_sharding_on_the_gpu(zch, kind, tmp_path):
     sharding on the GPU holding the same values (two of the four kinds: the GPU check's time
     is short; the CPU tests cover all four)."""
     ckpt = _training_checkpoint(tmp_path, zch, kind)
+    gpu = torch.device("cuda", 0)
     with process_group():
-        _, ref = _torchrec_reference(zch, kind, ckpt, world_size=1, device="cuda")
+        unsharded, ref = _torchrec_reference(zch, kind, ckpt, world_size=1, device="cuda")
         model = _on_meta(zch, kind, world_size=1, compute_device="cuda")
         report = metamat.materialize(model, ckpt, device="cuda:0")
         assert report.unexpected == []
         assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
-        assert _differs(model, ref) == []
-        batch = _batch(zch).to(torch.device("cuda", 0))
+        # the state_dict, and each rank's MC modules beyond it (unsaved buffers, offsets,
+        # the device their remapping runs on)
+        assert _differs(model, ref) == [] and _rank_state_differs(model, ref) == []
+        batch = _batch(zch).to(gpu)
         assert torch.equal(_forward(kind, model, batch), _forward(kind, ref, batch))
+        seen = _seen_ids_batch(zch, kind, unsharded).to(gpu)  # remapped to trained slots
+        assert torch.equal(_forward(kind, model, seen), _forward(kind, ref, seen))
 
 
 @pytest.mark.multiprocess

@@ -322,14 +322,16 @@ def test_cuda_pinned_ring_equals_host(ckpt, no_leaks, monkeypatch, convert_on):
 @pytest.mark.cuda
 def test_cuda_copies_ordered_after_and_before_the_callers_stream(ckpt):
     """The caller's stream is busy writing the destination (a long kernel, then a fill): the
-    load's copies land after it, and work queued on the stream after the load sees them."""
+    load's copies land after it, and work queued on the stream after the load sees them (the
+    sink also waits for its copies before it returns)."""
     sd, path = ckpt
     s = torch.cuda.Stream()
     with torch.cuda.stream(s):
         t = target("w", sd["w"], (0, 0), (300, 70))
         t.tensor = torch.empty(300, 70, device="cuda")
-        torch.cuda._sleep(50_000_000)  # ~tens of ms of GPU time on s
-        t.tensor.fill_(7.0)            # must not overwrite the loaded bytes
+        torch.cuda._sleep(1_000_000_000)  # ~0.5 s of GPU time on s
+        t.tensor.fill_(7.0)               # must not overwrite the loaded bytes
+        assert not s.query(), "the stream finished before the load began: nothing was ordered"
         with open_checkpoint(path) as ck:
             execute_plan_staged(plan_load([t], ck),
                                 StagingBudget(1 << 30, threads=2, bounce_bytes=1 << 16, ring=2,

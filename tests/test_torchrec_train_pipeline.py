@@ -70,6 +70,13 @@ def worker(rank, world_size, device_type="cpu"):
                                      device=dev, plan=plan, sharders=[sharder])
     eager.load_state_dict(ours.state_dict())
     res = {"init": M.local_blocks(ours.state_dict())}
+    # the values the unsharded model gets on the CPU, bit for bit (tables and dense layers)
+    ref = _dlrm_train("meta", world_size, "cpu")[0]
+    metamat.materialize(ref, device="cpu", seed=1)
+    full = ref.state_dict()
+    res["init_bits"] = sorted({k for k, blocks in res["init"].items() for off, t in blocks
+                               if not torch.equal(M.bits(t), M.bits(full[k][tuple(
+                                   slice(o, o + n) for o, n in zip(off, t.shape))]))})
     for name, model in (("ours", ours), ("eager", eager)):
         pipe, batches = _pipeline(model, dev), _batches(rank, len(tables), dev)
         res[name] = [pipe.progress(batches)[0].detach().cpu() for _ in range(STEPS)]
@@ -82,6 +89,7 @@ def _check(ranks, exact: bool) -> None:
     same = (lambda a, b: torch.equal(M.bits(a), M.bits(b))) if exact else (
         lambda a, b: torch.allclose(a.float(), b.float(), rtol=1e-5, atol=1e-6))
     for r in ranks:
+        assert r["init_bits"] == [], r["init_bits"]
         assert len(r["ours"]) == STEPS
         for ours, eager in zip(r["ours"], r["eager"]):
             assert same(ours, eager), (ours, eager)
