@@ -16,7 +16,7 @@ from metamat._ext import core
 from metamat.budget import StagingBudget
 from metamat.checkpoint import ChecksumMismatchError, ReadError, open_checkpoint
 from metamat.checkpoint.checksum import write_manifest
-from metamat.load import load_targets, plan_load
+from metamat.load import plan_load
 from metamat.load.execute import execute_plan
 from metamat.load.staged import execute_plan_staged
 from metamat.load.verify import load_manifest
