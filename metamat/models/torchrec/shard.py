@@ -148,7 +148,11 @@ def _plan_on_rank0(planner: Any, module: nn.Module, sharders: List[Any], pg: Any
         except Exception as e:  # noqa: BLE001 - sent to the other ranks, raised here below
             error, box = e, [("error", f"{type(e).__name__}: {e}")]
     if dist.get_world_size(pg) > 1:
-        dist.broadcast_object_list(box, src=dist.get_global_rank(pg, 0), group=pg)
+        # NCCL carries the pickled plan on a GPU: this rank's (torch would take the current
+        # device, cuda:0 on every rank that never called set_device)
+        gpu = this_ranks_gpu(torch.device("cuda")) \
+            if "nccl" in str(dist.get_backend(pg)) else None
+        dist.broadcast_object_list(box, src=dist.get_global_rank(pg, 0), group=pg, device=gpu)
     if error is not None:
         raise error
     kind, value = box[0]
