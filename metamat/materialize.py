@@ -116,7 +116,8 @@ def materialize(
             ``optim.``, ``optimizer.`` or nothing.
         device: target device; default: where an already real model lives, else the DTensor
             mesh's device type, else this rank's GPU if there is one (``cuda:LOCAL_RANK``
-            under torchrun, else the current CUDA device), else the CPU. ``"cuda"`` without
+            under torchrun, unless ``torch.cuda.set_device`` chose another GPU than cuda:0;
+            else the current CUDA device), else the CPU. ``"cuda"`` without
             an index is that GPU, or the one a TorchRec model was laid out for (another GPU
             than that one is refused: its plan places this rank's shards there;
             docs/TORCHREC_GPU.md).
@@ -278,6 +279,8 @@ def materialize(
         mine = None
     try:  # one collective: every rank's success and its summary for the job's Report
         report.ranks = ranks.agree(err, "fill", payload=mine)
+        for p in parts:  # where every rank's shards are (placements name them)
+            p.peers({s.rank: s.device for s in report.ranks if s is not None})
     except BaseException as e:  # noqa: BLE001
         _undo(parts)
         live = sorted({t.fqn for t in ld.reads.targets if _is_live(t, alloc)}

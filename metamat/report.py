@@ -31,6 +31,7 @@ class RankSummary:
         sources: value source (the part of ``Report.sources`` before ":") -> number of its
             tensors.
         left_out: names not listed because of the cap.
+        device: the device the rank materialized on (``"cuda:3"``; as ``Report.device``).
     """
 
     rank: int
@@ -46,6 +47,7 @@ class RankSummary:
     warnings: List[str] = dataclasses.field(default_factory=list)
     sources: Dict[str, int] = dataclasses.field(default_factory=dict)
     left_out: int = 0
+    device: str = ""
 
 
 @dataclasses.dataclass
@@ -192,7 +194,7 @@ class Report:
         return RankSummary(rank, self.bytes_written, self.bytes_allocated, self.bytes_needed,
                            self.bytes_read, dict(self.seconds), len(self.loaded),
                            cap(self.initialized), cap(self.unchanged), cap(self.unexpected),
-                           cap(self.warnings), kinds, left)
+                           cap(self.warnings), kinds, left, self.device)
 
     @property
     def total_seconds(self) -> float:

@@ -179,7 +179,8 @@ def _job_report(rank, d):
     rep = metamat.materialize(m, os.path.join(d, "lin.safetensors"), strict=False,
                               rename=lambda k: k[2:] if k.startswith("0.") else k)
     job = rep.job
-    return {"ranks": [r.rank for r in rep.ranks], "initialized": job.initialized,
+    return {"ranks": [r.rank for r in rep.ranks], "devices": [r.device for r in rep.ranks],
+            "initialized": job.initialized,
             "world": job.world_size, "mine": rep.initialized, "text": str(rep),
             "needed": job.bytes_needed}
 
@@ -226,7 +227,7 @@ def test_one_report_for_the_job(results):
     _, res = results
     for rank, r in enumerate(res):
         j = r["job"]
-        assert j["ranks"] == [0, 1] and j["world"] == 2
+        assert j["ranks"] == [0, 1] and j["world"] == 2 and j["devices"] == ["cpu", "cpu"]
         assert j["initialized"] == {"1.bias": [1], "1.weight": [1]}
         assert "job initialised on ranks [1]: 1.weight" in j["text"]
     assert res[0]["job"]["mine"] == [] and res[1]["job"]["mine"] == ["1.bias", "1.weight"]

@@ -68,6 +68,10 @@ class Adapter(Protocol):
         """The model's own checkpoint conversion rules (``merge="auto"``)."""
         return []
 
+    def peers(self, devices: Dict[int, str]) -> None:
+        """Every rank's device (rank -> ``"cuda:N"``), known once the ranks agreed the fill
+        succeeded, before register (TorchRec's shard placements name other ranks')."""
+
     def dropped_keys(self) -> List[str]:
         """Model names of checkpoint tensors the model's own load hooks drop (so a checkpoint
         holding them loads, as with ``load_state_dict``)."""

@@ -23,14 +23,18 @@ def has_meta(model: nn.Module) -> bool:
 
 
 def this_ranks_gpu(device: torch.device) -> torch.device:
-    """``cuda`` without an index is this rank's GPU: ``cuda:LOCAL_RANK`` under torchrun (when
-    that GPU exists), else the current CUDA device; without a visible GPU it stays ``cuda``."""
+    """``cuda`` without an index is this rank's GPU: the current CUDA device where
+    ``torch.cuda.set_device`` chose one other than cuda:0, else ``cuda:LOCAL_RANK`` under
+    torchrun (when that GPU exists), else cuda:0; without a visible GPU it stays ``cuda``.
+    (cuda:0 current on every rank is what a rank that never called set_device has.)"""
     if device.index is not None or not torch.cuda.is_available():
         return device
+    current = torch.cuda.current_device()
     local = os.environ.get("LOCAL_RANK")
-    if local is not None and local.isdigit() and int(local) < torch.cuda.device_count():
+    if current == 0 and local is not None and local.isdigit() and \
+            int(local) < torch.cuda.device_count():
         return torch.device("cuda", int(local))
-    return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cuda", current)
 
 
 def resolve_device(model: nn.Module, device) -> Tuple[torch.device, bool]:

@@ -162,6 +162,9 @@ class TorchRecPart(Adapter):
         if self.plan.mcs:
             check_loaded_segments(self.plan.mcs, self._loaded_mc())
 
+    def peers(self, devices: Dict[int, str]) -> None:
+        self.plan.peer_devices = dict(devices)
+
     def register(self, alloc: Allocation, loaded: bool = False) -> int:
         """Swap every twin in everywhere, fix devices, rebuild DDPs; after a load into a live
         model, empty its LXU caches (the rows they hold are the old values: the next forward

@@ -27,21 +27,24 @@ _WORKER, _RANK, _DEVICE = REMOTE_DEVICE_FIELDS
 
 def rank_devices(model: Any, plan: Plan, *, me: int, world_size: int):
     """rank -> the device its shards live on, for shard placements (``rank:N/cuda:M``): this
-    rank's (``me``) is ``plan.device``; another rank's on a CUDA device is what the sharding
-    plan said (``shard_on_meta`` kept it), else ``cuda:(rank % local world size)`` as TorchRec
-    plans it. On the CPU (or the emulated device) every rank's is ``plan.device``."""
+    rank's (``me``) is ``plan.device``; another rank's on a CUDA device is the one that rank
+    said it materialized on (``plan.peer_devices``, gathered at the fill agreement), else
+    what the sharding plan said (``shard_on_meta`` kept it), else ``cuda:(rank % local world
+    size)`` as TorchRec plans it. On the CPU (or the emulated device) every rank's is
+    ``plan.device``."""
     device = plan.device
     if device.type != "cuda":
         return lambda rank: device
     from torchrec.distributed.comm import get_local_size
 
     recorded = getattr(model, "_metamat_rank_devices", None) or {}
+    said = {r: torch.device(d) for r, d in plan.peer_devices.items() if d.startswith("cuda:")}
     local = max(1, get_local_size(world_size))
 
     def of(rank):
         if rank is None or rank == me:
             return device
-        return recorded.get(rank) or torch.device("cuda", rank % local)
+        return said.get(rank) or recorded.get(rank) or torch.device("cuda", rank % local)
     return of
 
 

@@ -54,6 +54,9 @@ class TorchRecPlan:
     emulated: bool = False  # device is the CPU standing in for a CUDA device
     mcs: list = dataclasses.field(default_factory=list)  # (name, sharded MC collection)
     mc_targets: List[Target] = dataclasses.field(default_factory=list)  # their state
+    # rank -> the device that rank materialized on, as every rank said at the fill agreement
+    # (shard placements name them: register.rank_devices)
+    peer_devices: Dict[int, str] = dataclasses.field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
