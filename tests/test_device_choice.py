@@ -100,24 +100,3 @@ def test_dense_tensors_that_do_not_fit_the_gpu_are_refused_before_allocation():
         metamat.materialize(m, device="cuda", seed=0)
     assert not any(p.is_meta for p in m.parameters())
 
-
-def test_other_ranks_placements_name_the_gpu_each_rank_said_it_used(monkeypatch):
-    """A TorchRec shard placement of another rank names the GPU that rank materialized on
-    (gathered at the fill agreement), before the plan's guess or the local-size rule: with
-    one visible GPU per process, rank 2 works on its cuda:0 whatever the plan said."""
-    from types import SimpleNamespace
-
-    pytest.importorskip("torchrec")
-    from metamat.models.torchrec.register import rank_devices
-
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    cuda = [torch.device("cuda", i) for i in range(6)]
-    model = SimpleNamespace(_metamat_rank_devices={2: cuda[2], 3: cuda[3]})
-    plan = SimpleNamespace(device=cuda[1], peer_devices={0: "cuda:0", 1: "cuda:1",
-                                                          2: "cuda:0", 4: "cpu"})
-    of = rank_devices(model, plan, me=1, world_size=8)
-    assert [of(r) for r in range(6)] == [cuda[0], cuda[1], cuda[0], cuda[3], cuda[0], cuda[1]]
-    assert of(None) == cuda[1]
-    plan.peer_devices = {}  # before the agreement: the plan's, else rank % local size
-    of = rank_devices(model, plan, me=1, world_size=8)
-    assert [of(r) for r in range(6)] == [cuda[0], cuda[1], cuda[2], cuda[3], cuda[0], cuda[1]]

@@ -389,17 +389,25 @@ def test_torchrec_dmp_on_meta_is_laid_out_again_for_the_gpu():
 
 
 def test_placements_name_each_ranks_gpu(monkeypatch):
-    """Shard placements of a CUDA model: this rank's GPU, another rank's as the sharding plan
-    placed it, else ``cuda:(rank % local world size)`` as TorchRec plans."""
+    """Shard placements of a CUDA model: this rank's GPU; another rank's as that rank said at
+    the fill agreement (with one visible GPU per process, rank 3 works on its cuda:0), else
+    as the sharding plan placed it, else ``cuda:(rank % local world size)`` as TorchRec
+    plans."""
     from types import SimpleNamespace
 
     from metamat.models.torchrec.register import rank_devices
 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
-    plan = SimpleNamespace(device=torch.device("cuda", 2))
-    model = SimpleNamespace(_metamat_rank_devices={1: torch.device("cuda", 7)})
+    plan = SimpleNamespace(device=torch.device("cuda", 2), peer_devices={})
+    model = SimpleNamespace(_metamat_rank_devices={1: torch.device("cuda", 7),
+                                                   3: torch.device("cuda", 3)})
     of = rank_devices(model, plan, me=2, world_size=8)
-    assert [str(of(r)) for r in (2, 1, 5, 0)] == ["cuda:2", "cuda:7", "cuda:1", "cuda:0"]
-    of_cpu = rank_devices(model, SimpleNamespace(device=torch.device("cpu")), me=0,
+    assert [str(of(r)) for r in (2, 1, 5, 0, 3, None)] == \
+        ["cuda:2", "cuda:7", "cuda:1", "cuda:0", "cuda:3", "cuda:2"]
+    plan.peer_devices = {0: "cuda:0", 1: "cuda:1", 2: "cuda:2", 3: "cuda:0", 4: "cpu"}
+    of = rank_devices(model, plan, me=2, world_size=8)
+    assert [str(of(r)) for r in (2, 1, 5, 0, 3, 4)] == \
+        ["cuda:2", "cuda:1", "cuda:1", "cuda:0", "cuda:0", "cuda:0"]
+    of_cpu = rank_devices(model, SimpleNamespace(device=torch.device("cpu"), peer_devices={}), me=0,
                           world_size=8)
     assert str(of_cpu(5)) == "cpu"
