@@ -10,6 +10,8 @@ from typing import Dict, List, Optional
 import torch
 from torch import nn
 
+from _torchrec_gpu_models import memory_kind
+
 #: torch dtypes TorchRec's quantization takes, by the TBE type they give
 QDTYPES = {"int8": torch.qint8, "int4": torch.quint4x2, "int2": torch.quint2x4,
            "fp16": torch.float16, "fp32": torch.float32}
@@ -174,16 +176,6 @@ TBE_ATTRS = ("current_device", "use_cpu", "embedding_specs", "row_alignment", "h
              "weight_initialized", "feature_table_map", "pooling_mode")
 
 
-def _memory_kind(t: torch.Tensor) -> str:
-    """A CUDA tensor's memory: fbgemm's unified memory, host-mapped or managed (as CUDA
-    reports the pointer), or plain device memory."""
-    from metamat import _C
-
-    if not torch.ops.fbgemm.is_uvm_tensor(t):
-        return "device"
-    return "host-mapped" if _C.host_pointer(t.untyped_storage().data_ptr()) else "managed"
-
-
 def assert_same_quant_state(want: nn.Module, got: nn.Module, what: str = "",
                             prefix: str = "") -> None:
     """Every table byte, scale and bias equal (state_dict keys starting with ``prefix``);
@@ -208,7 +200,7 @@ def assert_same_quant_state(want: nn.Module, got: nn.Module, what: str = "",
             assert u.device == v.device and torch.equal(u, v), (what, name)
         u, v = x.weights_uvm, y.weights_uvm
         if u.is_cuda and u.numel():  # the same kind of memory, as CUDA reports it
-            assert _memory_kind(u) == _memory_kind(v), (what, _memory_kind(u), _memory_kind(v))
+            assert memory_kind(u) == memory_kind(v), (what, memory_kind(u), memory_kind(v))
         bx, by = dict(x.named_buffers()), dict(y.named_buffers())
         assert bx.keys() == by.keys(), what
         for n in bx:

@@ -217,6 +217,24 @@ def bits(t: torch.Tensor) -> torch.Tensor:
                                 1: torch.uint8}[t.element_size()])
 
 
+def block_mismatches(blocks: Dict[str, list], full: Dict[str, torch.Tensor]) -> List[str]:
+    """Keys of ``blocks`` ({key: [(offsets, tensor)]}) whose bits differ from the same block
+    of the whole tensors ``full`` (an unsharded model's state_dict, on the CPU)."""
+    return sorted({k for k, bs in blocks.items() for off, t in bs if not torch.equal(
+        bits(t.detach().cpu()), bits(full[k][tuple(slice(o, o + n)
+                                                    for o, n in zip(off, t.shape))]))})
+
+
+def memory_kind(t: torch.Tensor) -> str:
+    """A CUDA tensor's memory: fbgemm's unified memory, host-mapped or managed (as CUDA
+    reports the pointer; fbgemm's is_uvm_tensor holds for both), or plain device memory."""
+    from metamat import _C
+
+    if not torch.ops.fbgemm.is_uvm_tensor(t):
+        return "device"
+    return "host-mapped" if _C.host_pointer(t.untyped_storage().data_ptr()) else "managed"
+
+
 #: A fused TBE's plain attributes its constructor computes, compared with fbgemm's own (the
 #: CPU kernels ignore info_B_*, the CUDA backward decodes its (table, batch) index with them)
 TBE_SCALARS = ("info_B_num_bits", "info_B_mask", "total_D", "max_D", "total_hash_size",

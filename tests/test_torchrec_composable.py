@@ -214,14 +214,7 @@ def _init_mismatches(net) -> list:
     plan invariant: keyed by table, global row and column)."""
     ref = Net(torch.device("meta"))
     metamat.materialize(ref, device="cpu", seed=SEED)
-    full = ref.state_dict()
-    bad = []
-    for k, blocks in _blocks(net).items():
-        for off, t in blocks:
-            want = full[k][tuple(slice(o, o + n) for o, n in zip(off, t.shape))]
-            if not torch.equal(M.bits(t.detach().cpu()), M.bits(want)):
-                bad.append(k)
-    return bad
+    return M.block_mismatches(_blocks(net), ref.state_dict())
 
 
 def _state_mismatches(a, b) -> list:

@@ -70,14 +70,6 @@ def _close(a: dict, b: dict) -> list:
     return bad
 
 
-def _host_mapped(t) -> bool:
-    """Whether CUDA reports ``t``'s memory as page-locked host memory mapped for the GPU
-    (fbgemm's host-mapped UVM), not managed memory (fbgemm's is_uvm_tensor holds for both)."""
-    from metamat import _C
-
-    return bool(_C.host_pointer(t.untyped_storage().data_ptr()))
-
-
 def worker_train(rank, world_size, case, tmp, via="shard_on_meta"):
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -106,7 +98,7 @@ def worker_train(rank, world_size, case, tmp, via="shard_on_meta"):
         emb = w._emb_module
         if hasattr(emb, "weights_uvm") and emb.weights_uvm.numel():
             uvm.append((bool(torch.ops.fbgemm.is_uvm_tensor(emb.weights_uvm)),
-                        str(emb.weights_uvm.device), _host_mapped(emb.weights_uvm)))
+                        str(emb.weights_uvm.device), M.memory_kind(emb.weights_uvm)))
         if hasattr(emb, "weights_dev") and emb.weights_dev.numel():
             res.setdefault("dev_not_uvm", []).append(
                 not torch.ops.fbgemm.is_uvm_tensor(emb.weights_dev)
@@ -125,7 +117,7 @@ def worker_train(rank, world_size, case, tmp, via="shard_on_meta"):
     eager = DistributedModelParallel(emod, env, device=dev, plan=plan, sharders=[sharder])
     eager.load_state_dict(gpu.state_dict())
     # the kind of unified memory fbgemm gave the eager model's tables, as CUDA reports it
-    res["eager_uvm"] = [_host_mapped(w._emb_module.weights_uvm) for w in M.wrappers(eager)
+    res["eager_uvm"] = [M.memory_kind(w._emb_module.weights_uvm) for w in M.wrappers(eager)
                         if getattr(w._emb_module, "weights_uvm", torch.empty(0)).numel()]
     outs = []
     for step in range(2):
@@ -166,8 +158,9 @@ def test_materialize_train_and_load_like_eager_torchrec(case, via, tmp_path):
         assert want in r["memory"] and other not in r["memory"], r["memory"]
         assert r["uvm"] and all(is_uvm and d.startswith("cuda") for is_uvm, d, _ in r["uvm"])
         # the memory kind as CUDA sees it, as fbgemm allocated it for the eager model
-        assert r["eager_uvm"] and set(r["eager_uvm"]) == {mapped}, r["eager_uvm"]
-        assert {m for _, _, m in r["uvm"]} == {mapped}, r["uvm"]
+        kind = "host-mapped" if mapped else "managed"
+        assert r["eager_uvm"] and set(r["eager_uvm"]) == {kind}, r["eager_uvm"]
+        assert {m for _, _, m in r["uvm"]} == {kind}, r["uvm"]
     assert all(r.get("dev_not_uvm", [True]))
     assert all(r["out_close"]), r["out_close"]
     assert r["after"] == [], r["after"]

@@ -73,10 +73,7 @@ def worker(rank, world_size, device_type="cpu"):
     # the values the unsharded model gets on the CPU, bit for bit (tables and dense layers)
     ref = _dlrm_train("meta", world_size, "cpu")[0]
     metamat.materialize(ref, device="cpu", seed=1)
-    full = ref.state_dict()
-    res["init_bits"] = sorted({k for k, blocks in res["init"].items() for off, t in blocks
-                               if not torch.equal(M.bits(t), M.bits(full[k][tuple(
-                                   slice(o, o + n) for o, n in zip(off, t.shape))]))})
+    res["init_bits"] = M.block_mismatches(res["init"], ref.state_dict())
     for name, model in (("ours", ours), ("eager", eager)):
         pipe, batches = _pipeline(model, dev), _batches(rank, len(tables), dev)
         res[name] = [pipe.progress(batches)[0].detach().cpu() for _ in range(STEPS)]
